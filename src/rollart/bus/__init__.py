@@ -1,0 +1,24 @@
+"""Messaging: the bus protocol and its implementations. Imports no torch."""
+
+from rollart.bus.base import (
+    Bus,
+    BusError,
+    BusTimeout,
+    ConsumerSpec,
+    Delivery,
+    KeyValue,
+    KVEntry,
+    NoResponders,
+    ObjectStore,
+    PullConsumer,
+    Request,
+    Retention,
+    StreamSpec,
+    Subscription,
+)
+
+__all__ = [
+    "Bus", "BusError", "BusTimeout", "ConsumerSpec", "Delivery", "KeyValue", "KVEntry",
+    "NoResponders", "ObjectStore", "PullConsumer", "Request", "Retention", "StreamSpec",
+    "Subscription",
+]

@@ -1,0 +1,238 @@
+"""The bus protocol: the only way actors talk.
+
+Two implementations honour it: :class:`rollart.bus.nats.NatsBus` (nats-py over
+JetStream) and :class:`rollart.bus.memory.MemoryBus` (in-process). Both pass the
+same contract suite in ``tests/contract``. Payloads are ``bytes``; encoding is the
+caller's job (see :mod:`rollart.bus.codec`). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+
+class BusError(Exception):
+    """Base class of every error a bus raises."""
+
+
+class BusTimeout(BusError, TimeoutError):
+    """A request got no reply, or a publish got no ack, in time."""
+
+
+class NoResponders(BusError):
+    """A request was sent to a subject nobody serves."""
+
+
+class Retention(str, enum.Enum):
+    LIMITS = "limits"
+    """Messages stay until limits (age, count) remove them; many consumers may read."""
+    WORKQUEUE = "workqueue"
+    """A message is removed once acked; one consumer per subject filter."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    retention: Retention = Retention.LIMITS
+    duplicate_window: float = 120.0
+    """Seconds during which a repeated ``msg_id`` is stored only once."""
+    max_age: float = 0.0
+    """Seconds a message is kept; 0 keeps it forever."""
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    durable: str
+    filter_subject: str
+    ack_wait: float = 30.0
+    """Seconds before an un-acked delivery is redelivered."""
+    max_deliver: int = 5
+    """Deliveries of one message at most; -1 for no limit."""
+    max_ack_pending: int = 1000
+    """Deliveries outstanding (not yet acked) at most: the backpressure knob."""
+    deliver_all: bool = True
+    """Start at the first stored message (True) or only new ones (False)."""
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    key: str
+    value: bytes | None
+    revision: int
+    deleted: bool = False
+
+
+class Delivery(abc.ABC):
+    """One delivery of a stored message to a pull consumer."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    stream_seq: int
+    num_delivered: int
+
+    @abc.abstractmethod
+    async def ack(self) -> None: ...
+
+    @abc.abstractmethod
+    async def nak(self, delay: float | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def term(self) -> None: ...
+
+    @abc.abstractmethod
+    async def in_progress(self) -> None: ...
+
+
+@dataclass
+class Request:
+    """One request received by a service subscription."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    reply: str | None = None
+    _respond: Callable[[bytes, dict[str, str] | None], Awaitable[None]] | None = None
+
+    async def respond(self, data: bytes, headers: dict[str, str] | None = None) -> None:
+        if self._respond is None:
+            raise BusError(f"request on {self.subject!r} has no reply subject")
+        await self._respond(data, headers)
+
+
+class PullConsumer(abc.ABC):
+    @abc.abstractmethod
+    async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
+        """Up to ``batch`` deliveries; returns early with what is there, ``[]`` on timeout."""
+
+    @abc.abstractmethod
+    async def info(self) -> dict:
+        """``num_pending`` (not yet delivered) and ``num_ack_pending`` (delivered, un-acked)."""
+
+
+class Subscription(abc.ABC):
+    @abc.abstractmethod
+    async def unsubscribe(self) -> None: ...
+
+
+class KeyValue(abc.ABC):
+    @abc.abstractmethod
+    async def get(self, key: str) -> KVEntry | None: ...
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes) -> int:
+        """Store and return the new revision."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def watch(self, key: str) -> AsyncIterator[KVEntry]:
+        """Current value first (if any), then every change, until the iterator is closed."""
+
+
+class ObjectStore(abc.ABC):
+    @abc.abstractmethod
+    async def put(self, name: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def get(self, name: str) -> bytes:
+        """Raise ``KeyError`` when the object does not exist."""
+
+    @abc.abstractmethod
+    async def delete(self, name: str) -> None: ...
+
+
+class Bus(abc.ABC):
+    """What an actor sees of the messaging system."""
+
+    url: str = ""
+
+    async def __aenter__(self) -> "Bus":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @abc.abstractmethod
+    async def connect(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Flush what is pending and disconnect."""
+
+    @property
+    @abc.abstractmethod
+    def connected(self) -> bool: ...
+
+    # -- durable (JetStream) --------------------------------------------------
+    @abc.abstractmethod
+    async def ensure_stream(self, spec: StreamSpec) -> None:
+        """Create the stream, or update it to ``spec``; idempotent."""
+
+    @abc.abstractmethod
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        headers: dict[str, str] | None = None,
+        msg_id: str | None = None,
+        timeout: float = 5.0,
+    ) -> int:
+        """Store ``data`` in the stream that owns ``subject``; return its stream sequence.
+
+        A repeated ``msg_id`` within the stream's duplicate window is stored once and
+        returns the first sequence. Raises :class:`BusTimeout` when no ack came.
+        """
+
+    @abc.abstractmethod
+    async def pull_consumer(self, stream: str, spec: ConsumerSpec) -> PullConsumer:
+        """Create or bind the durable ``spec.durable``; many callers may bind the same one."""
+
+    @abc.abstractmethod
+    async def stream_info(self, stream: str) -> dict:
+        """``messages`` (stored now), ``first_seq``, ``last_seq``."""
+
+    @abc.abstractmethod
+    async def delete_stream(self, stream: str) -> None: ...
+
+    # -- core (fire and forget, request/reply) --------------------------------
+    @abc.abstractmethod
+    async def publish_core(
+        self, subject: str, data: bytes, *, headers: dict[str, str] | None = None
+    ) -> None:
+        """At-most-once publish to live subscribers; nothing is stored."""
+
+    @abc.abstractmethod
+    async def subscribe(
+        self,
+        subject: str,
+        handler: Callable[[Request], Awaitable[None]],
+        *,
+        queue: str | None = None,
+    ) -> Subscription:
+        """Call ``handler`` for each message; one member of a ``queue`` group gets each."""
+
+    @abc.abstractmethod
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float = 5.0,
+    ) -> Request:
+        """Send and await one reply; :class:`BusTimeout` or :class:`NoResponders`."""
+
+    # -- state ------------------------------------------------------------------
+    @abc.abstractmethod
+    async def key_value(self, bucket: str) -> KeyValue: ...
+
+    @abc.abstractmethod
+    async def object_store(self, bucket: str) -> ObjectStore: ...
