@@ -1,0 +1,227 @@
+"""Actors: classes whose decorated methods handle subjects.
+
+A handler's settings (durable name, ack_wait, max_inflight, max_deliver, pool) are
+data recorded by the decorator; config overrides them per actor (``Actor(settings=)``).
+Importing a module registers nothing: a :class:`rollart.node.Node` finds handlers by
+inspecting the actor instances it is given.
+
+Outcomes of a durable handler:
+
+- return → ack
+- ``raise Retry(delay)`` → nak with that delay
+- ``raise Reject(reason)``, or a payload that fails to decode → term + dead letter
+- any other exception → nak with backoff; dead letter once ``max_deliver`` is reached
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from rollart import messages as m
+from rollart.bus import Bus
+from rollart.bus.codec import decode, encode
+
+log = logging.getLogger(__name__)
+
+ERROR_HEADER = "Rollart-Error"
+
+
+class Retry(Exception):
+    """Raise from a handler to have the message redelivered after ``delay`` seconds."""
+
+    def __init__(self, delay: float | None = None, reason: str = ""):
+        super().__init__(reason or f"retry in {delay}s")
+        self.delay = delay
+
+
+class Reject(Exception):
+    """Raise from a handler: the message is invalid; never retry, dead-letter it."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class RemoteError(Exception):
+    """A service answered a request with an error."""
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    kind: str
+    """``consume`` (durable pull consumer) or ``serve`` (request/reply, queue group)."""
+    subject: str
+    """Key of :data:`rollart.messages.SUBJECTS`."""
+    durable: str | None = None
+    ack_wait: float = 30.0
+    max_deliver: int = 5
+    max_inflight: int = 16
+    max_ack_pending: int | None = None
+    heartbeat: float | None = None
+    """Seconds between automatic ``in_progress`` signals; default ``ack_wait / 3``."""
+    queue: str | None = None
+    pool: str | None = None
+    """Pool token of pooled subjects; None means the actor's pool."""
+
+    def override(self, values: dict[str, Any]) -> "HandlerSettings":
+        known = {f.name for f in dataclasses.fields(self)} - {"kind", "subject"}
+        bad = set(values) - known
+        if bad:
+            raise ValueError(f"unknown handler setting(s) {sorted(bad)}; allowed: {sorted(known)}")
+        return dataclasses.replace(self, **values)
+
+
+_ATTR = "__rollart_handler__"
+
+
+def consume(subject: str, **settings: Any) -> Callable:
+    """Mark ``async def handler(self, msg: T, delivery)`` as a durable consumer of ``subject``."""
+    return _mark("consume", subject, settings)
+
+
+def serve(subject: str, **settings: Any) -> Callable:
+    """Mark ``async def handler(self, msg: T) -> Reply`` as a request/reply service."""
+    return _mark("serve", subject, settings)
+
+
+def _mark(kind: str, subject: str, settings: dict[str, Any]) -> Callable:
+    if subject not in m.SUBJECTS:
+        raise ValueError(f"unknown subject {subject!r}; known: {sorted(m.SUBJECTS)}")
+    spec = HandlerSettings(kind=kind, subject=subject, **settings)
+
+    def deco(fn: Callable) -> Callable:
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"handler {fn.__qualname__} must be `async def`")
+        setattr(fn, _ATTR, spec)
+        return fn
+
+    return deco
+
+
+@dataclass
+class BoundHandler:
+    name: str
+    fn: Callable
+    settings: HandlerSettings
+    msg_type: type
+    subject: str
+    """Full subject (run and pool filled in)."""
+
+
+@dataclass(kw_only=True, eq=False)
+class Actor:
+    """Base of every role. Subclasses set ``role`` and decorate handlers.
+
+    ``settings`` maps handler method name to overrides of its decorator settings.
+    """
+
+    role: ClassVar[str] = "actor"
+    run: str = "default"
+    pool: str = "default"
+    name: str = ""
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    bus: Bus | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = self.role
+        m.check_token("run", self.run)
+        m.check_token("pool", self.pool)
+
+    # -- lifecycle hooks -------------------------------------------------------
+    async def setup(self) -> None:
+        """Called once the bus is attached, before any handler is bound."""
+
+    async def main(self) -> None:
+        """Optional long-running loop, run in the node's task group."""
+
+    async def teardown(self) -> None:
+        """Called after handlers stopped, before the node releases the bus."""
+
+    # -- introspection ---------------------------------------------------------
+    def handlers(self) -> list[BoundHandler]:
+        out = []
+        unknown = set(self.settings)
+        for name, fn in inspect.getmembers(type(self), predicate=inspect.isfunction):
+            spec: HandlerSettings | None = getattr(fn, _ATTR, None)
+            if spec is None:
+                continue
+            unknown.discard(name)
+            spec = spec.override(self.settings.get(name, {}))
+            if spec.kind == "consume" and spec.durable is None:
+                spec = dataclasses.replace(spec, durable=f"{self.role}-{name}".replace("_", "-"))
+            d = m.SUBJECTS[spec.subject]
+            pool = (spec.pool or self.pool) if d.pooled else None
+            out.append(
+                BoundHandler(
+                    name=name,
+                    fn=getattr(self, name),
+                    settings=spec,
+                    msg_type=_first_param_type(fn),
+                    subject=m.subject(self.run, spec.subject, pool),
+                )
+            )
+        if unknown:
+            raise ValueError(
+                f"settings for unknown handler(s) {sorted(unknown)} of {type(self).__name__}; "
+                f"handlers: {sorted(h.name for h in out)}"
+            )
+        return out
+
+    @classmethod
+    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "Actor":
+        """Build from a RunConfig and this role's ActorConfig; ``args`` become kwargs.
+
+        Roles that read other config sections override this.
+        """
+        settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
+        name = f"{cls.role}-{pool}-{index}" if actor_cfg.replicas > 1 else ""
+        try:
+            return cls(run=run_cfg.run, pool=pool, settings=settings, name=name, **actor_cfg.args)
+        except TypeError as e:
+            raise ValueError(f"bad args for {cls.__name__}: {e}") from e
+
+    def overrides_main(self) -> bool:
+        return type(self).main is not Actor.main
+
+    # -- helpers for handlers --------------------------------------------------
+    def subject(self, name: str, pool: str | None = None) -> str:
+        d = m.SUBJECTS[name]
+        return m.subject(self.run, name, (pool or self.pool) if d.pooled else None)
+
+    async def publish(self, name: str, msg: m.Message, *, msg_id: str | None = None,
+                      pool: str | None = None) -> int:
+        """Publish ``msg`` durably on subject ``name``; checks the subject's type."""
+        d = m.SUBJECTS[name]
+        if not isinstance(msg, d.type):
+            raise TypeError(f"{name} carries {d.type.__name__}, not {type(msg).__name__}")
+        assert self.bus is not None, "actor is not attached to a bus"
+        subj = self.subject(name, pool)
+        if d.stream is None:
+            await self.bus.publish_core(subj, encode(msg))
+            return 0
+        return await self.bus.publish(subj, encode(msg), msg_id=msg_id)
+
+    async def request(self, name: str, msg: m.Message, *, pool: str | None = None,
+                      timeout: float = 30.0) -> Any:
+        """Request/reply on service subject ``name``; returns the decoded reply."""
+        assert self.bus is not None, "actor is not attached to a bus"
+        rep = await self.bus.request(self.subject(name, pool), encode(msg), timeout=timeout)
+        if ERROR_HEADER in rep.headers:
+            raise RemoteError(f"{name}: {rep.headers[ERROR_HEADER]}")
+        return decode(m.REPLY_TYPES[name], rep.data)
+
+
+def _first_param_type(fn: Callable) -> type:
+    hints = typing.get_type_hints(fn)
+    params = [p for p in inspect.signature(fn).parameters if p != "self"]
+    if not params or params[0] not in hints:
+        raise TypeError(f"handler {fn.__qualname__} must annotate its message parameter")
+    return hints[params[0]]
+

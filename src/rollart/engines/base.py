@@ -1,0 +1,155 @@
+"""The generation-engine interface that the `LLMProxy` drives.
+
+An engine is synchronous and batched: `generate(inputs)` takes one `GenInput` per turn
+(from any number of trajectories) and returns one `GenOutput` per input, in order. The proxy
+runs it in a worker thread. Engines work in token ids only; tokenization is the caller's.
+
+Log-prob semantics (the contract with the trainer)
+--------------------------------------------------
+`GenOutput.logprobs[i]` is the log-probability of `token_ids[i]` under the policy's own
+distribution at temperature 1, i.e. `log_softmax(logits)[token]` of the raw model logits at
+that position, *restricted to what was allowed*:
+
+- free rows: the full vocabulary, so it equals `log_softmax(logits, -1)[token]`;
+- constrained rows (`choices` given): the softmax is renormalised over the tokens allowed
+  at that step (those that continue some still-possible choice), so it equals
+  `logits[token] - logsumexp(logits[allowed])`.
+
+Temperature, top-p and greedy change how the token is *picked*, never the reported
+log-prob. This is exactly what the trainer recomputes with a forward pass over
+prompt + response (applying the same per-step mask for constrained turns).
+
+Stopping
+--------
+A row stops when it emits an end-of-sequence token of the model or one of its
+`stop_token_ids` (finish_reason "stop"; the stop token *is* included in `token_ids`, with its
+log-prob), when it has produced `max_new_tokens` tokens ("length"), or, for a constrained row,
+when its tokens spell a complete choice ("choice"). A constrained row ignores
+`max_new_tokens` and stop tokens: its response is always exactly one whole choice.
+No choice may be a proper prefix of another, and none may be empty.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "GenInput",
+    "GenOutput",
+    "GenerationEngine",
+    "FINISH_STOP",
+    "FINISH_LENGTH",
+    "FINISH_CHOICE",
+    "validate_choices",
+    "save_weights",
+]
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CHOICE = "choice"
+
+
+@dataclass
+class GenInput:
+    """One generation request (one turn)."""
+
+    prompt_ids: list[int]
+    """Token ids of the prompt (chat template already applied). Must be non-empty."""
+    max_new_tokens: int = 32
+    """Most tokens to generate for a free row. Ignored by constrained rows."""
+    temperature: float = 1.0
+    """Sampling temperature; <= 0 means greedy. Does not change the reported log-probs."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]. Does not change the reported log-probs."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra tokens that end the response (the model's eos tokens always do)."""
+    choices: list[list[int]] | None = None
+    """If given, the response is exactly one of these token sequences."""
+    greedy: bool = False
+    """Pick the most likely (allowed) token at each step."""
+
+
+@dataclass
+class GenOutput:
+    """The result for one `GenInput`."""
+
+    token_ids: list[int]
+    """Generated tokens (including a final stop/eos token when finish_reason is "stop")."""
+    logprobs: list[float]
+    """Per-token log-prob at temperature 1 over the allowed tokens (see module docstring)."""
+    finish_reason: str
+    """"stop" | "length" | "choice"."""
+
+
+def validate_choices(choices: list[list[int]]) -> None:
+    """Raise ValueError unless `choices` is a non-empty list of non-empty token sequences
+    none of which is a proper prefix of another (duplicates are allowed)."""
+    if not choices:
+        raise ValueError("choices must not be empty")
+    seqs = {tuple(int(t) for t in c) for c in choices}
+    if any(len(s) == 0 for s in seqs):
+        raise ValueError("a choice must have at least one token")
+    ordered = sorted(seqs)
+    # In lexicographic order a sequence is immediately followed by its extensions, if any.
+    for a, b in zip(ordered, ordered[1:]):
+        if b[: len(a)] == a:
+            raise ValueError(f"choice {list(a)} is a prefix of choice {list(b)}")
+
+
+class GenerationEngine(abc.ABC):
+    """A batched, synchronous generator for one policy.
+
+    `version` is the policy version of the weights currently loaded (0 for the initial
+    weights). Implementations are not thread-safe: one `generate` or `load_weights` at a time.
+    """
+
+    version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, inputs: list[GenInput]) -> list[GenOutput]:
+        """Generate a response for every input; outputs are in input order."""
+
+    @abc.abstractmethod
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Load a full state dict from a safetensors file and set `version`.
+
+        Raises (and leaves the current weights and version untouched) if the file is
+        unreadable or its names or shapes do not match the model.
+        """
+
+    def state_dict_bytes(self) -> bytes:
+        """The current weights as safetensors bytes (optional)."""
+        raise NotImplementedError
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Tokens that always end a free response."""
+        return ()
+
+    def close(self) -> None:
+        """Release resources (optional)."""
+
+
+def save_weights(state_dict: dict[str, Any], path: str | Path) -> Path:
+    """Write a torch state dict to a safetensors file atomically (temp file + rename).
+
+    Tensors are copied to contiguous CPU tensors first, so tied (shared) parameters are
+    written as separate entries and `load_weights(strict)` finds every name.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors = {
+        k: v.detach().to("cpu").contiguous().clone()
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor)
+    }
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+    return path

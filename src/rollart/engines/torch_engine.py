@@ -1,0 +1,385 @@
+"""A plain PyTorch generation engine for any HF causal LM in a local directory.
+
+Batched sampling with a KV cache: prompts of different lengths are left-padded, with an
+attention mask and explicit position ids (each row's positions start at 0 at its first real
+token), so a row's tokens do not depend on what else is in the batch. Rows that finish are
+dropped from the batch (and from the KV cache) at once; a finished row produces no more
+tokens. Sampling uses one `torch.Generator` seeded at construction, so a given sequence of
+`generate` calls is reproducible.
+
+See `rollart.engines.base` for the log-prob, stopping and constrained-decoding contract.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .base import (
+    FINISH_CHOICE,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationEngine,
+    GenInput,
+    GenOutput,
+    validate_choices,
+)
+
+__all__ = ["TorchGenerationEngine", "build_choice_trie", "allowed_after"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+Trie = dict  # token id -> Trie; a complete choice ends at an empty dict
+
+
+def build_choice_trie(choices: list[list[int]]) -> Trie:
+    """A prefix tree of the choices (validated: non-empty, prefix-free)."""
+    validate_choices(choices)
+    root: Trie = {}
+    for choice in choices:
+        node = root
+        for t in choice:
+            node = node.setdefault(int(t), {})
+    return root
+
+
+def allowed_after(choices: list[list[int]], prefix: list[int]) -> list[int]:
+    """Tokens allowed after `prefix` under `choices` (sorted). The trainer can use this to
+    rebuild the per-step masks of a constrained turn when it recomputes log-probs."""
+    node = build_choice_trie(choices)
+    for t in prefix:
+        node = node[int(t)]
+    return sorted(node)
+
+
+def _as_ids(x) -> list[int]:
+    if x is None:
+        return []
+    if isinstance(x, int):
+        return [x]
+    return [int(t) for t in x]
+
+
+class TorchGenerationEngine(GenerationEngine):
+    """Generation with `transformers.AutoModelForCausalLM` in plain PyTorch.
+
+    Args:
+        model_dir: local directory with a saved HF causal LM (no network access is made).
+        device: torch device string.
+        threads: if not None, `torch.set_num_threads(threads)` (process-wide!). Use 1 when
+            several processes share few cores.
+        seed: seed of the sampling generator.
+        dtype: "float32" | "bfloat16" | "float16" for the weights; sampling math is float32.
+        attn_implementation: passed to `from_pretrained` ("sdpa" or "eager").
+        version: the policy version of the weights in `model_dir`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        device: str = "cpu",
+        threads: int | None = 1,
+        seed: int = 0,
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        version: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if threads is not None:
+            torch.set_num_threads(int(threads))
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir,
+            dtype=self.dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+        self.model.to(self.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(int(seed))
+        self.version = int(version)
+
+        cfg = self.model.config
+        gen_cfg = getattr(self.model, "generation_config", None)
+        eos: list[int] = []
+        for src in (getattr(gen_cfg, "eos_token_id", None), getattr(cfg, "eos_token_id", None)):
+            for t in _as_ids(src):
+                if t not in eos:
+                    eos.append(t)
+        self._eos = tuple(eos)
+        pad = getattr(gen_cfg, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(cfg, "pad_token_id", None)
+        if pad is None:
+            pad = eos[0] if eos else 0
+        self.pad_token_id = int(pad)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self._tokenizer = None
+        # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
+        params = inspect.signature(type(self.model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def tokenizer(self):
+        """The tokenizer saved next to the model (loaded on first use)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, inputs: list[GenInput]) -> list[GenOutput]:
+        n = len(inputs)
+        tries: list[Trie | None] = [None] * n
+        for i, inp in enumerate(inputs):
+            if not inp.prompt_ids:
+                raise ValueError(f"input {i}: prompt_ids is empty")
+            if inp.choices is not None:
+                trie = build_choice_trie(inp.choices)
+                bad = [t for c in inp.choices for t in c if not 0 <= int(t) < self.vocab_size]
+                if bad:
+                    raise ValueError(f"input {i}: choice token ids out of range: {bad[:5]}")
+                tries[i] = trie
+            elif not 0 < inp.top_p <= 1:
+                raise ValueError(f"input {i}: top_p must be in (0, 1], got {inp.top_p}")
+
+        out_tokens: list[list[int]] = [[] for _ in range(n)]
+        out_lps: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        stops = [frozenset(self._eos) | frozenset(int(t) for t in inp.stop_token_ids) for inp in inputs]
+
+        # Rows with nothing to generate finish at once.
+        rows = []
+        for i, inp in enumerate(inputs):
+            if tries[i] is None and inp.max_new_tokens <= 0:
+                finish[i] = FINISH_LENGTH
+            else:
+                rows.append(i)
+        if not rows:
+            return [GenOutput([], [], finish[i]) for i in range(n)]
+
+        dev = self.device
+        lens = [len(inputs[i].prompt_ids) for i in rows]
+        width = max(lens)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            L = lens[r]
+            ids[r, width - L :] = torch.tensor(inputs[i].prompt_ids, dtype=torch.long)
+            attn[r, width - L :] = 1
+        pos = (attn.cumsum(-1) - 1).clamp_(min=0)
+        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
+        next_pos = torch.tensor(lens, dtype=torch.long, device=dev)
+
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = self._cache_of(out)
+        logits = out.logits[:, -1, :]
+        nodes: list[Trie | None] = [tries[i] for i in rows]
+
+        while True:
+            tok, lp = self._pick([inputs[i] for i in rows], nodes, logits)
+            tok_list = tok.tolist()
+            lp_list = lp.tolist()
+            keep: list[int] = []
+            for r, i in enumerate(rows):
+                t = tok_list[r]
+                out_tokens[i].append(t)
+                out_lps[i].append(lp_list[r])
+                node = nodes[r]
+                if node is not None:
+                    node = node[t]
+                    nodes[r] = node
+                    if not node:
+                        finish[i] = FINISH_CHOICE
+                elif t in stops[i]:
+                    finish[i] = FINISH_STOP
+                elif len(out_tokens[i]) >= inputs[i].max_new_tokens:
+                    finish[i] = FINISH_LENGTH
+                if finish[i] is None:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                if hasattr(cache, "batch_select_indices"):
+                    cache.batch_select_indices(idx)
+                else:  # older caches
+                    cache.reorder_cache(idx)
+                attn = attn.index_select(0, idx)
+                next_pos = next_pos.index_select(0, idx)
+                tok = tok.index_select(0, idx)
+                rows = [rows[r] for r in keep]
+                nodes = [nodes[r] for r in keep]
+            attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=1)
+            out = self.model(
+                input_ids=tok.unsqueeze(1),
+                attention_mask=attn,
+                position_ids=next_pos.unsqueeze(1),
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
+            cache = self._cache_of(out)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        return [GenOutput(out_tokens[i], out_lps[i], finish[i]) for i in range(n)]
+
+    @staticmethod
+    def _cache_of(out):
+        cache = getattr(out, "cache", None)
+        return cache if cache is not None else out.past_key_values
+
+    def _pick(
+        self, inputs: list[GenInput], nodes: list[Trie | None], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose one token per row; return (tokens, log-probs at temperature 1 over the
+        allowed tokens)."""
+        logits = logits.float()
+        b, V = logits.shape
+        dev = logits.device
+        if any(node is not None for node in nodes):
+            allowed = torch.ones((b, V), dtype=torch.bool, device=dev)
+            for r, node in enumerate(nodes):
+                if node is not None:
+                    allowed[r] = False
+                    allowed[r, torch.tensor(list(node), dtype=torch.long, device=dev)] = True
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        logp = torch.log_softmax(logits, dim=-1)
+
+        greedy = [
+            inp.greedy or inp.temperature <= 0 or (node is not None and len(node) == 1)
+            for inp, node in zip(inputs, nodes)
+        ]
+        tok = logits.argmax(dim=-1)
+        sample_rows = [r for r in range(b) if not greedy[r]]
+        if sample_rows:
+            sr = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            temp = torch.tensor(
+                [inputs[r].temperature for r in sample_rows], dtype=torch.float32, device=dev
+            )
+            probs = torch.softmax(logits.index_select(0, sr) / temp.unsqueeze(1), dim=-1)
+            top_p = [inputs[r].top_p for r in sample_rows]
+            if any(p < 1.0 for p in top_p):
+                tp = torch.tensor(top_p, dtype=torch.float32, device=dev).unsqueeze(1)
+                sp, si = probs.sort(dim=-1, descending=True)
+                before = sp.cumsum(dim=-1) - sp  # mass strictly above each token
+                sp = sp.masked_fill(before >= tp, 0.0)  # the top token always stays
+                probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            tok = tok.index_copy(0, sr, sampled)
+        lp = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+        return tok, lp
+
+    # ------------------------------------------------------------------ weights
+    def _tied_aliases(self) -> dict[str, str]:
+        """name -> the first name sharing the same storage (for tied parameters)."""
+        seen: dict[tuple[int, tuple, tuple], str] = {}
+        alias: dict[str, str] = {}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()))
+            if key in seen:
+                alias[k] = seen[key]
+            else:
+                seen[key] = k
+        return alias
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Load a full state dict (safetensors) strictly and set `version`.
+
+        Every parameter must be in the file with the model's shape, and the file must hold no
+        unknown names; a tied parameter may be present under either name. Nothing is changed
+        if the check fails. dtypes are converted to the engine's dtype.
+        """
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        try:
+            sd = load_file(str(path), device="cpu")
+        except Exception as e:  # safetensors raises several types for bad files
+            raise ValueError(f"cannot read weights from {path}: {e}") from e
+        self._check_and_load(sd, str(path))
+        self.version = int(version)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Like `load_weights` but from tensors already in memory."""
+        self._check_and_load(state_dict, "state dict")
+        self.version = int(version)
+
+    def _check_and_load(self, sd: dict[str, torch.Tensor], what: str) -> None:
+        own = self.model.state_dict()
+        alias = self._tied_aliases()
+        unexpected = sorted(set(sd) - set(own))
+        missing = []
+        for k in own:
+            if k in sd:
+                continue
+            partner = alias.get(k)
+            partners = {partner} if partner else {a for a, b in alias.items() if b == k}
+            if not any(p in sd for p in partners):
+                missing.append(k)
+        bad_shapes = [
+            f"{k}: {tuple(v.shape)} != {tuple(own[k].shape)}"
+            for k, v in sd.items()
+            if k in own and tuple(v.shape) != tuple(own[k].shape)
+        ]
+        if unexpected or missing or bad_shapes:
+            raise ValueError(
+                f"weights in {what} do not match the model: missing={missing[:5]} "
+                f"unexpected={unexpected[:5]} shape mismatches={bad_shapes[:5]}"
+            )
+        with torch.no_grad():
+            for k, v in sd.items():
+                own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
+
+    def state_dict_bytes(self) -> bytes:
+        """The current weights as safetensors bytes (tied tensors written under each name)."""
+        from safetensors.torch import save
+
+        tensors = {
+            k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()
+        }
+        return save(tensors)
+
+    def save_weights(self, path: str | Path) -> Path:
+        """Write the current weights to a safetensors file (atomically)."""
+        from .base import save_weights
+
+        return save_weights(self.model.state_dict(), path)
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
+        self._tokenizer = None

@@ -1,0 +1,352 @@
+"""Training backend for a Hugging Face causal LM in plain PyTorch (CPU or one GPU).
+
+One ``train_step`` = one optimizer step = one policy version. Samples are split into
+micro-batches by a padded-token budget and gradients are accumulated so that the result
+equals one big batch (the micro-batch loss is weighted by its share of the aggregation
+denominator, see ``rollart.algos.reduce.agg_units``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from safetensors.torch import save_file
+
+from rollart.algos.losses import LossConfig, entropy_per_token, kl_k3, kl_k3_per_token, policy_loss
+from rollart.algos.reduce import agg_units, aggregate, masked_mean
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class TrainSample:
+    """One trajectory as the trainer sees it. Lists are aligned with ``token_ids``:
+    entry ``i`` describes token ``i`` (whose log-prob is conditioned on tokens ``< i``).
+
+    - ``response_mask[i]``: 1 for tokens the policy generated (trained on), 0 for prompt and
+      environment tokens. ``response_mask[0]`` must be 0 (token 0 has no log-prob).
+    - ``behav_logprobs[i]``: the rollout engine's log-prob of token ``i`` (any value where
+      the mask is 0).
+    - ``advantage``: the trajectory's scalar advantage, applied to every response token.
+    - ``allowed[i]``: when not None, token ``i`` was sampled under constrained decoding
+      from these token ids, and its log-prob is ``log_softmax`` renormalised over them:
+      ``z[tok] - logsumexp(z[allowed])``. The entropy at that position is taken over the
+      allowed set as well.
+    """
+
+    token_ids: list[int]
+    response_mask: list[int]
+    behav_logprobs: list[float]
+    advantage: float
+    allowed: list[list[int] | None] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if n < 2:
+            raise ValueError("a TrainSample needs at least 2 tokens")
+        for name in ("response_mask", "behav_logprobs") + (("allowed",) if self.allowed is not None else ()):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} tokens")
+        if self.response_mask[0]:
+            raise ValueError("response_mask[0] must be 0: the first token has no log-prob")
+        for i, ids in enumerate(self.allowed or ()):
+            if ids is not None and (i == 0 or self.token_ids[i] not in ids):
+                raise ValueError(f"allowed[{i}] is set but token {self.token_ids[i]} is not in it (or i == 0)")
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor       # [B, T] long, right-padded with 0
+    attention_mask: torch.Tensor  # [B, T] long
+    response_mask: torch.Tensor   # [B, T] float
+    behav: torch.Tensor           # [B, T] float
+    adv: torch.Tensor             # [B] float
+    c_rows: torch.Tensor          # [K] sequence index of each constrained token
+    c_cols: torch.Tensor          # [K] token index (>= 1) of each constrained token
+    c_ids: torch.Tensor           # [K, A] allowed ids, padded with 0
+    c_valid: torch.Tensor         # [K, A] bool, False on padding
+
+
+def _collate(samples: Sequence[TrainSample], device: torch.device) -> _Batch:
+    B, T = len(samples), max(len(s.token_ids) for s in samples)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    att = torch.zeros(B, T, dtype=torch.long)
+    resp = torch.zeros(B, T)
+    behav = torch.zeros(B, T)
+    rows, cols, allowed = [], [], []
+    for b, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[b, :n] = torch.tensor(s.token_ids)
+        att[b, :n] = 1
+        resp[b, :n] = torch.tensor(s.response_mask, dtype=torch.float32)
+        behav[b, :n] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
+        for t, a in enumerate(s.allowed or ()):
+            if a is not None:
+                rows.append(b)
+                cols.append(t)
+                allowed.append(a)
+    width = max((len(a) for a in allowed), default=1)
+    c_ids = torch.zeros(len(allowed), width, dtype=torch.long)
+    c_valid = torch.zeros(len(allowed), width, dtype=torch.bool)
+    for k, a in enumerate(allowed):
+        c_ids[k, : len(a)] = torch.tensor(a)
+        c_valid[k, : len(a)] = True
+    adv = torch.tensor([float(s.advantage) for s in samples])
+    to = functools.partial(torch.Tensor.to, device=device)
+    return _Batch(to(ids), to(att), to(resp), to(behav), to(adv),
+                  to(torch.tensor(rows, dtype=torch.long)), to(torch.tensor(cols, dtype=torch.long)),
+                  to(c_ids), to(c_valid))
+
+
+def sequence_logprobs(model: torch.nn.Module, batch: _Batch, *, with_entropy: bool = False,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs ``[B, T]`` (column 0 is 0) and optionally per-token entropy.
+
+    ``logp[b, t] = z[b, t-1, tok] - logsumexp(z[b, t-1, S])`` with ``z`` the float32 logits,
+    ``S`` the whole vocabulary or, for a constrained token, its allowed ids.
+    """
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    z = logits[:, :-1].float()
+    tok = z.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logz = torch.logsumexp(z, dim=-1)
+    ent = None
+    if with_entropy:
+        ent = entropy_per_token(z if entropy_grad else z.detach())
+    if batch.c_rows.numel():
+        rows, cols = batch.c_rows, batch.c_cols - 1
+        sub = z[rows, cols].gather(-1, batch.c_ids).masked_fill(~batch.c_valid, -math.inf)
+        logz = logz.index_put((rows, cols), torch.logsumexp(sub, dim=-1))
+        if ent is not None:
+            ent = ent.index_put((rows, cols), entropy_per_token(sub if entropy_grad else sub.detach()))
+    pad = z.new_zeros(z.shape[0], 1)
+    logp = torch.cat([pad, tok - logz], dim=1)
+    return logp, (torch.cat([pad, ent], dim=1) if ent is not None else None)
+
+
+def as_loss_config(cfg: object) -> LossConfig:
+    """A ``LossConfig`` from None, a LossConfig, a mapping, or any object with those attributes."""
+    if cfg is None:
+        return LossConfig()
+    if isinstance(cfg, LossConfig):
+        return cfg
+    names = [f.name for f in fields(LossConfig)]
+    if isinstance(cfg, Mapping):
+        unknown = set(cfg) - set(names)
+        if unknown:
+            raise ValueError(f"unknown loss config keys {sorted(unknown)}; allowed: {', '.join(names)}")
+        return LossConfig(**cfg)
+    return LossConfig(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})
+
+
+def _lr_factor(step: int, *, warmup: int, total: int | None, schedule: str, min_ratio: float) -> float:
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TorchTrainBackend:
+    """A causal LM from a local HF directory, AdamW, an LR schedule, and the RL losses.
+
+    ``version`` is the number of optimizer steps taken. The model is kept in eval mode
+    (no dropout) so that its log-probs match the rollout engine's. ``threads`` sets
+    ``torch.set_num_threads`` for the whole process.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, lr: float = 1e-6, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), grad_clip: float | None = 1.0,
+                 warmup_steps: int = 0, total_steps: int | None = None, schedule: str = "constant",
+                 min_lr_ratio: float = 0.0, threads: int | None = 1, seed: int = 0,
+                 micro_batch_tokens: int = 4096, device: str = "cpu", dtype: str = "float32") -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        if schedule == "cosine" and not total_steps:
+            raise ValueError("schedule 'cosine' needs total_steps")
+        if micro_batch_tokens < 1:
+            raise ValueError("micro_batch_tokens must be >= 1")
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        self.model_dir = str(model_dir)
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.grad_clip = grad_clip
+        self.micro_batch_tokens = micro_batch_tokens
+        self.version = 0
+        self.model = self._load_model()
+        self.model.requires_grad_(True)
+        self._ref: torch.nn.Module | None = None
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        factor = functools.partial(_lr_factor, warmup=warmup_steps, total=total_steps,
+                                   schedule=schedule, min_ratio=min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    def _load_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, local_files_only=True)
+        return model.to(self.device).eval()
+
+    def _reference(self) -> torch.nn.Module:
+        """The frozen initial policy (loaded from ``model_dir`` on first use)."""
+        if self._ref is None:
+            self._ref = self._load_model().requires_grad_(False)
+        return self._ref
+
+    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        """Longest first; a micro-batch holds at most ``micro_batch_tokens`` padded tokens
+        (a single longer sample gets a micro-batch of its own)."""
+        out: list[list[TrainSample]] = []
+        cur: list[TrainSample] = []
+        for s in sorted(samples, key=lambda s: -len(s.token_ids)):
+            longest = len(cur[0].token_ids) if cur else len(s.token_ids)
+            if cur and longest * (len(cur) + 1) > self.micro_batch_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(s)
+        return out + ([cur] if cur else [])
+
+    @torch.no_grad()
+    def token_logprobs(self, batch: Sequence[TrainSample | Sequence[int]]) -> list[torch.Tensor]:
+        """Per-token log-probs under the current policy, one float32 CPU tensor per sample,
+        aligned with ``token_ids`` (entry 0 is 0). Plain token lists are unconstrained."""
+        samples = [s if isinstance(s, TrainSample) else
+                   TrainSample(list(s), [0] * len(s), [0.0] * len(s), 0.0) for s in batch]
+        result: dict[int, torch.Tensor] = {}
+        for mb in self._micro_batches(samples):
+            logp, _ = sequence_logprobs(self.model, _collate(mb, self.device))
+            for row, s in zip(logp, mb):
+                result[id(s)] = row[: len(s.token_ids)].float().cpu()
+        return [result[id(s)] for s in samples]
+
+    def accumulate_gradients(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
+        """Forward/backward over micro-batches, adding into ``.grad`` (no optimizer step).
+
+        ``old_logp`` for ``old_logp='recompute'`` is the current policy's log-prob detached
+        from the same forward pass, taken before any backward of this step: with one
+        optimizer step per batch it is exactly the pre-step policy (ratio == 1 in value).
+        Micro-batch ``k`` is back-propagated with weight ``units_k / units_total``.
+        Returned metrics are batch-level: ``loss``/``pg_loss`` with the loss weights, the
+        rest as response-token means.
+        """
+        cfg = as_loss_config(loss_cfg)
+        masks = [torch.tensor(s.response_mask) for s in samples]
+        units_total = sum(agg_units(m, cfg.agg) for m in masks)
+        tokens_total = int(sum(m.sum().item() for m in masks))
+        if units_total == 0:
+            raise ValueError("no response tokens in the batch")
+        sums = dict.fromkeys(("loss", "pg_loss", "entropy", "kl", "clip_frac", "ratio_mean",
+                              "is_weight_mean", "is_capped_frac", "approx_kl"), 0.0)
+        for mb in self._micro_batches(samples):
+            batch = _collate(mb, self.device)
+            mask = batch.response_mask
+            logp, ent = sequence_logprobs(self.model, batch, with_entropy=True,
+                                          entropy_grad=cfg.entropy_coef != 0)
+            old = batch.behav if cfg.old_logp == "behav" else logp.detach()
+            pg, m = policy_loss(logp, old, batch.adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                agg=cfg.agg, behav_logp=batch.behav if cfg.uses_behav else None,
+                                is_cap=cfg.is_cap, decoupled=cfg.decoupled)
+            total = pg
+            if cfg.entropy_coef:
+                total = total - cfg.entropy_coef * aggregate(ent, mask, cfg.agg)
+            if cfg.kl_coef:
+                with torch.no_grad():
+                    ref, _ = sequence_logprobs(self._reference(), batch)
+                total = total + cfg.kl_coef * kl_k3(logp, ref, mask, cfg.agg)
+                m["kl"] = masked_mean(kl_k3_per_token(logp.detach(), ref), mask).item()
+            weight = agg_units(mask, cfg.agg) / units_total
+            if weight > 0:
+                (total * weight).backward()
+            share = mask.sum().item() / max(1, tokens_total)
+            m["entropy"] = masked_mean(ent.detach(), mask).item()
+            sums["loss"] += total.item() * weight
+            sums["pg_loss"] += pg.item() * weight
+            for k, v in m.items():
+                sums[k] += v * share
+        return {**sums, "tokens": tokens_total, "samples": len(samples)}
+
+    def train_step(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
+        """One optimizer step on ``samples``; returns metrics (loss, pg_loss, grad_norm (before
+        clipping), lr (used by this step), entropy, kl, clip_frac, ratio_mean, is_weight_mean,
+        is_capped_frac, approx_kl, tokens, samples, seconds, version, skipped). A non-finite
+        gradient norm skips the update (``skipped=1``, version unchanged)."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate_gradients(samples, loss_cfg=loss_cfg)
+        max_norm = self.grad_clip if self.grad_clip else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.warning("non-finite grad norm %s at version %d: update skipped", grad_norm, self.version)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(grad_norm=grad_norm, lr=lr, version=self.version, skipped=float(skipped),
+                       seconds=time.perf_counter() - t0)
+        return metrics
+
+    def save_weights(self, path: str | os.PathLike) -> str:
+        """Write the model's state dict as one safetensors file (atomically: temp file +
+        rename) and return ``"sha256:<hex>"`` of the file's bytes. Tensors sharing storage
+        (tied embeddings) are written once per name, as copies."""
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in self.model.state_dict().items():
+            t = t.detach().to("cpu")
+            ptr = t.untyped_storage().data_ptr()
+            tensors[name] = t.clone().contiguous() if ptr in seen else t.contiguous()
+            seen.add(ptr)
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file(tensors, tmp, metadata={"format": "pt", "rollart_version": str(self.version)})
+        os.replace(tmp, path)
+        return file_digest(path)
+
+    def state_dict_for_checkpoint(self) -> dict:
+        """Model, optimizer, scheduler, RNG states and version, ready for ``torch.save``.
+        The tensors are live views of the training state: save them before the next step."""
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": rng, "version": self.version}
+
+    def load_checkpoint_state(self, state: Mapping) -> None:
+        """Restore what ``state_dict_for_checkpoint`` returned (also after ``torch.load``)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        py = rng["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.version = int(state["version"])
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """``"sha256:<hex>"`` of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()

@@ -1,0 +1,74 @@
+"""The text environment protocol.
+
+An environment has the gymnasium shape, for text::
+
+    obs, info = env.reset(seed)
+    obs, reward, terminated, truncated, info = env.step(action)
+
+``reset`` and ``step`` may be plain methods or ``async def``; :class:`~rollart.envs.runner.EnvRunner`
+runs plain ones off the event loop and awaits async ones directly.
+
+Conventions every built-in env follows and the EnvManager relies on:
+
+- ``instruction`` is the task description and answer format, placed in the system prompt.
+- ``info["success"]`` (bool) is present in the info of the final step (built-ins put it in
+  every step's info, False until the episode is won).
+- An action the env cannot interpret never raises: the env returns a no-op (or a small
+  negative reward) with ``info["valid_action"] = False``. Every step's info carries
+  ``valid_action``.
+- ``legal_actions()`` (optional) returns the actions constrained decoding may choose from
+  in the current state, or None for free text. ``close()`` (optional) releases resources.
+- Calling ``step`` before ``reset`` or after the episode ended raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Protocol, runtime_checkable
+
+ResetResult = tuple[str, dict[str, Any]]
+"""``(observation, info)``"""
+
+StepResult = tuple[str, float, bool, bool, dict[str, Any]]
+"""``(observation, reward, terminated, truncated, info)``"""
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A text environment. ``legal_actions`` and ``close`` are optional extras."""
+
+    instruction: str
+    """System/instruction text: what the task is and how to format the answer."""
+
+    def reset(self, seed: int) -> ResetResult | Awaitable[ResetResult]:
+        """Start a new episode, deterministically from ``seed``."""
+        ...
+
+    def step(self, action: str) -> StepResult | Awaitable[StepResult]:
+        """Apply one action (already parsed out of the model's text)."""
+        ...
+
+
+def legal_actions_of(env: Any) -> list[str] | None:
+    """``env.legal_actions()`` if the env defines it, else None (free text)."""
+    fn = getattr(env, "legal_actions", None)
+    if fn is None:
+        return None
+    acts = fn()
+    return None if acts is None else [str(a) for a in acts]
+
+
+# Grid worlds (FrozenLake, Sokoban) share the action vocabulary.
+MOVES: dict[str, tuple[int, int]] = {"L": (0, -1), "D": (1, 0), "R": (0, 1), "U": (-1, 0)}
+"""Letter -> (d_row, d_col). The order L, D, R, U matches gymnasium's FrozenLake."""
+
+_WORDS = {"left": "L", "down": "D", "right": "R", "up": "U"}
+
+
+def normalize_move(action: str) -> str | None:
+    """Map ``"L"``/``"left"``/``" Up "`` (case-insensitive) to a letter of :data:`MOVES`;
+    anything else to None."""
+    a = action.strip().lower()
+    if a in _WORDS:
+        return _WORDS[a]
+    a = a.upper()
+    return a if a in MOVES else None

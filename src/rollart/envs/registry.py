@@ -1,0 +1,80 @@
+"""Build environments by name: a built-in short name or a ``"pkg.module:ClassName"`` path."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+from rollart.envs.base import Env
+
+BUILTIN_ENVS: dict[str, str] = {
+    "frozenlake": "rollart.envs.frozenlake:FrozenLakeEnv",
+    "sokoban": "rollart.envs.sokoban:SokobanEnv",
+    "reasoning_gym": "rollart.envs.reasoning:ReasoningGymEnv",
+}
+"""Short name -> import path. Modules are imported only when their env is made."""
+
+
+def resolve_env_class(type: str) -> Callable[..., Env]:
+    """The class behind a built-in name or a ``"pkg.module:ClassName"`` import path.
+
+    Raises ``ValueError`` naming ``type`` (and listing the built-ins) when it is neither.
+    ``ImportError`` from the module itself (e.g. a missing optional dependency) propagates.
+    """
+    path = BUILTIN_ENVS.get(type, type)
+    mod_name, sep, attr = path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"unknown env type {type!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}) "
+                         f"or an import path 'pkg.module:ClassName'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):  # the named module itself is missing
+            raise ValueError(f"env type {type!r}: module {mod_name!r} not found; built-ins are "
+                             f"{', '.join(sorted(BUILTIN_ENVS))}") from e
+        raise
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ValueError(f"env type {type!r}: module {mod_name!r} has no attribute {attr!r}")
+    if not callable(cls):
+        raise ValueError(f"env type {type!r}: {path} is not callable")
+    return cls
+
+
+def make_env(type: str, args: dict[str, Any] | None = None) -> Env:
+    """Construct an environment.
+
+    Args:
+        type: ``"frozenlake"``, ``"sokoban"``, ``"reasoning_gym"`` or ``"pkg.module:ClassName"``.
+        args: keyword arguments for the env class (from config).
+
+    Raises ``ValueError`` naming the type when it is unknown, and naming the argument when
+    an argument is unknown, missing or invalid.
+    """
+    args = dict(args or {})
+    cls = resolve_env_class(type)
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        params = sig.parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        named = {n: p for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not takes_any:
+            for key in args:
+                if key not in named:
+                    raise ValueError(f"env {type!r}: unknown arg {key!r}; allowed: {', '.join(named) or '(none)'}")
+        for n, p in named.items():
+            if p.default is p.empty and n not in args:
+                raise ValueError(f"env {type!r}: missing required arg {n!r}")
+    try:
+        env = cls(**args)
+    except TypeError as e:
+        raise ValueError(f"env {type!r}: bad args: {e}") from e
+    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+        raise ValueError(f"env type {type!r}: {cls!r} does not have reset() and step()")
+    if not isinstance(getattr(env, "instruction", None), str):
+        raise ValueError(f"env type {type!r}: {cls!r} has no 'instruction' string attribute")
+    return env

@@ -1,0 +1,300 @@
+"""Node: hosts actors on a bus. Embeddable, and the body of ``python -m rollart.node``.
+
+::
+
+    async with Node(bus, [RewardService(run="r1")]) as node:
+        await node.wait()          # until SIGTERM / node.stop() / an actor fails
+
+``start`` (``__aenter__``) returns once every consumer and service is bound. Exit drains:
+stop fetching, let in-flight handlers finish within ``grace`` seconds, nak the rest.
+The node never closes a bus it was given; the CLI entry point does (``drain``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+
+from rollart import messages as m
+from rollart.actors.base import Actor
+from rollart.actors.runtime import ConsumerLoop, Service
+from rollart.bus import Bus, StreamSpec
+from rollart.bus.codec import encode
+
+log = logging.getLogger(__name__)
+
+
+async def ensure_run_streams(bus: Bus, run: str) -> None:
+    """Create the run's event stream and work-queue stream (idempotent)."""
+    for kind in ("events", "work"):
+        await bus.ensure_stream(StreamSpec(
+            name=m.stream_name(run, kind),
+            subjects=m.stream_subjects(run, kind),
+            retention=m.STREAM_RETENTION[kind],
+        ))
+
+
+class Node:
+    def __init__(self, bus: Bus, actors: Sequence[Actor], *, grace: float = 10.0,
+                 heartbeat_every: float = 5.0, node_id: str | None = None,
+                 pool: str = "default", handle_signals: bool = False):
+        if not actors:
+            raise ValueError("a Node needs at least one actor")
+        self.bus = bus
+        self.actors = list(actors)
+        self.grace = grace
+        self.heartbeat_every = heartbeat_every
+        self.pool = pool
+        self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.handle_signals = handle_signals
+        self.loops: list[ConsumerLoop] = []
+        self.services: list[Service] = []
+        self._tg: asyncio.TaskGroup | None = None
+        self._stop = asyncio.Event()
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def __aenter__(self) -> "Node":
+        await self.start()
+        return self
+
+    async def __aexit__(self, et, exc, tb) -> None:
+        await self.stop_and_drain(exc)
+
+    async def start(self) -> None:
+        if not self.bus.connected:
+            await self.bus.connect()
+        for run in sorted({a.run for a in self.actors}):
+            await ensure_run_streams(self.bus, run)
+        bound = [(a, a.handlers()) for a in self.actors]  # validates settings before binding
+        for actor, handlers in bound:
+            actor.bus = self.bus
+            await actor.setup()
+            for h in handlers:
+                if h.settings.kind == "consume":
+                    d = m.SUBJECTS[h.settings.subject]
+                    loop = ConsumerLoop(self.bus, actor, h, m.stream_name(actor.run, d.stream))
+                    await loop.bind()
+                    self.loops.append(loop)
+                else:
+                    svc = Service(self.bus, actor, h)
+                    await svc.bind()
+                    self.services.append(svc)
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        for loop in self.loops:
+            self._tg.create_task(loop.run(self.grace), name=f"consume:{loop.h.subject}")
+        for actor in self.actors:
+            if actor.overrides_main():
+                self._tg.create_task(self._run_main(actor), name=f"main:{actor.name}")
+        if self.heartbeat_every > 0:
+            self._tg.create_task(self._heartbeats(), name="heartbeat")
+        if self.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        self._started = True
+        log.info("node %s started: %d consumers, %d services", self.node_id,
+                 len(self.loops), len(self.services))
+
+    def stop(self) -> None:
+        """Ask the node to drain and return from :meth:`wait` (signal-safe)."""
+        self._stop.set()
+        for loop in self.loops:
+            loop.stop()
+
+    async def wait(self) -> None:
+        """Block until :meth:`stop` is called (SIGTERM does, with ``handle_signals``)."""
+        await self._stop.wait()
+
+    async def stop_and_drain(self, exc: BaseException | None = None) -> None:
+        if not self._started:
+            return
+        self._started = False
+        self.stop()
+        for svc in self.services:
+            await svc.stop(self.grace)
+        assert self._tg is not None
+        try:
+            await self._tg.__aexit__(type(exc) if exc else None, exc, None)
+        finally:
+            if self.handle_signals:
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            for actor in self.actors:
+                try:
+                    await actor.teardown()
+                except Exception:  # noqa: BLE001 - teardown must not hide the drain
+                    log.exception("teardown of %s failed", actor.name)
+        log.info("node %s drained", self.node_id)
+
+    # -- background tasks ------------------------------------------------------
+    async def _run_main(self, actor: Actor) -> None:
+        main = asyncio.ensure_future(actor.main())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not main.done():
+                main.cancel()
+                try:
+                    await main
+                except asyncio.CancelledError:
+                    pass
+        if main.done() and not main.cancelled() and main.exception() is not None:
+            raise main.exception()
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for loop in self.loops:
+            out.update(loop.stats.as_dict(f"{loop.actor.name}.{loop.h.name}"))
+        for svc in self.services:
+            out.update(svc.stats.as_dict(f"{svc.actor.name}.{svc.h.name}"))
+        return out
+
+    async def _heartbeats(self) -> None:
+        runs = sorted({a.run for a in self.actors})
+        roles = sorted({a.role for a in self.actors})
+        while not self._stop.is_set():
+            hb = m.NodeHeartbeat(node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
+                                 pool=self.pool, roles=roles, ts=time.time(), stats=self.stats())
+            for run in runs:
+                try:
+                    await self.bus.publish_core(m.subject(run, "node.heartbeat"), encode(hb))
+                except Exception as e:  # noqa: BLE001 - a missed heartbeat is not fatal
+                    log.debug("heartbeat failed: %s", e)
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.heartbeat_every)
+            except TimeoutError:
+                pass
+
+
+# -- python -m rollart.node ------------------------------------------------------
+
+BUILTIN_ROLES = {
+    "env": "rollart.actors.env_manager:EnvManager",
+    "generate": "rollart.actors.llm_proxy:LLMProxy",
+    "reward": "rollart.actors.reward:RewardService",
+    "trainer": "rollart.actors.trainer:Trainer",
+    "scheduler": "rollart.actors.scheduler:RolloutScheduler",
+}
+
+
+def resolve(path: str) -> type:
+    """Import ``pkg.module:Name``."""
+    import importlib
+
+    mod, sep, attr = path.partition(":")
+    if not sep or not attr:
+        raise ValueError(f"{path!r} is not an import path of the form 'pkg.module:Name'")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import {path!r}: {e}") from e
+
+
+def build_actors(cfg, roles: Sequence[str], pool: str) -> list[Actor]:
+    """Instantiate the actors of ``roles`` from a RunConfig."""
+    from rollart.config import ActorConfig
+
+    actors: list[Actor] = []
+    for role in roles:
+        acfg = cfg.actors.get(role, ActorConfig())
+        path = acfg.type or BUILTIN_ROLES.get(role) or (role if ":" in role else None)
+        if path is None:
+            raise ValueError(
+                f"unknown role {role!r}: built-in roles are {sorted(BUILTIN_ROLES)}; "
+                f"or give actors.{role}.type = 'pkg.module:Class' in the config"
+            )
+        cls = resolve(path)
+        if not (isinstance(cls, type) and issubclass(cls, Actor)):
+            raise ValueError(f"{path} is not an Actor subclass")
+        for i in range(acfg.replicas):
+            actors.append(cls.from_config(cfg, acfg, pool=pool, index=i))
+    return actors
+
+
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m rollart.node",
+        description="Run the actors of some roles on this host. Without --nats, start an "
+                    "embedded nats-server and print its URL so other nodes can join.",
+    )
+    p.add_argument("--config", required=True, help="run config (YAML)")
+    p.add_argument("--roles", required=True,
+                   help=f"comma-separated roles: {', '.join(BUILTIN_ROLES)} or pkg.module:Class")
+    p.add_argument("--pool", default="default", help="pool this host joins (default: default)")
+    p.add_argument("--nats", default=None, help="NATS URL to join (default: config, else embedded)")
+    p.add_argument("--run", default=None, help="override the config's run name")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p
+
+
+async def _amain(args) -> int:
+    import msgspec
+
+    from rollart.bus.nats import NatsBus
+    from rollart.bus.server import EmbeddedServer
+    from rollart.config import RunConfig, load
+
+    cfg = load(args.config, RunConfig)
+    if args.run:
+        cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    actors = build_actors(cfg, roles, m.check_token("pool", args.pool))
+    url = args.nats or cfg.nats
+    server = None
+    if not url:
+        from pathlib import Path
+
+        server = EmbeddedServer(Path(cfg.run_dir) / cfg.run / "nats")
+        server.start()
+        url = server.url
+        print(f"rollart node: embedded nats-server at {url}", flush=True)
+    bus = NatsBus(url, name=f"rollart-node-{args.pool}")
+    try:
+        await bus.connect()
+        async with Node(bus, actors, grace=cfg.node.grace, pool=args.pool,
+                        heartbeat_every=cfg.node.heartbeat_every, handle_signals=True) as node:
+            print(f"rollart node: {node.node_id} serving {', '.join(roles)} "
+                  f"(run={cfg.run}, pool={args.pool})", flush=True)
+            await node.wait()
+        print("rollart node: drained", flush=True)
+    finally:
+        await bus.close()
+        if server is not None:
+            server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rollart.config import ConfigError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        return run(_amain(args))
+    except (ConfigError, ValueError) as e:
+        print(f"rollart node: error: {e}", flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+from rollart.envs import make_env  # noqa: E402
+from rollart.envs.reasoning import ReasoningGymEnv  # noqa: E402
+
+
+@pytest.mark.parametrize("dataset", ["basic_arithmetic", "chain_sum", "countdown"])
+def test_correct_answer_scores_one(dataset):
+    env = make_env("reasoning_gym", {"dataset": dataset, "size": 50})
+    assert env.legal_actions() is None and "<answer>" in env.instruction
+    for seed in (0, 7):
+        question, info = env.reset(seed)
+        assert question and info["answer"] is not None
+        obs, r, term, trunc, info2 = env.step(str(info["answer"]))
+        assert (r, term, trunc, info2["success"], info2["valid_action"]) == (1.0, True, False, True, True)
+
+
+def test_wrong_answer_scores_zero_and_odd_text_does_not_crash():
+    env = ReasoningGymEnv(dataset="basic_arithmetic")
+    env.reset(1)
+    _, r, term, _, info = env.step("definitely not a number")
+    assert r == 0.0 and term and info["success"] is False
+    env.reset(2)
+    assert env.step("")[1] == 0.0
+    with pytest.raises(RuntimeError):
+        env.step("again")
+
+
+def test_deterministic_by_seed_modulo_size():
+    env = ReasoningGymEnv(dataset="chain_sum", size=10)
+    q = [env.reset(s)[0] for s in range(10)]
+    assert q == [env.reset(s + 10)[0] for s in range(10)]
+    assert len(set(q)) > 5
+    assert env.reset(3)[1]["index"] == 3
+
+
+def test_dataset_args_pass_through():
+    env = ReasoningGymEnv(dataset="chain_sum", dataset_args={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    q, _ = env.reset(0)
+    assert len([t for t in q.replace("=", " ").split() if t.isdigit()]) == 2, q
+
+
+def test_bad_args():
+    with pytest.raises(ValueError, match="'dataset'"):
+        ReasoningGymEnv(dataset="no_such_dataset")
+    with pytest.raises(ValueError, match="'dataset_args'"):
+        ReasoningGymEnv(dataset="chain_sum", dataset_args={"bogus": 1})
+    with pytest.raises(ValueError, match="'size'"):
+        ReasoningGymEnv(dataset="chain_sum", size=0)

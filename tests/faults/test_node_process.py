@@ -1,0 +1,116 @@
+"""A real `python -m rollart.node` process with its embedded server: serve, SIGTERM, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollart import messages as m
+from rollart.bus.codec import decode
+from rollart.bus.nats import NatsBus
+from rollart.bus.server import EmbeddedServer
+from tests.actors.sample_actors import collect, request
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _start_node(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "run: nodetest\n"
+        f"run_dir: {tmp_path / 'runs'}\n"
+        "node: {grace: 20, heartbeat_every: 0.5}\n"
+        "actors:\n"
+        "  echo: {type: 'tests.actors.sample_actors:EchoEnv',"
+        " handlers: {on_request: {max_inflight: 2}}}\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", "echo", *extra],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _read_until(proc: subprocess.Popen, needle: str, deadline: float = 30.0) -> str:
+    end = time.monotonic() + deadline
+    lines = []
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return line
+    proc.kill()
+    raise AssertionError(f"node never printed {needle!r}; output:\n{''.join(lines)}")
+
+
+async def test_node_serves_and_drains_on_sigterm(tmp_path):
+    proc = _start_node(tmp_path)
+    try:
+        line = await asyncio.to_thread(_read_until, proc, "embedded nats-server at")
+        url = line.rsplit(" ", 1)[-1].strip()
+        await asyncio.to_thread(_read_until, proc, "serving echo")
+        bus = NatsBus(url)
+        await bus.connect()
+        n = 12
+        for i in range(n):
+            await bus.publish(*request("nodetest", 300 + i, env="slow"), msg_id=f"req{i}")
+        first = await collect(bus, "nodetest", "rollout.completed", 3, deadline=30)
+        assert len(first) == 3
+        await bus.close()
+        proc.send_signal(signal.SIGTERM)  # mid-run: some in flight, some never fetched
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode == 0, out
+        assert "drained" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    # reopen the node's store: finished work is acked (gone from the work queue) and
+    # everything not finished is still there, so nothing is lost and nothing is done twice
+    with EmbeddedServer(tmp_path / "runs" / "nodetest" / "nats") as server:
+        bus = NatsBus(server.url)
+        await bus.connect()
+        done = await collect(bus, "nodetest", "rollout.completed", n, deadline=3)
+        work = await bus.stream_info(m.stream_name("nodetest", "work"))
+        c = await bus.pull_consumer(m.stream_name("nodetest", "work"),
+                                    __import__("rollart.bus", fromlist=["ConsumerSpec"]).ConsumerSpec(
+                                        durable="echo-on-request",
+                                        filter_subject=m.subject("nodetest", "rollout.requested", "default")))
+        left = []
+        end = time.monotonic() + 5
+        while len(left) < work["messages"] and time.monotonic() < end:
+            left += [decode(m.RolloutRequested, d.data).traj_id for d in await c.fetch(n, timeout=0.5)]
+        await bus.close()
+    done_ids = {d.traj_id for d in done}
+    assert len(done_ids) == len(done), "a trajectory completed twice"
+    assert done_ids.isdisjoint(left), "a finished request was left un-acked"
+    assert done_ids | set(left) == {f"t{300 + i}" for i in range(n)}
+    assert len(done) >= 3
+
+
+def test_node_bad_config_names_the_key(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("run: x\nnode: {grace: soon}\n")
+    r = subprocess.run([sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", "echo"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "node.grace" in r.stdout and "float" in r.stdout
+
+
+def test_node_unknown_role_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text("run: x\n")
+    r = subprocess.run([sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", "wizard"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown role 'wizard'" in r.stdout
