@@ -30,3 +30,32 @@ async def bus(request):
         yield b
     finally:
         await b.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny Qwen3-style model and tokenizer built locally once per session."""
+    from rollart.engines.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture
+async def memory_bus_only():
+    """A MemoryBus, for tests whose point is not the transport."""
+    from rollart.bus.memory import MemoryBus
+
+    b = MemoryBus()
+    await b.connect()
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+try:  # transformers prints a progress bar per model load
+    from transformers.utils import logging as _hf_logging
+
+    _hf_logging.disable_progress_bar()
+except ImportError:
+    pass

@@ -48,6 +48,9 @@ class RolloutRequested(Message, frozen=True, kw_only=True):
     eval: bool = False
     greedy: bool = False
     created_at: float = 0.0
+    wave: int = -1
+    """Batch mode only: trajectories of one wave advance turn by turn in lock step."""
+    wave_size: int = 0
 
 
 class TurnRecord(Message, frozen=True, kw_only=True):
@@ -90,8 +93,19 @@ class RolloutCompleted(Message, frozen=True, kw_only=True):
 
 
 class RolloutCancelled(Message, frozen=True, kw_only=True):
+    """Outcome of a trajectory stopped because its group no longer needs it."""
+
     traj_id: str
     group_id: str
+    reason: str = "group_complete"
+
+
+class CancelGroup(Message, frozen=True, kw_only=True):
+    """Command from the scheduler: stop the unfinished trajectories of a group."""
+
+    group_id: str
+    keep: list[str] = []
+    """Trajectory ids already finished (not to be cancelled)."""
     reason: str = "group_complete"
 
 
@@ -214,7 +228,9 @@ SUBJECTS: dict[str, SubjectDef] = {
         SubjectDef("rollout.completed", RolloutCompleted, stream="events",
                    doc="finished trajectories; the trainer's durable input"),
         SubjectDef("rollout.cancelled", RolloutCancelled, stream="events",
-                   doc="redundant trajectories a group no longer needs"),
+                   doc="outcome of a redundant trajectory its group no longer needed"),
+        SubjectDef("rollout.cancel", CancelGroup,
+                   doc="command: stop the unfinished trajectories of a group"),
         SubjectDef("generate.request", GenerateRequest, pooled=True,
                    doc="request/reply to an LLMProxy queue group"),
         SubjectDef("reward.request", RewardRequest, pooled=True,
@@ -274,3 +290,19 @@ def lookup(full_subject: str) -> SubjectDef | None:
         if d is not None and len(rest) == n + (1 if d.pooled else 0):
             return d
     return None
+
+
+# -- key-value state -------------------------------------------------------------
+
+POLICY_KEY = "policy.version"
+"""KV key holding the latest :class:`PolicyPublished` (encoded)."""
+
+
+def kv_bucket(run: str) -> str:
+    """The run's KV bucket (policy version, scheduler state)."""
+    return f"ROLLART_{check_token('run', run).replace('-', '_')}_STATE"
+
+
+def object_bucket(run: str) -> str:
+    """The run's object store (small model weights)."""
+    return f"ROLLART_{check_token('run', run).replace('-', '_')}_OBJ"

@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from rollart.envs.actions import ANSWER_PATTERN, parse_action
 
@@ -33,18 +33,21 @@ def test_bad_patterns_are_value_errors(bad):
         parse_action("x", bad)
 
 
+@settings(deadline=None)
 @given(prefix=no_tag, answer=no_tag, suffix=no_tag)
 def test_roundtrip(prefix, answer, suffix):
     got = parse_action(f"{prefix}<answer>{answer}</answer>{suffix}", ANSWER_PATTERN)
     assert got == (answer.strip() or None)
 
 
+@settings(deadline=None)
 @given(first=no_tag, second=no_tag)
 def test_property_last_of_two(first, second):
     got = parse_action(f"<answer>{first}</answer> and <answer>{second}</answer>", ANSWER_PATTERN)
     assert got == (second.strip() or None)
 
 
+@settings(deadline=None)
 @given(text=st.text(max_size=60))
 def test_never_raises_and_none_pattern_strips(text):
     parse_action(text, ANSWER_PATTERN)

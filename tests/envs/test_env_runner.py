@@ -101,8 +101,9 @@ async def test_hanging_env_times_out_without_blocking_the_loop(executor):
                 await runner.step("x", timeout=0.4)
             elapsed = time.monotonic() - t0
             gap = hb.max_gap()
-        assert 0.39 <= elapsed < 2.0
-        assert len(hb.beats) >= 5 and gap < 0.3, gap
+        assert 0.39 <= elapsed < 3.0
+        # a blocked loop would show a gap of the whole hang (30-60 s); allow for a busy machine
+        assert len(hb.beats) >= 5 and gap < 1.0, gap
         assert runner.broken
         with pytest.raises(EnvError, match="broken"):
             await runner.step("x")
@@ -123,6 +124,7 @@ async def test_errors_surface_as_env_error(executor):
     runner = EnvRunner("sokoban", {"nope": 1}, executor=executor)
     with pytest.raises(EnvError, match="'nope'"):
         await runner.reset(0)
+    assert bool(runner.broken) == (executor == "process")  # that worker has exited
     await runner.close()
 
 
@@ -141,6 +143,9 @@ async def test_worker_crash_is_env_error():
     await runner.reset(0)
     with pytest.raises(EnvError, match="died"):
         await runner.step("crash")
+    assert runner.broken
+    with pytest.raises(EnvError, match="broken"):
+        await runner.reset(0)
     await runner.close()
 
 

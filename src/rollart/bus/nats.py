@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
@@ -155,6 +154,7 @@ class _NatsPullConsumer(PullConsumer):
                         raise err from None
                     log.debug("%s: created concurrently (%s); binding", what, err)
             self._sub = await js.pull_subscribe_bind(durable=spec.durable, stream=self._stream)
+        self._bus._pull_subs.add(self._sub)
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
         if self._sub is None:
@@ -174,6 +174,7 @@ class _NatsPullConsumer(PullConsumer):
     async def _unbind(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:
+            self._bus._pull_subs.discard(sub)
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
@@ -322,7 +323,7 @@ class NatsBus(Bus):
         self._nc: NATS | None = None
         self._js = None
         self._subs: list[_NatsSubscription] = []
-        self._consumers: weakref.WeakSet[_NatsPullConsumer] = weakref.WeakSet()
+        self._pull_subs: set = set()  # nats-py pull subscriptions of our consumers
         self._closed = False
         self._outage_logged = False
 
@@ -374,10 +375,13 @@ class NatsBus(Bus):
             )
         except asyncio.TimeoutError:
             log.warning("nats %s: handlers still running after %.1fs; cancelling them", self.url, self.drain_timeout)
-        for consumer in list(self._consumers):
-            # nats-py's drain waits until each subscription's queue is empty; a pull
-            # inbox may hold late status messages nobody reads, so drop those first.
-            await consumer._unbind()
+        for sub in list(self._pull_subs):
+            # nats-py's drain waits until each subscription's queue is marked done,
+            # which fetch never does for what it takes from a pull inbox (nor for
+            # late status messages nobody reads): drop pull inboxes first.
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._pull_subs.clear()
         try:
             if nc.is_connected:
                 await nc.drain()
@@ -441,7 +445,6 @@ class NatsBus(Bus):
     async def pull_consumer(self, stream: str, spec: ConsumerSpec) -> PullConsumer:
         consumer = _NatsPullConsumer(self, stream, spec)
         await consumer._bind()
-        self._consumers.add(consumer)
         return consumer
 
     async def stream_info(self, stream: str) -> dict:

@@ -55,6 +55,139 @@ class NodeConfig(Base):
     """Seconds between node heartbeats (0 disables)."""
 
 
+# -- the RL pipeline -------------------------------------------------------------
+
+
+class TinyModelConfig(Base):
+    """A tiny Qwen3-style model built locally from a config (no download)."""
+
+    vocab_size: int = 512
+    """Tokenizer vocabulary size."""
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads."""
+    intermediate_size: int = 256
+    """MLP width."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+
+class ModelConfig(Base):
+    path: str | None = None
+    """Local Hugging Face model folder; empty builds ``tiny`` under the run folder."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """The tiny model to build when ``path`` is empty."""
+    threads: int = 1
+    """Torch threads per process."""
+
+
+class SamplingConfig(Base):
+    max_new_tokens: int = 32
+    """Tokens per turn at most (free-text turns)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are always reported at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+
+class EnvConfig(Base):
+    """One environment kind that trajectories run in."""
+
+    type: str = "frozenlake"
+    """Built-in name (frozenlake, sokoban, reasoning_gym) or ``pkg.module:Class``."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the env class."""
+    executor: str = "thread"
+    """Where a sync env runs: ``thread`` or ``process``."""
+    max_turns: int = 8
+    """Turns at most; then the trajectory stops with ``max_turns``."""
+    max_context_tokens: int = 1024
+    """Context length at most; then the trajectory stops with ``max_context``."""
+    reset_timeout: float = 30.0
+    """Seconds a reset may take."""
+    reset_retries: int = 3
+    """Fresh envs tried after a failed reset before the trajectory is dead-lettered."""
+    step_timeout: float = 30.0
+    """Seconds a step may take; then the trajectory stops with ``env_timeout``."""
+    instruction: str | None = None
+    """System prompt; default: the env's own instruction."""
+    turn_template: str = "{observation}"
+    """User message of each turn; ``{observation}`` and ``{turn}`` are filled in."""
+    action_pattern: str | None = None
+    """Regex with one group to extract the action (e.g. ``<answer>(.*?)</answer>``)."""
+    format_penalty: float = -0.1
+    """Reward added per turn whose action cannot be parsed."""
+    constrain: bool = True
+    """Constrain decoding to the env's legal actions when it has them."""
+    scorer: str | None = None
+    """Score the trajectory with this RewardService scorer instead of the env's rewards."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling of free-text turns."""
+
+
+class RolloutConfig(Base):
+    mode: str = "trajectory"
+    """``trajectory`` (each trajectory advances on its own) or ``batch`` (lock-step turns)."""
+    env: str = "main"
+    """Key of ``envs`` to roll out in (training)."""
+    group_size: int = 8
+    """Trajectories per group (same seed); advantages are normalised within a group."""
+    redundancy: int = 0
+    """Extra trajectories per group; the first ``group_size`` finished are kept."""
+    batch_groups: int = 8
+    """Groups per training step."""
+    alpha: int = 1
+    """Asynchrony bound: a step producing version v+1 uses trajectories of version >= v - alpha."""
+    stale: str = "wait"
+    """What to do with a trajectory beyond the bound: ``wait``, ``drop`` or ``restart``."""
+    concurrency: int = 64
+    """Trajectories one EnvManager runs at once."""
+    generate_timeout: float = 60.0
+    """Seconds per generate request."""
+    generate_retries: int = 3
+    """Retries of a failed generate request."""
+    ack_wait: float = 30.0
+    """Seconds before an abandoned trajectory is redelivered (heartbeats hold live ones)."""
+    seed: int = 0
+    """Base seed of the task seeds."""
+    same_seed_per_group: bool = True
+    """All trajectories of a group share the task seed."""
+
+
+class ProxyConfig(Base):
+    engine: str = "torch"
+    """Generation engine: ``torch`` (sglang needs a GPU and is not built in yet)."""
+    gather_ms: float = 2.0
+    """Milliseconds to gather concurrent requests into one engine batch."""
+    max_batch: int = 128
+    """Requests per engine batch at most."""
+    replicas: int = 1
+    """LLMProxy replicas started by ``rollart run``."""
+
+
+class RewardConfig(Base):
+    replicas: int = 1
+    """RewardService replicas started by ``rollart run``."""
+    model_path: str | None = None
+    """Local causal LM folder for the ``model_logprob`` scorer."""
+    gather_ms: float = 2.0
+    """Milliseconds to gather requests into one model forward pass."""
+
+
+class TrainerConfig(Base):
+    """Filled in by the training issue."""
+
+    steps: int = 20
+    """Optimizer steps (policy versions) to train."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+
+
 class RunConfig(Base):
     """A whole run: what ``rollart run`` and ``python -m rollart.node`` read."""
 
@@ -68,3 +201,15 @@ class RunConfig(Base):
     """Node settings."""
     actors: dict[str, ActorConfig] = {}
     """Roles by name (``env``, ``generate``, ``reward``, ``trainer``, ``scheduler`` or custom)."""
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+    envs: dict[str, EnvConfig] = msgspec.field(default_factory=lambda: {"main": EnvConfig()})
+    """Environments by name; ``rollout.env`` picks the training one."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollout and admission settings."""
+    proxy: ProxyConfig = ProxyConfig()
+    """Generation replicas."""
+    reward: RewardConfig = RewardConfig()
+    """Reward service."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Training."""

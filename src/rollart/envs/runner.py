@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import traceback
+import weakref
 from typing import Any, Callable, Literal
 
 from rollart.envs.base import ResetResult, StepResult, legal_actions_of
@@ -72,12 +73,13 @@ def _check_step(res: Any) -> StepResult:
 
 class _DaemonThread:
     """A one-thread executor whose thread is a daemon (ThreadPoolExecutor joins its threads
-    at exit, so one hung env would hang the interpreter)."""
+    at exit, so one hung env would hang the interpreter). The thread ends on ``stop()`` or
+    when this object is garbage-collected, once its current job returns."""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._serve, args=(self._q,), name=name, daemon=True).start()
+        weakref.finalize(self, self._q.put, None)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -87,14 +89,16 @@ class _DaemonThread:
     def stop(self) -> None:
         self._q.put(None)
 
-    def _run(self) -> None:
-        while (item := self._q.get()) is not None:
+    @staticmethod
+    def _serve(q: queue.SimpleQueue) -> None:
+        while (item := q.get()) is not None:
             fut, fn = item
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
                 except BaseException as e:  # handed to the awaiting coroutine
                     fut.set_exception(e)
+            del item, fut, fn  # drop references to the env while idle
 
 
 class _ThreadBackend:
@@ -102,6 +106,7 @@ class _ThreadBackend:
         self._factory, self._name = factory, name
         self._worker: _DaemonThread | None = None
         self.env: Any = None
+        self.dead = False  # a thread never dies under us
 
     async def _sync(self, fn: Callable[[], Any]) -> Any:
         if self._worker is None:
@@ -185,6 +190,8 @@ class _ProcessBackend:
         self._proc: Any = None
         self._conn: Any = None
         self._seq = 0
+        self.dead = False
+        """True once the worker is gone (died, failed to build the env, or was killed)."""
 
     def _spawn(self) -> None:
         parent, child = self._ctx.Pipe()
@@ -211,6 +218,7 @@ class _ProcessBackend:
             try:
                 msg = await fut
             except (EOFError, OSError) as e:
+                self.dead = True
                 code = self._proc.exitcode if self._proc is not None else None
                 raise EnvError(f"env worker process died (exit code {code})") from e
             finally:
@@ -223,13 +231,18 @@ class _ProcessBackend:
 
     async def start(self) -> str:
         await asyncio.to_thread(self._spawn)
-        return await self._recv(0)
+        try:
+            return await self._recv(0)
+        except _RemoteError:
+            self.dead = True  # the worker exits after reporting a construction error
+            raise
 
     async def call(self, method: str, arg: Any) -> tuple[Any, list[str] | None]:
         self._seq += 1
         try:
             self._conn.send((self._seq, method, arg))
         except (BrokenPipeError, OSError) as e:
+            self.dead = True
             raise EnvError(f"env worker process is gone: {_describe(e)}") from e
         return await self._recv(self._seq)
 
@@ -242,6 +255,7 @@ class _ProcessBackend:
             self.kill()
 
     def kill(self) -> None:
+        self.dead = True
         if self._proc is not None and self._proc.pid is not None and self._proc.exitcode is None:
             self._proc.kill()
             self._proc.join(1.0)  # SIGKILL is immediate: this reaps the zombie
@@ -315,9 +329,11 @@ class EnvRunner:
             log.warning("env %s: %s; abandoning it (%s executor)", self.type, self.broken, self.executor)
             self._backend.kill()
             raise EnvTimeout(f"env {self.type!r} {self.broken}") from None
-        except EnvError:
-            raise
         except Exception as e:
+            if self._backend.dead and not self.broken:
+                self.broken = f"worker process gone after {what}"
+            if isinstance(e, EnvError):
+                raise
             raise EnvError(f"env {self.type!r} {what} failed: {_describe(e)}") from e
 
     def _check_usable(self) -> None:

@@ -1,0 +1,55 @@
+"""Token-level chat bookkeeping: prompts are appended as ids, history is never re-tokenised."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_A, _U = "\x00ASSISTANT\x00", "\x00USER\x00"
+
+
+class ChatFormat:
+    """Renders turns with the tokenizer's chat template, one delta at a time.
+
+    ``first_prompt`` renders system + first user message + generation prompt.
+    ``next_prompt`` renders only what follows a generated response: the end of the
+    assistant turn (unless the response already ended with it), the next user message
+    and the generation prompt. Decoding the concatenated ids gives the same text as
+    rendering the whole conversation at once.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": _A}]
+        a = self.render(msgs, generation_prompt=False)
+        b = self.render(msgs + [{"role": "user", "content": _U}], generation_prompt=True)
+        tail = b[a.index(_A) + len(_A):]
+        self._before_user, self._after_user = tail.split(_U)
+        self._eos_ids = {i for i in (tokenizer.eos_token_id,) if i is not None}
+        self._eos_text = tokenizer.eos_token or ""
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "ChatFormat":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
+
+    def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def first_prompt(self, system: str, user: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return self.encode(self.render(msgs, generation_prompt=True))
+
+    def next_prompt(self, response_ids: list[int], user: str) -> list[int]:
+        before = self._before_user
+        if response_ids and response_ids[-1] in self._eos_ids and before.startswith(self._eos_text):
+            before = before[len(self._eos_text):]
+        return self.encode(before + user + self._after_user)

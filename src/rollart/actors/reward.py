@@ -1,0 +1,122 @@
+"""RewardService: stateless scoring as a request/reply service in a queue group.
+
+Any number of replicas may join or leave at any time (reward as a service). Rule
+scorers answer at once; the ``model_logprob`` scorer gathers concurrent requests from
+many trajectories into one forward pass of a local causal LM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rollart import messages as m
+from rollart.actors.base import Actor, serve
+from rollart.actors.batching import Batcher
+
+_NUM = re.compile(r"^[-+]?\d+(\.\d+)?([eE][-+]?\d+)?$")
+
+
+def answer_match(response: str, answer: str, metadata: dict[str, str]) -> float:
+    """1.0 if the response equals the answer (numbers compared numerically), else 0.0."""
+    a, b = response.strip(), answer.strip()
+    if _NUM.match(a) and _NUM.match(b):
+        return float(math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-9))
+    return float(" ".join(a.lower().split()) == " ".join(b.lower().split()))
+
+
+def reasoning_gym_score(response: str, answer: str, metadata: dict[str, str]) -> float:
+    """The reasoning-gym dataset's own scorer for item ``metadata['index']``."""
+    from rollart.envs.reasoning import ReasoningGymEnv
+
+    if "dataset" not in metadata or "index" not in metadata:
+        raise ValueError("reasoning_gym scorer needs metadata 'dataset' and 'index'")
+    env = _rg_envs.get(metadata["dataset"])
+    if env is None:
+        env = _rg_envs[metadata["dataset"]] = ReasoningGymEnv(dataset=metadata["dataset"])
+    env.reset(int(metadata["index"]))
+    _, reward, *_ = env.step(response)
+    return float(reward)
+
+
+_rg_envs: dict[str, Any] = {}
+
+RULES = {"answer_match": answer_match, "reasoning_gym": reasoning_gym_score}
+
+
+@dataclass(kw_only=True, eq=False)
+class RewardService(Actor):
+    role = "reward"
+    model_path: str | None = None
+    """Local causal LM for ``model_logprob`` (loaded on first use)."""
+    gather_ms: float = 2.0
+    max_batch: int = 64
+    threads: int | None = 1
+
+    @classmethod
+    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "RewardService":
+        rc = run_cfg.reward
+        kw = dict(model_path=rc.model_path, gather_ms=rc.gather_ms, threads=run_cfg.model.threads)
+        kw.update(actor_cfg.args)
+        settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
+        return cls(run=run_cfg.run, pool=pool, name=f"reward-{pool}-{index}", settings=settings, **kw)
+
+    async def setup(self) -> None:
+        self._model = None
+        self.batcher: Batcher = Batcher(self._score_batch, gather_s=self.gather_ms / 1e3,
+                                        max_batch=self.max_batch)
+        self.served = 0
+
+    async def main(self) -> None:
+        await self.batcher.run()
+
+    @serve("reward.request", max_inflight=1024)
+    async def score(self, req: m.RewardRequest) -> m.RewardResult:
+        self.served += 1
+        if req.scorer in RULES:
+            fn = RULES[req.scorer]
+            return m.RewardResult(score=fn(req.response, req.answer, dict(req.metadata)),
+                                  replica=self.name)
+        if req.scorer == "model_logprob":
+            return m.RewardResult(score=await self.batcher.submit(req), replica=self.name)
+        raise ValueError(f"unknown scorer {req.scorer!r}; built-in: "
+                         f"{sorted([*RULES, 'model_logprob'])}")
+
+    async def _score_batch(self, reqs: list[m.RewardRequest]) -> list[float]:
+        if self.model_path is None:
+            raise ValueError("scorer 'model_logprob' needs reward.model_path")
+        return await asyncio.to_thread(self._forward, reqs)
+
+    def _forward(self, reqs: list[m.RewardRequest]) -> list[float]:
+        """exp(mean log-prob) of each ``answer`` given ``response`` as context, in one batch."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self._model is None:
+            if self.threads:
+                torch.set_num_threads(self.threads)
+            self._tok = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            self._model = AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True)
+            self._model.eval()
+        tok = self._tok
+        rows, spans = [], []
+        for r in reqs:
+            ctx = tok.encode(r.response, add_special_tokens=False) or [tok.eos_token_id]
+            tgt = tok.encode(r.answer, add_special_tokens=False) or [tok.eos_token_id]
+            rows.append(ctx + tgt)
+            spans.append((len(ctx), len(ctx) + len(tgt)))
+        width = max(len(x) for x in rows)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x in rows])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in rows])
+        with torch.no_grad():
+            logp = torch.log_softmax(self._model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+        out = []
+        for i, (a, b) in enumerate(spans):
+            pos = torch.arange(a - 1, b - 1)
+            lp = logp[i, pos, ids[i, a:b]]
+            out.append(float(lp.mean().exp()))
+        return out

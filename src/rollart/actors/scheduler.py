@@ -1,0 +1,194 @@
+"""RolloutScheduler: admission control for α, groups and redundancy.
+
+Groups of ``group_size + redundancy`` trajectories share a task seed. A group is
+delivered by its first ``group_size`` completions; the rest are cancelled (a command
+that EnvManagers honour; they report ``rollout.cancelled``). Admission never lets
+more than ``(v + alpha + 1) * batch_groups`` groups in, where ``v`` is the policy
+version in KV (DESIGN.md §4). In ``batch`` mode groups are admitted in waves of
+``batch_groups`` whose trajectories advance in lock step, and a wave starts only
+when the previous one is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollart import messages as m
+from rollart.actors.base import Actor, consume
+from rollart.actors.policy import watch_policy
+from rollart.bus.codec import DecodeError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def admissible(groups_admitted: int, version: int, alpha: int | None, batch_groups: int) -> bool:
+    """May one more group be admitted? (the α bound of DESIGN.md §4, counted in groups)"""
+    if alpha is None:
+        return True
+    return groups_admitted + 1 <= (version + alpha + 1) * batch_groups
+
+
+@dataclass
+class GroupState:
+    members: list[str]
+    need: int
+    completed: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+    admitted_at: float = field(default_factory=time.monotonic)
+    done_at: float | None = None
+
+    @property
+    def outcomes(self) -> int:
+        return len(self.completed) + len(self.cancelled) + len(self.dead)
+
+    @property
+    def done(self) -> bool:
+        return len(self.completed) >= self.need or self.outcomes >= len(self.members)
+
+
+@dataclass(kw_only=True, eq=False)
+class RolloutScheduler(Actor):
+    role = "scheduler"
+    rollout: Any
+    """:class:`rollart.config.RolloutConfig`."""
+    total_groups: int | None = None
+    """Stop admitting after this many groups (None: until stopped); ``all_done`` is set
+    once every member of every group has an outcome."""
+    bounded: bool = True
+    """Apply the α bound (False for evaluation runs with no trainer)."""
+    env: str | None = None
+    eval: bool = False
+    greedy: bool = False
+    prefix: str = "g"
+    keep_results: bool = False
+    """Keep every completed trajectory in ``results`` (for ``rollart rollout``)."""
+    results: list = field(default_factory=list)
+    groups: dict[str, GroupState] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "RolloutScheduler":
+        settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
+        return cls(run=run_cfg.run, pool=pool, settings=settings, rollout=run_cfg.rollout,
+                   **actor_cfg.args)
+
+    async def setup(self) -> None:
+        self.version = 0
+        self.admitted = 0
+        self.groups_done = 0
+        self.groups_settled = 0
+        self.max_admitted_ahead = 0
+        self.changed = asyncio.Condition()
+        self.all_done = asyncio.Event()
+        self.outcome_of: dict[str, str] = {}
+        self.extra_completions = 0
+
+    async def main(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch_version())
+            await self._admit_loop()
+
+    async def _watch_version(self) -> None:
+        async for pub in watch_policy(self.bus, self.run):
+            async with self.changed:
+                self.version = max(self.version, pub.version)
+                self.changed.notify_all()
+
+    def _may_admit(self) -> bool:
+        r = self.rollout
+        if not admissible(self.admitted, self.version, r.alpha if self.bounded else None,
+                          r.batch_groups):
+            return False
+        if r.mode == "batch" and self.admitted % r.batch_groups == 0:
+            return self.groups_done >= self.admitted  # a new wave waits for the last one
+        return True
+
+    async def _admit_loop(self) -> None:
+        while self.total_groups is None or self.admitted < self.total_groups:
+            async with self.changed:
+                await self.changed.wait_for(self._may_admit)
+            await self._admit_group(self.admitted)
+        if self.total_groups is not None:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.groups_settled >= self.total_groups)
+            self.all_done.set()
+
+    async def _admit_group(self, g: int) -> None:
+        r = self.rollout
+        gid = f"{self.prefix}{g:06d}"
+        n = r.group_size + r.redundancy
+        members = [f"{gid}-{i}" for i in range(n)]
+        self.groups[gid] = GroupState(members=members, need=r.group_size)
+        wave = g // r.batch_groups if r.mode == "batch" else -1
+        wave_size = n * min(r.batch_groups, (self.total_groups or 1 << 30) - wave * r.batch_groups) \
+            if wave >= 0 else 0
+        self.admitted += 1
+        self.max_admitted_ahead = max(self.max_admitted_ahead,
+                                      self.admitted - (self.version + 1) * r.batch_groups)
+        for i, tid in enumerate(members):
+            seed = r.seed + g if r.same_seed_per_group else r.seed + g * n + i
+            req = m.RolloutRequested(
+                traj_id=tid, group_id=gid, env=self.env or r.env, seed=seed, index_in_group=i,
+                admitted_version=self.version,
+                min_version=max(0, self.version - r.alpha) if self.bounded else 0,
+                eval=self.eval, greedy=self.greedy, created_at=time.time(),
+                wave=wave, wave_size=wave_size)
+            await self.publish("rollout.requested", req, msg_id=f"req:{self.run}:{tid}")
+
+    # -- outcomes ------------------------------------------------------------------
+    async def _record(self, traj_id: str, group_id: str, outcome: str) -> None:
+        g = self.groups.get(group_id)
+        if g is None or traj_id in self.outcome_of:
+            return
+        self.outcome_of[traj_id] = outcome
+        was_done = g.done
+        if outcome == "completed" and len(g.completed) >= g.need:
+            self.extra_completions += 1  # finished before it saw the cancel
+        getattr(g, outcome).append(traj_id)
+        if g.done and not was_done:
+            g.done_at = time.monotonic()
+            pending = [t for t in g.members if t not in self.outcome_of]
+            if pending:
+                await self.bus.publish_core(self.subject("rollout.cancel"), encode(
+                    m.CancelGroup(group_id=group_id, keep=list(g.completed))))
+            async with self.changed:
+                self.groups_done += 1
+                self.changed.notify_all()
+        if g.outcomes == len(g.members):
+            async with self.changed:
+                self.groups_settled += 1
+                self.changed.notify_all()
+
+    @consume("rollout.completed", max_inflight=64)
+    async def on_completed(self, msg: m.RolloutCompleted, delivery) -> None:
+        if self.keep_results and msg.group_id in self.groups and msg.traj_id not in self.outcome_of:
+            self.results.append(msg)
+        await self._record(msg.traj_id, msg.group_id, "completed")
+
+    @consume("rollout.cancelled", max_inflight=64)
+    async def on_cancelled(self, msg: m.RolloutCancelled, delivery) -> None:
+        await self._record(msg.traj_id, msg.group_id, "cancelled")
+
+    @consume("dead", max_inflight=64)
+    async def on_dead(self, msg: m.DeadLetter, delivery) -> None:
+        if ".rollout.requested." not in msg.subject:
+            return
+        try:
+            req = decode(m.RolloutRequested, msg.payload)
+        except DecodeError:
+            return
+        await self._record(req.traj_id, req.group_id, "dead")
+
+    def summary(self) -> dict[str, float]:
+        done = [g for g in self.groups.values() if g.done]
+        return {
+            "groups_admitted": self.admitted, "groups_done": len(done),
+            "completed": sum(len(g.completed) for g in self.groups.values()),
+            "cancelled": sum(len(g.cancelled) for g in self.groups.values()),
+            "dead": sum(len(g.dead) for g in self.groups.values()),
+            "extra_completions": self.extra_completions,
+        }

@@ -1,0 +1,41 @@
+"""Environments that misbehave on purpose, for rollout tests (imported by path from config)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+
+from rollart.envs.frozenlake import FrozenLakeEnv
+
+_counter = itertools.count()
+_lock = threading.Lock()
+
+
+class JitterLake(FrozenLakeEnv):
+    """FrozenLake whose steps take a random 0-200 ms, so group members finish apart."""
+
+    def step(self, action):
+        time.sleep(random.random() * 0.2)
+        return super().step(action)
+
+
+class FlakyLake(FrozenLakeEnv):
+    """30% of resets fail, deterministically: 3 of every 10 by a process-wide counter."""
+
+    def reset(self, seed):
+        with _lock:
+            n = next(_counter)
+        if n % 10 in (0, 3, 6):
+            raise ConnectionError(f"simulated sandbox failure #{n}")
+        return super().reset(seed)
+
+
+class HangLake(FrozenLakeEnv):
+    """The second step never returns (in time)."""
+
+    def step(self, action):
+        if self.steps >= 1:
+            time.sleep(30)
+        return super().step(action)
