@@ -14,7 +14,8 @@ def _role(cfg: RunConfig, role: str) -> ActorConfig:
 
 def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
                    keep_results: bool = False, greedy: bool = False, eval: bool = False,
-                   env: str | None = None, pool: str = "default") -> tuple[Actor, list[Actor]]:
+                   env: str | None = None, pool: str = "default",
+                   prefix: str = "g") -> tuple[Actor, list[Actor]]:
     """Scheduler, EnvManager, LLMProxy replicas and RewardService replicas for one host."""
     from rollart.actors.env_manager import EnvManager
     from rollart.actors.llm_proxy import LLMProxy
@@ -23,7 +24,7 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
 
     sched = RolloutScheduler.from_config(cfg, _role(cfg, "scheduler"), pool=pool)
     sched.total_groups, sched.bounded, sched.keep_results = groups, bounded, keep_results
-    sched.greedy, sched.eval, sched.env = greedy, eval, env
+    sched.greedy, sched.eval, sched.env, sched.prefix = greedy, eval, env, prefix
     actors: list[Actor] = [sched, EnvManager.from_config(cfg, _role(cfg, "env"), pool=pool)]
     for i in range(cfg.proxy.replicas):
         actors.append(LLMProxy.from_config(cfg, _role(cfg, "generate"), pool=pool, index=i))

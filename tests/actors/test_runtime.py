@@ -12,7 +12,6 @@ from rollart.actors.base import RemoteError
 from rollart.node import Node
 from tests.actors.sample_actors import EchoEnv, ScoreService, collect, new_run, request
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 async def test_requests_complete_and_leave_nothing_in_the_work_queue(bus):

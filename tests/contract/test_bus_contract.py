@@ -14,7 +14,6 @@ import pytest
 
 from rollart.bus import BusTimeout, ConsumerSpec, NoResponders, Retention, StreamSpec
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from rollart.launch import rollout_actors
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 def make_cfg(tiny_model, env: dict | None = None, **rollout) -> RunConfig:

@@ -18,7 +18,6 @@ from rollart.bus.nats import NatsBus
 from rollart.bus.server import EmbeddedServer
 from tests.actors.sample_actors import collect, request
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -39,6 +39,8 @@ class LLMProxy(Actor):
     seed: int = 0
     version_wait: float = 60.0
     """Seconds a request may wait for a newer policy than the loaded one."""
+    initial_weights: str | None = None
+    """A safetensors file to load (as version 0) instead of the model folder's weights."""
     engine_obj: Any = field(default=None, repr=False)
     """An engine instance to use instead of building one (embedding, tests)."""
 
@@ -62,6 +64,8 @@ class LLMProxy(Actor):
 
             self.engine_obj = await asyncio.to_thread(
                 TorchGenerationEngine, self.model_dir, threads=self.threads, seed=self.seed)
+        if self.initial_weights:
+            await asyncio.to_thread(self.engine_obj.load_weights, self.initial_weights, 0)
         self._lock = asyncio.Lock()
         self._loaded = asyncio.Condition()
         self._target: m.PolicyPublished | None = None
