@@ -124,6 +124,104 @@ async def rollout_main(args) -> int:
     return 0
 
 
+# -- rollart run -----------------------------------------------------------------------
+
+
+async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies) -> dict:
+    """Greedy success of the policy ``version`` on ``groups`` fresh groups."""
+    from rollart.launch import rollout_actors
+    from rollart.node import Node
+
+    deadline = time.monotonic() + 60
+    while any(p.version < version for p in proxies) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    sched, _ = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True, greedy=True,
+                              eval=True, prefix=f"eval{version}-")
+    async with Node(bus, [sched], heartbeat_every=0):
+        await sched.all_done.wait()
+    res = sched.results
+    return {"version": version, "greedy_success": sum(r.success for r in res) / max(1, len(res)),
+            "greedy_reward": sum(r.reward for r in res) / max(1, len(res)), "trajectories": len(res)}
+
+
+async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool = False) -> dict:
+    """Run the whole training job of ``cfg`` on one host; returns the final summary."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rollart.launch import training_actors
+    from rollart.node import Node
+    from rollart.telemetry.report import plot
+
+    run_path = Path(cfg.run_dir) / cfg.run
+    async with open_bus(cfg, nats) as bus:
+        sched, trainer, actors = training_actors(cfg, resume=resume)
+        with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=quiet) as bar:
+            task = bar.add_task("steps", total=cfg.trainer.steps, info="starting")
+
+            def on_step(mt: dict) -> None:
+                split = " ".join(f"{k[5:-2]} {mt[k]:.2f}" for k in ("traj_generate_s", "traj_step_s"))
+                bar.update(task, completed=mt["step"], info=(
+                    f"v{mt['version']} reward {mt['reward']:.2f} success {mt['success']:.2f} "
+                    f"tok/s {mt['gen_tokens'] / max(1e-9, mt['train_s'] + mt['wait_s']):.0f} "
+                    f"stale {mt['staleness']:.1f} | per traj {split} | train {mt['train_s']:.2f}s "
+                    f"wait {mt['wait_s']:.2f}s"))
+
+            trainer.on_step = on_step
+            t0 = time.perf_counter()
+            async with Node(bus, actors, heartbeat_every=cfg.node.heartbeat_every,
+                            grace=cfg.node.grace, handle_signals=True) as node:
+                done = asyncio.ensure_future(trainer.finished.wait())
+                stop = asyncio.ensure_future(node.wait())
+                await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                interrupted = not done.done()
+                done.cancel()
+                final = {}
+                if not interrupted:
+                    proxies = [a for a in actors if a.role == "generate"]
+                    final = await evaluate(bus, cfg, trainer.version, cfg.trainer.eval_groups, proxies)
+            wall = time.perf_counter() - t0
+    summary = {"run": cfg.run, "steps": trainer.version, "wall_s": wall,
+               "interrupted": interrupted, **final}
+    if trainer.history:
+        summary["plot"] = str(await asyncio.to_thread(plot, run_path))
+    (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+async def run_main(args) -> int:
+    import yaml
+
+    if args.resume:
+        run_path = Path(args.resume)
+        cfg = load(run_path / "config.yaml", RunConfig)
+        cfg = msgspec.structs.replace(cfg, run_dir=str(run_path.parent))
+    else:
+        cfg = load(args.config, RunConfig)
+        if args.run:
+            cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
+        if args.steps:
+            cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, steps=args.steps))
+        run_path = Path(cfg.run_dir) / cfg.run
+        if run_path.exists() and any(run_path.iterdir()):
+            raise ValueError(f"run folder {run_path} exists: continue it with "
+                             f"`rollart run --resume {run_path}` or pick another --run name")
+        run_path.mkdir(parents=True, exist_ok=True)
+        (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+    summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet)
+    print(json.dumps(summary, indent=2))
+    return 130 if summary["interrupted"] else 0
+
+
+async def report_main(args) -> int:
+    from rollart.telemetry.report import plot, table
+
+    print(table(args.run_dir, every=args.every))
+    print(f"plot: {plot(args.run_dir)}")
+    return 0
+
+
 # -- argument parsing ----------------------------------------------------------------
 
 
@@ -133,6 +231,22 @@ def build_parser() -> argparse.ArgumentParser:
         "every command starts an embedded nats-server under the run folder."))
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("run", help="train: every role on this host (the main job)",
+                       description="Train the policy of CONFIG on one host: embedded nats-server "
+                                   "(or --nats), all roles in-process. Writes runs/<run>/.")
+    t.add_argument("config", nargs="?", help="run config (YAML)")
+    t.add_argument("--nats", default=None, help="NATS URL, or 'memory' for the in-process bus")
+    t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a stopped run")
+    t.add_argument("--run", default=None, help="override the run name")
+    t.add_argument("--steps", type=int, default=None, help="override trainer.steps")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(fn=run_main)
+
+    rp = sub.add_parser("report", help="table and plot of a run folder")
+    rp.add_argument("run_dir", help="runs/<run>")
+    rp.add_argument("--every", type=int, default=1, help="print every N-th step")
+    rp.set_defaults(fn=report_main)
 
     r = sub.add_parser("rollout", help="roll out the current policy; write one JSON line per trajectory",
                        description="Run the configured envs with the current policy (also how "
@@ -177,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollart.node import main as node_main
 
         return node_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "run" and not (args.config or args.resume):
+        parser.error("rollart run needs CONFIG or --resume RUN_DIR")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()

@@ -23,6 +23,10 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     from rollart.actors.scheduler import RolloutScheduler
 
     sched = RolloutScheduler.from_config(cfg, _role(cfg, "scheduler"), pool=pool)
+    if prefix != "g":  # a second scheduler on the same run reads every outcome itself
+        sched.name = f"scheduler-{prefix.strip('-')}"
+        sched.settings = {h: {"durable": f"{sched.name}-{h}".replace("_", "-")}
+                          for h in ("on_completed", "on_cancelled", "on_dead")}
     sched.total_groups, sched.bounded, sched.keep_results = groups, bounded, keep_results
     sched.greedy, sched.eval, sched.env, sched.prefix = greedy, eval, env, prefix
     actors: list[Actor] = [sched, EnvManager.from_config(cfg, _role(cfg, "env"), pool=pool)]
@@ -42,3 +46,14 @@ def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
         else:
             out = msgspec.structs.replace(out, **{name: msgspec.structs.replace(getattr(out, name), **values)})
     return out
+
+
+def training_actors(cfg: RunConfig, *, resume: bool = False, pool: str = "default"):
+    """Everything ``rollart run`` hosts in one process: rollout actors plus the Trainer."""
+    from rollart.actors.trainer import Trainer
+
+    sched, actors = rollout_actors(cfg, groups=None, bounded=True, pool=pool)
+    sched.resume = resume
+    trainer = Trainer.from_config(cfg, _role(cfg, "trainer"), pool=pool)
+    trainer.resume = resume
+    return sched, trainer, actors + [trainer]

@@ -48,18 +48,23 @@ class RolloutRequested(Message, frozen=True, kw_only=True):
     eval: bool = False
     greedy: bool = False
     created_at: float = 0.0
+    group_index: int = -1
+    """Admission order of the group (the trainer takes groups oldest first)."""
     wave: int = -1
     """Batch mode only: trajectories of one wave advance turn by turn in lock step."""
     wave_size: int = 0
 
 
 class TurnRecord(Message, frozen=True, kw_only=True):
-    prompt_len: int
+    start: int
+    """Index in ``token_ids`` of the turn's first generated token."""
     response_len: int
     version: int
     action: str = ""
     reward: float = 0.0
     format_ok: bool = True
+    choices: list[list[int]] = []
+    """Token sequences decoding was constrained to (empty: free text)."""
 
 
 class RolloutCompleted(Message, frozen=True, kw_only=True):
@@ -90,6 +95,8 @@ class RolloutCompleted(Message, frozen=True, kw_only=True):
     eval: bool = False
     attempt: int = 1
     finished_at: float = 0.0
+    group_index: int = -1
+    admitted_version: int = 0
 
 
 class RolloutCancelled(Message, frozen=True, kw_only=True):

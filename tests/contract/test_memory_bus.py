@@ -479,10 +479,10 @@ async def test_close_cancels_every_timer_and_task():
     await bus.close()
     assert not bus.connected
     with pytest.raises(BusError):
-        await request
+        await asyncio.wait_for(request, 2)
     with pytest.raises(BusError):
-        await parked
+        await asyncio.wait_for(parked, 2)
     with pytest.raises(StopAsyncIteration):
-        await watching
+        await asyncio.wait_for(watching, 2)
     assert our_timers() == []
     assert our_tasks() == []

@@ -152,7 +152,8 @@ class EnvManager(Actor):
                     break
                 await self._sync(req, tr)
                 legal = runner.legal_actions() if cfg.constrain else None
-                res = await self._generate(req, cfg, tr, legal)
+                res, choices = await self._generate(req, cfg, tr, legal)
+                start = len(tr.token_ids)
                 tr.add_response(res.token_ids, res.logprobs, res.version)
                 text = self.chat.decode(res.token_ids)
                 action = text.strip() if legal else parse_action(text, cfg.action_pattern)
@@ -171,9 +172,10 @@ class EnvManager(Actor):
                     tr.timings["step"] += time.perf_counter() - t0
                 reward += float(r)
                 success = bool(info.get("success", success))
-                tr.turns.append(m.TurnRecord(prompt_len=0, response_len=len(res.token_ids),
+                tr.turns.append(m.TurnRecord(start=start, response_len=len(res.token_ids),
                                              version=res.version, action=action or text[:64],
-                                             reward=float(r), format_ok=format_ok))
+                                             reward=float(r), format_ok=format_ok,
+                                             choices=choices))
                 if term or trunc:
                     stop = "terminated" if term else "truncated"
                     break
@@ -190,7 +192,8 @@ class EnvManager(Actor):
             logprobs=tr.logprobs, token_versions=tr.versions, turns=tr.turns,
             min_version=min(versions), max_version=max(versions), reward=reward, success=success,
             stop_reason=stop, timings=tr.timings, eval=req.eval,
-            attempt=delivery.num_delivered, finished_at=time.time())
+            attempt=delivery.num_delivered, finished_at=time.time(),
+            group_index=req.group_index, admitted_version=req.admitted_version)
 
     def _user(self, cfg: Any, obs: str, turn: int) -> str:
         return cfg.turn_template.format(observation=obs, turn=turn)
@@ -224,21 +227,23 @@ class EnvManager(Actor):
         raise Reject(f"env_reset_failed after {cfg.reset_retries + 1} attempts: {last}")
 
     async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
-                        legal: list[str] | None) -> m.GenerateResult:
+                        legal: list[str] | None) -> tuple[m.GenerateResult, list[list[int]]]:
         s = cfg.sampling
+        choices = [self.chat.encode(a) for a in legal] if legal else []
         gen = m.GenerateRequest(
             traj_id=req.traj_id, prompt_ids=tr.token_ids,
             sampling=m.SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                                       top_p=s.top_p),
-            choices=[self.chat.encode(a) for a in legal] if legal else [],
+            choices=choices,
             min_version=max(req.min_version, self.version - self.rollout.alpha),
             greedy=req.greedy)
         t0 = time.perf_counter()
         try:
             for attempt in range(1, self.rollout.generate_retries + 2):
                 try:
-                    return await self.request("generate.request", gen,
-                                              timeout=self.rollout.generate_timeout)
+                    res = await self.request("generate.request", gen,
+                                             timeout=self.rollout.generate_timeout)
+                    return res, choices
                 except (BusError, RemoteError) as e:
                     if attempt > self.rollout.generate_retries:
                         raise

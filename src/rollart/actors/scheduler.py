@@ -65,6 +65,8 @@ class RolloutScheduler(Actor):
     eval: bool = False
     greedy: bool = False
     prefix: str = "g"
+    resume: bool = False
+    """Continue the admission count stored in KV by an earlier process of this run."""
     keep_results: bool = False
     """Keep every completed trajectory in ``results`` (for ``rollart rollout``)."""
     results: list = field(default_factory=list)
@@ -86,6 +88,16 @@ class RolloutScheduler(Actor):
         self.all_done = asyncio.Event()
         self.outcome_of: dict[str, str] = {}
         self.extra_completions = 0
+        self.kv = await self.bus.key_value(m.kv_bucket(self.run))
+        if self.resume:
+            e = await self.kv.get(self._kv_key)
+            if e and e.value:
+                self.admitted = self.groups_done = self.groups_settled = int(e.value)
+                log.info("%s resumes after %d admitted groups", self.name, self.admitted)
+
+    @property
+    def _kv_key(self) -> str:
+        return f"scheduler.{self.prefix.strip('-') or 'g'}.admitted"
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -97,6 +109,16 @@ class RolloutScheduler(Actor):
             async with self.changed:
                 self.version = max(self.version, pub.version)
                 self.changed.notify_all()
+
+    def _min_version(self) -> int:
+        """Oldest policy the trajectory's turns may use. With ``stale: wait`` it is the
+        version at admission, so that the trainer, taking groups in admission order, never
+        sees a group older than its bound; otherwise ``v - alpha``."""
+        if not self.bounded:
+            return 0
+        if self.rollout.stale == "wait":
+            return self.version
+        return max(0, self.version - self.rollout.alpha)
 
     def _may_admit(self) -> bool:
         r = self.rollout
@@ -134,10 +156,12 @@ class RolloutScheduler(Actor):
             req = m.RolloutRequested(
                 traj_id=tid, group_id=gid, env=self.env or r.env, seed=seed, index_in_group=i,
                 admitted_version=self.version,
-                min_version=max(0, self.version - r.alpha) if self.bounded else 0,
+                min_version=self._min_version(),
+                group_index=g,
                 eval=self.eval, greedy=self.greedy, created_at=time.time(),
                 wave=wave, wave_size=wave_size)
             await self.publish("rollout.requested", req, msg_id=f"req:{self.run}:{tid}")
+        await self.kv.put(self._kv_key, str(self.admitted).encode())
 
     # -- outcomes ------------------------------------------------------------------
     async def _record(self, traj_id: str, group_id: str, outcome: str) -> None:

@@ -129,6 +129,8 @@ class Stream:
     def update(self, spec: StreamSpec) -> None:
         self.spec = spec
         self._matchers = [compile_matcher(s) for s in spec.subjects]
+        if spec.max_age > 0 and not self._aging:  # max_age newly set: age what is stored
+            self._aging.extend((m.time, seq) for seq, m in self.messages.items())
 
     def owns(self, subject: str) -> bool:
         return any(m(subject) for m in self._matchers)
@@ -163,8 +165,9 @@ class Stream:
         self.last_seq = seq = self.last_seq + 1
         self.messages[seq] = StoredMsg(subject, data, headers, seq, now)
         self.bytes += len(data)
-        if msg_id is not None and self.spec.duplicate_window > 0:
-            until = now + self.spec.duplicate_window
+        if msg_id is not None:
+            window = self.spec.duplicate_window
+            until = now + (window if window > 0 else 120.0)  # NATS: 0 means the 2 min default
             self._dedupe[msg_id] = (seq, until)
             self._dedupe_q.append((until, msg_id))
         if self.spec.max_age > 0:

@@ -93,7 +93,23 @@ def _explain(msg: str, root: type, prefix: str = "") -> str:
     if missing:
         full = f"{key}.{missing.group(1)}" if (path or prefix) else missing.group(1)
         return f"missing required key '{full}'"
+    if text.startswith("Invalid enum value"):
+        allowed = _literal_values(root, path)
+        if allowed:
+            text += f"; allowed: {', '.join(map(repr, allowed))}"
     return f"{key}: {text}"
+
+
+def _literal_values(root: type, path: str) -> tuple:
+    *parent, last = path.rsplit(".", 1) if "." in path else ("", path)
+    owner = _resolve(root, parent[0] if parent else "")
+    if not _is_struct(owner):
+        return ()
+    ann = typing.get_type_hints(owner).get(last.strip("."))
+    for t in (ann, *typing.get_args(ann)):
+        if typing.get_origin(t) is typing.Literal:
+            return typing.get_args(t)
+    return ()
 
 
 def _is_struct(t: Any) -> bool:

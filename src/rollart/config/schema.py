@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -102,7 +102,7 @@ class EnvConfig(Base):
     """Built-in name (frozenlake, sokoban, reasoning_gym) or ``pkg.module:Class``."""
     args: dict[str, Any] = {}
     """Keyword arguments of the env class."""
-    executor: str = "thread"
+    executor: Literal["thread", "process"] = "thread"
     """Where a sync env runs: ``thread`` or ``process``."""
     max_turns: int = 8
     """Turns at most; then the trajectory stops with ``max_turns``."""
@@ -131,7 +131,7 @@ class EnvConfig(Base):
 
 
 class RolloutConfig(Base):
-    mode: str = "trajectory"
+    mode: Literal["trajectory", "batch"] = "trajectory"
     """``trajectory`` (each trajectory advances on its own) or ``batch`` (lock-step turns)."""
     env: str = "main"
     """Key of ``envs`` to roll out in (training)."""
@@ -143,8 +143,10 @@ class RolloutConfig(Base):
     """Groups per training step."""
     alpha: int = 1
     """Asynchrony bound: a step producing version v+1 uses trajectories of version >= v - alpha."""
-    stale: str = "wait"
-    """What to do with a trajectory beyond the bound: ``wait``, ``drop`` or ``restart``."""
+    stale: Literal["wait", "drop", "restart"] = "wait"
+    """A trajectory beyond the bound: ``wait`` (the trainer waits for groups in admission
+    order and turns use at least the admission version, so none is ever stale), ``drop``
+    (discard it) or ``restart`` (discard and roll the task out again)."""
     concurrency: int = 64
     """Trajectories one EnvManager runs at once."""
     generate_timeout: float = 60.0
@@ -180,12 +182,50 @@ class RewardConfig(Base):
 
 
 class TrainerConfig(Base):
-    """Filled in by the training issue."""
+    """Training: algorithm, optimizer, weight sync and checkpoints."""
 
     steps: int = 20
     """Optimizer steps (policy versions) to train."""
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator (drgrpo: group mean baseline without std normalisation)."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+    warmup_steps: int = 0
+    """Linear LR warm-up steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warm-up."""
+    clip_low: float = 0.2
+    """PPO lower clip."""
+    clip_high: float = 0.2
+    """PPO upper clip."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """Loss aggregation."""
+    is_cap: float | None = 2.0
+    """Cap of the truncated importance weight between trainer and rollout log-probs (none: off)."""
+    decoupled: bool = False
+    """Decoupled PPO objective (tokens whose IS weight exceeds the cap get weight 0)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to the initial policy."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens per micro-batch (gradient accumulation above it)."""
+    weights: Literal["file", "object"] = "file"
+    """Where weights travel: the run folder (shared filesystem) or the bus object store."""
+    checkpoint_every: int = 1
+    """Steps between checkpoints; trajectories are acked only once checkpointed."""
+    keep_weights: int = 3
+    """Weight files kept on disk (older versions are deleted)."""
+    seed: int = 0
+    """Seed of the trainer."""
+    eval_every: int = 0
+    """Steps between greedy evaluations on fresh groups (0: only at the end)."""
+    eval_groups: int = 4
+    """Groups per greedy evaluation."""
 
 
 class RunConfig(Base):

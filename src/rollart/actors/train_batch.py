@@ -1,0 +1,74 @@
+"""From completed trajectories to the trainer's samples, loss settings and step statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollart import messages as m
+
+
+def allowed_per_token(t: m.RolloutCompleted) -> list[list[int] | None] | None:
+    """The constrained-decoding token sets of every generated token (None: free)."""
+    from rollart.engines.torch_engine import allowed_after
+
+    if not any(turn.choices for turn in t.turns):
+        return None
+    allowed: list[list[int] | None] = [None] * len(t.token_ids)
+    for turn in t.turns:
+        if not turn.choices:
+            continue
+        resp = t.token_ids[turn.start: turn.start + turn.response_len]
+        for k in range(len(resp)):
+            allowed[turn.start + k] = allowed_after(turn.choices, resp[:k])
+    return allowed
+
+
+def advantages(rewards: list[float], groups: list[int], kind: str) -> list[float]:
+    import torch
+
+    from rollart.algos import advantages as adv
+
+    r = torch.tensor(rewards, dtype=torch.float32)
+    if kind == "grpo":
+        a = adv.grpo_advantages(r, groups, std_normalize=True)
+    elif kind == "drgrpo":
+        a = adv.grpo_advantages(r, groups, std_normalize=False)
+    elif kind == "rloo":
+        a = adv.rloo_advantages(r, groups)
+    elif kind == "reinforce_pp":
+        a = adv.reinforce_pp_advantages(r, groups)
+    else:
+        raise ValueError(f"unknown advantage {kind!r}")
+    return [float(x) for x in a]
+
+
+def build_samples(trajs: list[m.RolloutCompleted], groups: list[int], kind: str) -> list:
+    from rollart.engines.torch_trainer import TrainSample
+
+    advs = advantages([t.reward for t in trajs], groups, kind)
+    return [TrainSample(token_ids=list(t.token_ids), response_mask=list(t.response_mask),
+                        behav_logprobs=list(t.logprobs), advantage=a, allowed=allowed_per_token(t))
+            for t, a in zip(trajs, advs)]
+
+
+def loss_config(t: Any):
+    from rollart.algos.losses import LossConfig
+
+    return LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, agg=t.agg, is_cap=t.is_cap,
+                      decoupled=t.decoupled, entropy_coef=t.entropy_coef, kl_coef=t.kl_coef)
+
+
+def trajectory_stats(trajs: list[m.RolloutCompleted], version: int) -> dict[str, float]:
+    n = len(trajs) or 1
+    stages = ("reset", "generate", "step", "reward", "wait")
+    out = {
+        "reward": sum(t.reward for t in trajs) / n,
+        "success": sum(t.success for t in trajs) / n,
+        "turns": sum(len(t.turns) for t in trajs) / n,
+        "ctx_tokens": float(sum(len(t.token_ids) for t in trajs)),
+        "gen_tokens": float(sum(sum(t.response_mask) for t in trajs)),
+        "staleness": sum(version - t.min_version for t in trajs) / n,
+        "max_staleness": float(max((version - t.min_version for t in trajs), default=0)),
+    }
+    out.update({f"traj_{s}_s": sum(t.timings.get(s, 0.0) for t in trajs) / n for s in stages})
+    return out
