@@ -38,7 +38,7 @@ async def open_bus(cfg: RunConfig, nats: str | None):
         from rollart.bus.server import EmbeddedServer
 
         server = EmbeddedServer(Path(cfg.run_dir) / cfg.run / "nats")
-        await asyncio.to_thread(server.start)
+        server.start()  # in this thread: the server gets SIGTERM when it exits
         url = server.url
         log.info("embedded nats-server at %s", url)
     from rollart.bus.nats import NatsBus

