@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
@@ -240,10 +241,26 @@ class _NatsSubscription(Subscription):
 
 
 # -- state -------------------------------------------------------------------------
+class _Watch:
+    """One live nats-py key watcher; stopped on reconnect (to be re-made) or on close."""
+
+    __slots__ = ("watcher", "restart")
+
+    def __init__(self, watcher) -> None:
+        self.watcher = watcher
+        self.restart = False
+
+    async def stop(self, restart: bool = False) -> None:
+        self.restart = restart
+        with contextlib.suppress(nats.errors.Error):  # already stopped
+            await self.watcher.stop()  # also wakes the iterator with a stop marker
+
+
 class _NatsKeyValue(KeyValue):
-    def __init__(self, kv, bucket: str) -> None:
+    def __init__(self, kv, bucket: str, bus: "NatsBus") -> None:
         self._kv = kv
         self._bucket = bucket
+        self._bus = bus
 
     async def get(self, key: str) -> KVEntry | None:
         with _translated(f"kv get {self._bucket}/{key}"):
@@ -262,17 +279,39 @@ class _NatsKeyValue(KeyValue):
             await self._kv.delete(key)
 
     async def watch(self, key: str) -> AsyncIterator[KVEntry]:
-        with _translated(f"kv watch {self._bucket}/{key}"):
-            watcher = await self._kv.watch(key)
-        try:
-            async for e in watcher:
-                if e is None:  # nats-py's "initial values done" marker
-                    continue
-                deleted = e.operation in ("DEL", "PURGE")
-                yield KVEntry(key=e.key, value=None if deleted else e.value, revision=e.revision, deleted=deleted)
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await watcher.stop()
+        # nats-py watches through an in-memory ordered consumer, which a server restart
+        # loses; nats-py notices only after missing heartbeats for ~10 s. So the bus
+        # stops every watcher on reconnect and this loop makes a new one, skipping
+        # revisions already yielded.
+        what = f"kv watch {self._bucket}/{key}"
+        last, delay, first = 0, 0.05, True
+        while True:
+            try:
+                with _translated(what):
+                    watcher = await self._kv.watch(key)
+            except BusError as err:
+                if first or self._bus._closed:
+                    raise  # the first watch fails loudly
+                log.warning("%s: re-watch failed (%s); retrying", what, err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            first, delay = False, 0.05
+            rec = _Watch(watcher)
+            self._bus._watches.add(rec)
+            try:
+                async for e in watcher:
+                    if e is None or e.revision <= last:  # None: nats-py's "initial values done"
+                        continue
+                    last = e.revision
+                    deleted = e.operation in ("DEL", "PURGE")
+                    yield KVEntry(key=e.key, value=None if deleted else e.value, revision=e.revision, deleted=deleted)
+            finally:
+                self._bus._watches.discard(rec)
+                if not rec.restart:
+                    await rec.stop()
+            if not rec.restart or self._bus._closed:
+                return
 
 
 class _NatsObjectStore(ObjectStore):
@@ -324,6 +363,7 @@ class NatsBus(Bus):
         self._js = None
         self._subs: list[_NatsSubscription] = []
         self._pull_subs: set = set()  # nats-py pull subscriptions of our consumers
+        self._watches: set[_Watch] = set()
         self._closed = False
         self._outage_logged = False
 
@@ -332,19 +372,23 @@ class NatsBus(Bus):
         if self._nc is not None:
             return
         nc = NATS()
+        # With max_reconnect_attempts=-1 nats-py retries the *first* connect forever
+        # too; retry it for about connect_timeout, then reconnect forever once up.
+        attempts = max(1, math.ceil(self.connect_timeout / max(self.reconnect_time_wait, 0.01)))
         with _translated(f"connect to {self.url}"):
             await nc.connect(
                 servers=[self.url],
                 name=self.name,
                 connect_timeout=self.connect_timeout,
                 reconnect_time_wait=self.reconnect_time_wait,
-                max_reconnect_attempts=-1,
+                max_reconnect_attempts=attempts,
                 error_cb=self._on_error,
                 disconnected_cb=self._on_disconnected,
                 reconnected_cb=self._on_reconnected,
                 drain_timeout=self.drain_timeout,
             )
-        self._nc, self._js, self._closed = nc, nc.jetstream(), False
+        nc.options["max_reconnect_attempts"] = -1
+        self._nc, self._js, self._closed, self._outage_logged = nc, nc.jetstream(), False, False
 
     async def _on_error(self, err: Exception) -> None:
         # Logged once per outage: every failed reconnect attempt also lands here.
@@ -361,6 +405,8 @@ class NatsBus(Bus):
     async def _on_reconnected(self) -> None:
         self._outage_logged = False
         log.info("nats %s: reconnected", self.url)
+        for rec in list(self._watches):
+            await rec.stop(restart=True)
 
     async def close(self) -> None:
         nc, self._nc = self._nc, None
@@ -375,6 +421,8 @@ class NatsBus(Bus):
             )
         except asyncio.TimeoutError:
             log.warning("nats %s: handlers still running after %.1fs; cancelling them", self.url, self.drain_timeout)
+        for rec in list(self._watches):
+            await rec.stop()  # ends the watch iterators
         for sub in list(self._pull_subs):
             # nats-py's drain waits until each subscription's queue is marked done,
             # which fetch never does for what it takes from a pull inbox (nor for
@@ -500,7 +548,7 @@ class NatsBus(Bus):
                 kv = await js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
                 kv = await js.create_key_value(bucket=bucket, history=1, direct=True)
-        return _NatsKeyValue(kv, bucket)
+        return _NatsKeyValue(kv, bucket, self)
 
     async def object_store(self, bucket: str) -> ObjectStore:
         js = self._jetstream()
