@@ -214,6 +214,18 @@ async def run_main(args) -> int:
     return 130 if summary["interrupted"] else 0
 
 
+async def top_main(args) -> int:
+    from rollart.bus.nats import NatsBus
+    from rollart.telemetry.monitor import top
+
+    async with NatsBus(args.nats, name="rollart-top") as bus:
+        try:
+            await top(bus, m.check_token("run", args.run), duration=args.duration)
+        except asyncio.CancelledError:
+            pass
+    return 0
+
+
 async def report_main(args) -> int:
     from rollart.telemetry.report import plot, table
 
@@ -242,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, help="override trainer.steps")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=run_main)
+
+    tp = sub.add_parser("top", help="live subject-level view of a run",
+                        description="Message rates per subject, nodes, policy version and "
+                                    "replicas, trajectory outcomes and time split.")
+    tp.add_argument("--nats", required=True, help="NATS URL of the run's server")
+    tp.add_argument("--run", required=True, help="run name")
+    tp.add_argument("--duration", type=float, default=None, help="stop after N seconds")
+    tp.set_defaults(fn=top_main)
 
     rp = sub.add_parser("report", help="table and plot of a run folder")
     rp.add_argument("run_dir", help="runs/<run>")

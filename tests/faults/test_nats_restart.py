@@ -30,11 +30,11 @@ def server(tmp_path):
         srv.stop()
 
 
-async def wait_for(cond, deadline: float, what: str, step: float = 0.02):
+async def wait_for(cond, deadline: float, what: str, step: float = 0.02, state=lambda: ""):
     end = time.monotonic() + deadline
     while not cond():
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline}s waiting for {what}")
+            raise AssertionError(f"timed out after {deadline}s waiting for {what} {state()}")
         await asyncio.sleep(step)
 
 
@@ -78,7 +78,10 @@ async def test_acked_publishes_survive_kill9(server):
         # The first failure is the publish in flight at the crash (lost); the second was
         # sent while disconnected, so nats-py buffers it and the server stores it after
         # the reconnect although the caller saw a timeout: only msg_id dedupes its retry.
-        await wait_for(lambda: len(failures) >= 2, 10, "two publishes to fail during the outage")
+        await wait_for(
+            lambda: len(failures) >= 2, 10, "two publishes to fail during the outage",
+            state=lambda: f"(acked {len(acked)}, failures {failures}, publisher {task})",
+        )
         assert all(isinstance(e, BusError) for e in failures)
         server.start()
         await asyncio.wait_for(task, 60)

@@ -74,28 +74,27 @@ class ConsumerLoop:
         assert self.consumer is not None, "bind() first"
         s = self.h.settings
         failures = 0
+        self._free = s.max_inflight
+        self._room = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
-            slots = asyncio.Semaphore(s.max_inflight)
             while not self._stopping.is_set():
-                await slots.acquire()
-                free = 1
-                while free < s.max_inflight and not slots.locked():
-                    await slots.acquire()
-                    free += 1
+                if self._free <= 0:  # every slot busy: wait for a handler to finish
+                    self._room.clear()
+                    await _sleep_or_stop(self._room, 0.5)
+                    continue
                 try:
-                    batch = await self.consumer.fetch(free, timeout=0.5)
+                    batch = await self.consumer.fetch(self._free, timeout=0.5)
                     failures = 0
                 except BusError as e:
                     failures += 1
                     delay = backoff(failures, cap=5.0)
                     log.warning("%s fetch on %s failed (%s); retry in %.2fs",
                                 self.actor.name, self.h.subject, e, delay)
-                    batch = []
                     await _sleep_or_stop(self._stopping, delay)
-                for _ in range(free - len(batch)):
-                    slots.release()
+                    continue
+                self._free -= len(batch)
                 for d in batch:
-                    t = tg.create_task(self._guarded(d, slots))
+                    t = tg.create_task(self._guarded(d))
                     self._inflight.add(t)
                     t.add_done_callback(self._inflight.discard)
             await self._finish_inflight(grace)
@@ -107,7 +106,7 @@ class ConsumerLoop:
         for t in pending:
             t.cancel()  # the handler's delivery is nak'ed by _handle
 
-    async def _guarded(self, d: Delivery, slots: asyncio.Semaphore) -> None:
+    async def _guarded(self, d: Delivery) -> None:
         self.stats.inflight += 1
         try:
             await self._handle(d)
@@ -115,7 +114,8 @@ class ConsumerLoop:
             log.warning("%s lost the outcome of seq=%s: %s", self.actor.name, d.stream_seq, e)
         finally:
             self.stats.inflight -= 1
-            slots.release()
+            self._free += 1
+            self._room.set()
 
     async def _handle(self, d: Delivery) -> None:
         s, h = self.h.settings, self.h

@@ -1,0 +1,33 @@
+"""The monitor sees what flows on a run's subjects, decoded by the subject table."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rollart.telemetry.monitor import RunMonitor
+from tests.e2e.test_rollout import make_cfg, run_groups
+
+
+async def test_monitor_counts_a_rollout(bus, tiny_model):
+    cfg = make_cfg(tiny_model, group_size=2)
+    mon = RunMonitor(cfg.run)
+
+    async def on_msg(req):
+        mon.observe(req.subject, req.data)
+
+    sub = await bus.subscribe(f"rollart.{cfg.run}.>", on_msg)
+    sched, _ = await run_groups(bus, cfg, groups=2)
+    end = time.monotonic() + 5
+    while mon.outcomes.get("completed", 0) < 4 and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    await sub.unsubscribe()
+    assert mon.outcomes["completed"] == 4
+    assert mon.subjects[f"rollart.{cfg.run}.rollout.requested.default"].count == 4
+    assert mon.subjects[f"rollart.{cfg.run}.generate.request.default"].count >= 4
+    assert mon.stage_s["generate"] > 0
+    mon.observe(f"rollart.{cfg.run}.rollout.completed", b"junk")
+    assert mon.undecodable == 1
+    from rich.console import Console
+
+    Console(file=open("/dev/null", "w")).print(mon.render())
