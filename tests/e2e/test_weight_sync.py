@@ -82,3 +82,18 @@ async def test_request_for_newer_version_waits_for_the_load(memory_bus_only, tin
         await publish(bus, run, 1, w1, perturbed_weights(tiny_model, w1, 0.1))
         res = await asyncio.wait_for(pending, 30)
         assert res.version == 1
+
+
+async def test_weights_through_the_object_store(bus, tiny_model, tmp_path):
+    run = new_run()
+    proxy = LLMProxy(run=run, model_dir=str(tiny_model))
+    async with Node(bus, [proxy], heartbeat_every=0):
+        w1 = tmp_path / "v1.safetensors"
+        digest = perturbed_weights(tiny_model, w1, 0.3)
+        store = await bus.object_store(m.object_bucket(run))
+        await store.put("v000001", w1.read_bytes())
+        pub = m.PolicyPublished(version=1, uri=f"obj://{m.object_bucket(run)}/v000001", digest=digest)
+        await set_policy(bus, run, pub)
+        loaded = await collect(bus, run, "policy.loaded", 1, deadline=30)
+        assert loaded[0].version == 1 and not loaded[0].error
+        assert (await generate(proxy, [1, 5, 6])).version == 1
