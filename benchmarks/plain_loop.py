@@ -195,8 +195,9 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
     if snap is not None:
         snap.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
-    paused = 0.0  # seconds the clock was stopped (snapshots)
+    paused = paused_cpu = 0.0  # seconds (wall, CPU) the clocks were stopped (snapshots)
     t_start = time.perf_counter()
+    cpu0 = time.process_time()
     sync_s = 0.0
     for k in range(steps):
         v = backend.version
@@ -212,22 +213,26 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
         samples = build_samples(trajs, [t.group_index for t in trajs], cfg.trainer.advantage)
         tm = backend.train_step(samples, loss_cfg=lcfg)
         t2 = time.perf_counter()
+        cpu = time.process_time() - cpu0
         rec = {"step": backend.version, "version": backend.version, "wall_s": t2 - t_start - paused,
+               "cpu_s": cpu - paused_cpu,
                "gen_s": t1 - t0, "train_s": t2 - t1, "sync_s_before": sync_s,
                **trajectory_stats(trajs, v),
                **{f"train_{k2}": float(x) for k2, x in tm.items() if isinstance(x, (int, float))}}
         history.append(rec)
         if snap is not None:
-            p0 = time.perf_counter()
+            p0, c0 = time.perf_counter(), time.process_time()
             save_weights(backend.model.state_dict(), snap / f"v{backend.version:06d}.safetensors")
             paused += time.perf_counter() - p0
+            paused_cpu += time.process_time() - c0
         t3 = time.perf_counter()
         engine.load_state_dict(backend.model.state_dict(), backend.version)
         sync_s = time.perf_counter() - t3
         if on_step is not None:
-            p0 = time.perf_counter()
+            p0, c0 = time.perf_counter(), time.process_time()
             on_step(rec)
             paused += time.perf_counter() - p0
+            paused_cpu += time.process_time() - c0
     return history
 
 

@@ -53,6 +53,8 @@ class RolloutRequested(Message, frozen=True, kw_only=True):
     wave: int = -1
     """Batch mode only: trajectories of one wave advance turn by turn in lock step."""
     wave_size: int = 0
+    wave_id: str = ""
+    """Unique name of the wave (several schedulers may run waves on one EnvManager)."""
 
 
 class TurnRecord(Message, frozen=True, kw_only=True):

@@ -187,6 +187,13 @@ class Actor:
         except TypeError as e:
             raise ValueError(f"bad args for {cls.__name__}: {e}") from e
 
+    def settings_of(self, handler: str) -> HandlerSettings:
+        """The effective settings of one handler (decorator, then config overrides)."""
+        for h in self.handlers():
+            if h.name == handler:
+                return h.settings
+        raise KeyError(handler)
+
     def overrides_main(self) -> bool:
         return type(self).main is not Actor.main
 

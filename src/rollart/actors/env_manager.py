@@ -85,6 +85,7 @@ class EnvManager(Actor):
         self._live: dict[str, asyncio.Event] = {}
         self._group_of: dict[str, str] = {}
         self.lockstep = LockStep()
+        self._in_wave: set[str] = set()
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
 
     async def teardown(self) -> None:
@@ -129,16 +130,21 @@ class EnvManager(Actor):
         finally:
             self._live.pop(req.traj_id, None)
             self._group_of.pop(req.traj_id, None)
-            if req.wave >= 0:
-                self.lockstep.leave(req.wave)
+            if req.traj_id in self._in_wave:
+                self._in_wave.discard(req.traj_id)
+                self.lockstep.leave(req.wave_id)
         self._count("completed")
         await self.publish("rollout.completed", out, msg_id=f"out:{req.traj_id}")
 
     async def _trajectory(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
                           delivery) -> m.RolloutCompleted:
         tr = Trace()
-        if req.wave >= 0:
-            self.lockstep.join(req.wave, req.wave_size)
+        if req.wave >= 0 and req.wave_size > 0:
+            if req.wave_size > self.settings_of("on_request").max_inflight:
+                raise Reject(f"batch mode needs rollout.concurrency >= {req.wave_size} "
+                             f"(the trajectories of one wave) on one EnvManager")
+            if self.lockstep.join(req.wave_id, req.wave_size):
+                self._in_wave.add(req.traj_id)
         runner, obs, info = await self._reset(req, cfg, tr)
         reward, success, stop, text = 0.0, False, "max_turns", ""
         try:
@@ -200,10 +206,10 @@ class EnvManager(Actor):
 
     async def _sync(self, req: m.RolloutRequested, tr: Trace) -> None:
         """Batch mode: wait for every trajectory of the wave to reach this phase."""
-        if req.wave < 0:
+        if req.traj_id not in self._in_wave:
             return
         t0 = time.perf_counter()
-        await self.lockstep.arrive(req.wave)
+        await self.lockstep.arrive(req.wave_id)
         tr.timings["wait"] += time.perf_counter() - t0
 
     async def _reset(self, req: m.RolloutRequested, cfg: Any, tr: Trace):

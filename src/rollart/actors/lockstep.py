@@ -15,15 +15,23 @@ class _Wave:
 
 
 class LockStep:
-    """A barrier per wave whose members may leave (finish) at any time."""
+    """A barrier per wave whose members may leave (finish) at any time.
+
+    A member that joins a wave which already finished (a redelivery after a crash) gets
+    ``False`` from :meth:`join` and runs on its own instead of waiting forever.
+    """
 
     def __init__(self) -> None:
-        self._waves: dict[int, _Wave] = {}
+        self._waves: dict[str, _Wave] = {}
+        self._closed: set[str] = set()
 
-    def join(self, wave: int, size: int) -> None:
+    def join(self, wave: str, size: int) -> bool:
+        if wave in self._closed:
+            return False
         self._waves.setdefault(wave, _Wave(parties=size))
+        return True
 
-    def leave(self, wave: int) -> None:
+    def leave(self, wave: str) -> None:
         w = self._waves.get(wave)
         if w is None:
             return
@@ -31,10 +39,11 @@ class LockStep:
         if w.parties <= 0:
             w.release.set()
             del self._waves[wave]
+            self._closed.add(wave)
         elif w.arrived >= w.parties:
             self._open(wave, w)
 
-    async def arrive(self, wave: int) -> None:
+    async def arrive(self, wave: str) -> None:
         w = self._waves[wave]
         w.arrived += 1
         if w.arrived >= w.parties:
@@ -42,6 +51,6 @@ class LockStep:
             return
         await w.release.wait()
 
-    def _open(self, wave: int, w: _Wave) -> None:
+    def _open(self, wave: str, w: _Wave) -> None:
         w.release.set()
         self._waves[wave] = _Wave(parties=w.parties)

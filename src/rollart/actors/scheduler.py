@@ -159,7 +159,7 @@ class RolloutScheduler(Actor):
                 min_version=self._min_version(),
                 group_index=g,
                 eval=self.eval, greedy=self.greedy, created_at=time.time(),
-                wave=wave, wave_size=wave_size)
+                wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
             await self.publish("rollout.requested", req, msg_id=f"req:{self.run}:{tid}")
         await self.kv.put(self._kv_key, str(self.admitted).encode())
 

@@ -524,7 +524,11 @@ class NatsBus(Bus):
         sub = _NatsSubscription(subject, handler, self)
         with _translated(f"subscribe to {subject}"):
             sub._sub = await nc.subscribe(subject, queue=queue or "", cb=sub._on_msg)
-            await nc.flush()  # the server knows the interest when this returns
+            # The server knows the interest when this returns. Twice: nats-py writes a
+            # PING straight to the socket, ahead of the SUB still queued for its
+            # flusher task, so the first PONG proves nothing; the second PING follows it.
+            await nc.flush()
+            await nc.flush()
         self._subs.append(sub)
         return sub
 

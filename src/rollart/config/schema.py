@@ -160,6 +160,19 @@ class RolloutConfig(Base):
     same_seed_per_group: bool = True
     """All trajectories of a group share the task seed."""
 
+    def __post_init__(self) -> None:
+        wave = (self.group_size + self.redundancy) * self.batch_groups
+        if self.mode == "batch" and self.concurrency < wave:
+            raise ValueError(
+                f"rollout.mode 'batch' runs a wave of (group_size + redundancy) * batch_groups"
+                f" = {wave} trajectories in lock step on one EnvManager: set rollout.concurrency"
+                f" >= {wave} (it is {self.concurrency})")
+        for name in ("group_size", "batch_groups", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1")
+        if self.alpha < 0 or self.redundancy < 0:
+            raise ValueError("rollout.alpha and rollout.redundancy must be >= 0")
+
 
 class ProxyConfig(Base):
     engine: str = "torch"

@@ -1,0 +1,660 @@
+"""Time to greedy success 0.9: rollart against a plain synchronous loop, same job.
+
+::
+
+    python benchmarks/learning.py                    # full run on configs/quickstart.yaml
+    python benchmarks/learning.py --quick            # smoke run (3 steps); prints JSON, writes nothing
+    python benchmarks/learning.py --variants plain,alpha1 --steps 40
+
+One training job (``--config``, default ``configs/quickstart.yaml``), run once per variant,
+one variant at a time, each in its own fresh Python process, all on this machine:
+
+- ``plain``: :func:`plain_loop.run_plain`, a single-process synchronous generate-then-train
+  loop with no bus and no actors (the floor for a synchronous trainer);
+- ``alpha0``: ``rollart.cli.train`` on the in-process bus (``--nats memory``), ``rollout.alpha = 0``;
+- ``alpha1``: the same with ``rollout.alpha = 1``;
+- ``alpha1-nats``: ``alpha = 1`` on an embedded ``nats-server`` (what plain ``rollart run`` does).
+
+Every variant uses the same tiny model folder (built once), seeds and hyper-parameters;
+only ``rollout.alpha`` is overridden, plus ``trainer.keep_weights`` (every version's
+weights are kept) and ``trainer.eval_groups = 1`` (the final in-run evaluation, after the
+last step, is not timed anyway). Nothing is evaluated while a job runs: afterwards, every
+saved policy version is loaded into a fresh engine and rolled out greedily. On a fixed,
+non-slippery map greedy decoding is deterministic, so one episode per version gives its
+greedy success exactly (0 or 1); otherwise ``--eval-episodes`` seeds are averaged.
+
+*Time to 0.9* is the ``wall_s`` of the step that produced the first version whose greedy
+success is >= 0.9 (first hit); *sustained* is the first version after which every later
+version stays >= 0.9. ``wall_s`` runs from the trainer's first step (setup excluded, in
+both: model loading, tokenizer, engine) to the end of that version's optimizer step.
+A run that does not get there within the step budget (``trainer.steps``) is "not reached".
+
+The full run writes ``benchmarks/results/learning.json`` and the section of
+``benchmarks/README.md`` between ``<!-- learning:begin -->`` and ``<!-- learning:end -->``.
+Progress goes to stderr, the JSON to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "learning.json"
+README = HERE / "README.md"
+BEGIN, END = "<!-- learning:begin -->", "<!-- learning:end -->"
+
+VARIANTS = {
+    "plain": {"label": "plain loop (sync, no bus)", "alpha": None, "nats": None},
+    "alpha0": {"label": "rollart α = 0, MemoryBus", "alpha": 0, "nats": "memory"},
+    "alpha1": {"label": "rollart α = 1, MemoryBus", "alpha": 1, "nats": "memory"},
+    "alpha1-nats": {"label": "rollart α = 1, embedded nats-server", "alpha": 1, "nats": "embedded"},
+}
+DEFAULT_VARIANTS = ("plain", "alpha0", "alpha1", "alpha1-nats")
+THRESHOLD = 0.9
+TARGET_RATIO = 1.25
+
+
+def say(text: str) -> None:
+    print(f"[learning-bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def _quiet() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def job_config(config: str, *, run_dir: str, steps: int | None):
+    """The config every variant starts from: the file, under ``run_dir``, step budget set."""
+    from rollart.config import RunConfig, load
+    from rollart.launch import with_overrides
+
+    cfg = load(config, RunConfig)
+    tr = {"eval_groups": 1}
+    if steps:
+        tr["steps"] = steps
+    cfg = with_overrides(cfg, run_dir=run_dir, trainer=tr)
+    return with_overrides(cfg, trainer={"keep_weights": cfg.trainer.steps + 10})
+
+
+# -- one variant, in a child process ---------------------------------------------------------
+def _record_cpu_time() -> None:
+    """Add ``cpu_s`` to each metrics record the rollart Trainer writes: this process's CPU
+    seconds from the trainer loop's start to the end of the step's ``train_step`` (the point
+    where ``wall_s`` is taken). A few clock reads per step; nothing else changes."""
+    from rollart.actors.trainer import Trainer
+    from rollart.engines.torch_trainer import TorchTrainBackend
+
+    main, write, step = Trainer.main, Trainer._write_metrics, TorchTrainBackend.train_step
+
+    async def timed_main(self) -> None:
+        self._bench_cpu0 = time.process_time()
+        await main(self)
+
+    def timed_step(self, *a, **k):
+        out = step(self, *a, **k)
+        self._bench_cpu_end = time.process_time()
+        return out
+
+    def timed_write(self, metrics: dict) -> None:
+        metrics["cpu_s"] = self.backend._bench_cpu_end - self._bench_cpu0
+        write(self, metrics)
+
+    Trainer.main, Trainer._write_metrics = timed_main, timed_write
+    TorchTrainBackend.train_step = timed_step
+
+
+def child(variant: str, config: str, workdir: str, steps: int | None, tag: str) -> int:
+    """Run one variant; write ``<workdir>/<tag>/result.json`` (history + weights folder)."""
+    _quiet()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    spec = VARIANTS[variant]
+    cfg = job_config(config, run_dir=workdir, steps=steps)
+    out_dir = Path(workdir) / tag
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if spec["alpha"] is None:
+        sys.path.insert(0, str(HERE))
+        from plain_loop import run_plain
+
+        def show(rec: dict) -> None:
+            say(f"  {variant} step {rec['step']:3d} wall {rec['wall_s']:7.1f}s "
+                f"gen {rec['gen_s']:.2f}s train {rec['train_s']:.2f}s success {rec['success']:.2f}")
+
+        history = run_plain(cfg, cfg.trainer.steps, show, snapshot_dir=out_dir / "weights")
+        result = {"history": history, "weights": str(out_dir / "weights"), "summary": None}
+    else:
+        import msgspec
+        import yaml
+
+        from rollart.cli import train
+        from rollart.launch import with_overrides
+
+        _record_cpu_time()
+
+        run = f"learn-{tag}-{uuid.uuid4().hex[:6]}"
+        cfg = with_overrides(cfg, run=run, nats=None, rollout={"alpha": spec["alpha"]})
+        run_path = Path(cfg.run_dir) / run
+        run_path.mkdir(parents=True, exist_ok=True)
+        (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:
+            import asyncio
+
+            runner = asyncio.run
+        nats = "memory" if spec["nats"] == "memory" else None
+        t_call = time.perf_counter()
+        summary = runner(train(cfg, nats=nats, resume=False, quiet=True))
+        train_call_s = time.perf_counter() - t_call
+        history = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()
+                   if line.strip()]
+        for h in history:
+            h.pop("traj_ids", None)
+            h.pop("traj_min_versions", None)
+        result = {"history": history, "weights": str(run_path / "weights"), "summary": summary,
+                  "run_path": str(run_path), "train_call_s": train_call_s}
+    result["process_s"] = time.perf_counter() - t0
+    (out_dir / "result.json").write_text(json.dumps(result))
+    return 0
+
+
+# -- machine load while a child runs ----------------------------------------------------------
+def _cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [float(x) for x in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
+    return sum(vals) - idle, sum(vals)
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every few seconds in a thread."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadSampler":
+        self.samples.append(os.getloadavg()[0])
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def run_variant(variant: str, args, workdir: str, tag: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--tag", tag,
+           "--config", args.config, "--workdir", workdir]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    say(f"{tag}: {VARIANTS[variant]['label']}")
+    busy0, total0 = _cpu_times()
+    t0 = time.perf_counter()
+    with LoadSampler() as load:
+        proc = subprocess.Popen(cmd, cwd=str(ROOT))
+        _, status, rusage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    busy1, total1 = _cpu_times()
+    if proc.returncode != 0:
+        raise RuntimeError(f"variant {tag} failed with exit code {proc.returncode}")
+    res = json.loads((Path(workdir) / tag / "result.json").read_text())
+    ncpu = os.cpu_count() or 1
+    machine_busy = (busy1 - busy0) / max(1e-9, total1 - total0) * ncpu  # cores busy, everything
+    child_cpu = rusage.ru_utime + rusage.ru_stime
+    res["process"] = {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(child_cpu, 2),
+        "cores_used": round(child_cpu / wall, 2),
+        "machine_cores_busy": round(machine_busy, 2),
+        "others_cores_busy": round(max(0.0, machine_busy - child_cpu / wall), 2),
+        "load1_mean": round(sum(load.samples) / len(load.samples), 2),
+        "load1_max": round(max(load.samples), 2),
+    }
+    say(f"{tag}: done in {wall:.1f}s, {child_cpu / wall:.2f} cores of our own, "
+        f"others {res['process']['others_cores_busy']:.2f} cores, load {res['process']['load1_mean']}")
+    return res
+
+
+# -- offline greedy evaluation ---------------------------------------------------------------
+def deterministic_env(env_cfg) -> bool:
+    a = env_cfg.args or {}
+    return env_cfg.type == "frozenlake" and not a.get("random_map") and not a.get("slippery")
+
+
+def greedy_eval(cfg, weights_dir: str, episodes: int) -> dict[int, float]:
+    """Greedy success of every saved version (and version 0, the model folder's weights)."""
+    sys.path.insert(0, str(HERE))
+    from plain_loop import rollout_lockstep
+
+    from rollart.actors.chat import ChatFormat
+    from rollart.engines.provision import model_dir
+    from rollart.engines.torch_engine import TorchGenerationEngine
+
+    md = model_dir(cfg)
+    engine = TorchGenerationEngine(md, threads=cfg.model.threads, seed=0)
+    chat = ChatFormat.load(md)
+    env_cfg = cfg.envs[cfg.rollout.env]
+    tasks = [(f"eval-{i}", -1, 10**6 + i) for i in range(episodes)]
+    out: dict[int, float] = {}
+    files = sorted(Path(weights_dir).glob("v*.safetensors"))
+    for v, f in [(0, None)] + [(int(f.stem[1:]), f) for f in files]:
+        if f is not None:
+            engine.load_weights(f, v)
+        res = rollout_lockstep(engine, chat, env_cfg, tasks, greedy=True, eval=True)
+        out[v] = sum(r.success for r in res) / len(res)
+    return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(sum(xs) / len(xs), 3) if xs else None
+
+
+def analyse(variant: str, res: dict, success: dict[int, float], steps: int) -> dict:
+    """One run: time to the threshold (first hit and sustained), step times, breakdown."""
+    hist = res["history"]
+    wall = {int(h["version"]): float(h["wall_s"]) for h in hist}
+    cpu = {int(h["version"]): float(h["cpu_s"]) for h in hist if "cpu_s" in h}
+    versions = sorted(v for v in success if v > 0)
+    first = next((v for v in versions if success[v] >= THRESHOLD), None)
+    sustained = None
+    for i, v in enumerate(versions):
+        if all(success[u] >= THRESHOLD for u in versions[i:]):
+            sustained = v
+            break
+    n = len(hist)
+    last_wall = float(hist[-1]["wall_s"]) if hist else None
+
+    def mean(key: str) -> float | None:
+        return _mean([float(h[key]) for h in hist if key in h])
+
+    out = {
+        "steps_run": n,
+        "step_budget": steps,
+        "reached": first is not None,
+        "first_version": first,
+        "time_to_threshold_s": round(wall[first], 2) if first is not None else None,
+        "cpu_to_threshold_s": round(cpu[first], 2) if first in cpu else None,
+        "sustained_version": sustained,
+        "time_to_sustained_s": round(wall[sustained], 2) if sustained is not None else None,
+        "total_wall_s": round(last_wall, 2) if last_wall is not None else None,
+        "mean_step_s": round(last_wall / n, 3) if n else None,
+        "greedy_success": {str(v): success[v] for v in sorted(success)},
+        "wall_s": {str(v): round(wall[v], 3) for v in sorted(wall)},
+        "train_success": [round(float(h["success"]), 4) for h in hist],
+        "process": res.get("process"),
+        "process_s": round(res.get("process_s", 0.0), 2),
+    }
+    if variant == "plain":
+        out["breakdown"] = {"gen_s": mean("gen_s"), "train_s": mean("train_s"),
+                            "sync_s": mean("sync_s_before")}
+    else:
+        # wall_s[k] - wall_s[k-1] = wait_s[k] + train_s[k] + the checkpoint and publish of
+        # step k-1 (+ the metrics write); the remainder is that overhead.
+        over = [float(b["wall_s"]) - float(a["wall_s"]) - float(b["wait_s"]) - float(b["train_s"])
+                for a, b in zip(hist, hist[1:])]
+        out["breakdown"] = {
+            "wait_s": mean("wait_s"), "train_s": mean("train_s"), "ckpt_publish_s": _mean(over),
+            "traj_generate_s": mean("traj_generate_s"), "traj_step_s": mean("traj_step_s"),
+            "traj_reset_s": mean("traj_reset_s"), "staleness": mean("staleness"),
+            "ctx_tokens": mean("ctx_tokens"), "gen_tokens": mean("gen_tokens"),
+            "first_wait_s": round(float(hist[0]["wait_s"]), 3) if hist else None,
+        }
+        summ = res.get("summary") or {}
+        out["in_run_final_eval"] = {k: summ.get(k) for k in ("version", "greedy_success", "trajectories")}
+        if res.get("train_call_s") is not None and summ.get("wall_s") is not None and last_wall:
+            # train(): Node start (actor setup) -> steps -> final greedy eval, then the node's
+            # drain, bus close and the plot.
+            out["after_steps"] = {
+                "train_call_s": round(res["train_call_s"], 2),
+                "setup_and_final_eval_s": round(summ["wall_s"] - last_wall, 2),
+                "drain_close_plot_s": round(res["train_call_s"] - summ["wall_s"], 2),
+            }
+    return out
+
+
+def _median(xs: list[float | None]) -> float | None:
+    """Median with "not reached" (None) counted as infinitely late; None if that is the median."""
+    vals = sorted(math.inf if x is None else x for x in xs)
+    if not vals:
+        return None
+    k = len(vals)
+    m = vals[k // 2] if k % 2 else (vals[k // 2 - 1] + vals[k // 2]) / 2
+    return None if math.isinf(m) else round(m, 2)
+
+
+def combine(variant: str, reps: list[dict]) -> dict:
+    """The repeats of one variant: medians, every value, and the first repeat's details."""
+    out = {
+        "label": VARIANTS[variant]["label"],
+        "repeats": len(reps),
+        "time_to_threshold_s": _median([r["time_to_threshold_s"] for r in reps]),
+        "cpu_to_threshold_s": _median([r["cpu_to_threshold_s"] for r in reps])
+        if all(r["time_to_threshold_s"] is None or r["cpu_to_threshold_s"] is not None for r in reps)
+        else None,
+        "first_version": _median([r["first_version"] for r in reps]),
+        "time_to_sustained_s": _median([r["time_to_sustained_s"] for r in reps]),
+        "mean_step_s": _median([r["mean_step_s"] for r in reps]),
+        "total_wall_s": _median([r["total_wall_s"] for r in reps]),
+        "steps_run": reps[0]["steps_run"],
+        "all_times_to_threshold_s": [r["time_to_threshold_s"] for r in reps],
+        "all_first_versions": [r["first_version"] for r in reps],
+        "all_mean_step_s": [r["mean_step_s"] for r in reps],
+        "breakdown": {k: _mean([r["breakdown"].get(k) for r in reps]) for k in reps[0]["breakdown"]},
+        "process": {k: _mean([(r["process"] or {}).get(k) for r in reps])
+                    for k in (reps[0]["process"] or {})},
+        "runs": reps,
+    }
+    if "after_steps" in reps[0]:
+        out["after_steps"] = {k: _mean([r.get("after_steps", {}).get(k) for r in reps])
+                              for k in reps[0]["after_steps"]}
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "nats_py": _version("nats-py"),
+        "rollart": _version("rollart"),
+    }
+
+
+def _fmt_t(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:.1f}"
+
+
+def _fmt_v(x: float | None) -> str:
+    return "–" if x is None else f"{x:g}"
+
+
+def readme_section(results: dict) -> str:
+    mi, job = results["machine"], results["job"]
+    v = results["variants"]
+    reps = job["repeats"]
+    rows = []
+    for name, r in v.items():
+        ratio = results["ratios_vs_plain"].get(name) or {}
+        p = r.get("process") or {}
+        t = _fmt_t(r["time_to_threshold_s"])
+        if reps > 1:
+            t += " (" + ", ".join(_fmt_t(x) for x in r["all_times_to_threshold_s"]) + ")"
+        is_plain = name == "plain"
+        rows.append(
+            f"| {r['label']} | {t} | {_fmt_v(r['first_version'])} | {_fmt_t(r['cpu_to_threshold_s'])} | "
+            f"{_fmt_t(r['time_to_sustained_s'])} | {r['mean_step_s']:.2f} | "
+            f"{'–' if is_plain else (ratio.get('time_to_threshold') or 'n/a')} | "
+            f"{'–' if is_plain else ratio.get('mean_step')} | "
+            f"{p.get('cores_used', '?')} / {p.get('others_cores_busy', '?')} | {p.get('load1_mean', '?')} |")
+    what = "median of " + str(reps) + " runs (each run in brackets)" if reps > 1 else "one run each"
+    lines = [
+        BEGIN,
+        "## Learning: time to greedy success 0.9 against a plain loop (`learning.py`)",
+        "",
+        "`python benchmarks/learning.py [--quick] [--config C] [--steps N] [--variants ...] "
+        "[--repeats R]` trains "
+        f"`{job['config']}` once per variant, one after another, each in a fresh process on this "
+        "machine, and compares wall-clock time to a greedy success of "
+        f"{THRESHOLD} with a plain single-process loop (`plain_loop.py`: batched lock-step "
+        "rollouts with the same engine, `build_samples`, `train_step`, in-memory weight copy; no "
+        "bus, no actors). Same model folder, seeds and hyper-parameters in every variant "
+        f"({job['summary']}); rollart runs call `rollart.cli.train` in-process and override only "
+        "`rollout.alpha` (and keep every version's weights).",
+        "",
+        "Evaluation never perturbs timing: after all runs, each saved version is rolled out "
+        f"greedily offline. {job['eval_note']} *Time to 0.9* is the trainer's `wall_s` at "
+        "the step that produced the first version reaching it (first hit); *sustained* is "
+        "the first version after which every later one stays >= 0.9. `wall_s` starts at the "
+        "first step (setup excluded in every variant). *CPU to 0.9* is the training process's "
+        "CPU time over the same span (all threads).",
+        "",
+        f"Last run {results['timestamp']}: {mi['cpu_count']} CPUs ({mi['cpu_model']}), load "
+        f"{mi['loadavg_start'][0]} at start, {mi.get('loadavg_end', ['?'])[0]} at end; "
+        f"Python {mi['python']}, torch {mi['torch']}, transformers {mi['transformers']}; "
+        f"step budget {job['steps']}; {what}.",
+        "",
+        "| Variant | Time to 0.9 (s) | at version | CPU to 0.9 (s) | Sustained (s) | s/step "
+        "| Time ratio vs plain | s/step ratio | Cores: ours / others | Load (1 min) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
+    tgt = results["target"]
+    if tgt:
+        lines.append(f"Target: rollart within {TARGET_RATIO}x of the plain loop's time to 0.9. "
+                     + "; ".join(f"{VARIANTS[n]['label']}: {t}" for n, t in tgt.items()) + ".")
+        lines.append("")
+    bd = ["| Variant | Per step (mean) |", "|---|---|"]
+    for name, r in v.items():
+        b = r["breakdown"]
+        if name == "plain":
+            bd.append(f"| {r['label']} | generate {b['gen_s']:.2f} s, train {b['train_s']:.2f} s, "
+                      f"weight copy {b['sync_s'] * 1e3:.1f} ms |")
+        else:
+            a = r.get("after_steps") or {}
+            bd.append(f"| {r['label']} | waiting for a batch {b['wait_s']:.2f} s (step 1: "
+                      f"{b['first_wait_s']:.2f} s), train {b['train_s']:.2f} s, checkpoint + "
+                      f"publish {b['ckpt_publish_s']:.2f} s; per trajectory: generate "
+                      f"{b['traj_generate_s']:.2f} s, env {b['traj_step_s']:.3f} s; staleness "
+                      f"{b['staleness']:.2f}. After the last step: final eval + setup "
+                      f"{a.get('setup_and_final_eval_s', float('nan')):.1f} s, drain + plot "
+                      f"{a.get('drain_close_plot_s', float('nan')):.1f} s |")
+    lines += bd
+    lines += [
+        "",
+        "Which step first reaches 0.9 depends on the sampled trajectories, and those differ "
+        "between variants (the order of engine calls differs, and α = 1 trains on data one "
+        "version old), so the time ratio mixes speed with luck; the s/step ratio is the speed "
+        "part alone. The machine is a shared 2-core one: *others* is the CPU (in cores) that "
+        "other processes used meanwhile, so the absolute seconds move a lot from run to run. "
+        "Raw numbers: `benchmarks/results/learning.json`.",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_readme(section: str, path: Path = README) -> None:
+    """Replace our section between the markers (re-reading the file right before); append it
+    if missing."""
+    text = path.read_text() if path.exists() else (
+        "# Benchmarks\n\nEach script here measures one part of rollart on the machine it runs on "
+        "and rewrites its own section of this file (between its markers) and its file in `results/`.\n")
+    b, e = text.find(BEGIN), text.find(END)
+    if b != -1 and e > b:
+        text = text[:b] + section + text[e + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def job_summary(cfg) -> str:
+    r, t, mt = cfg.rollout, cfg.trainer, cfg.model.tiny
+    env = cfg.envs[r.env]
+    return (f"tiny model h{mt.hidden_size} l{mt.num_layers} v{mt.vocab_size}, {cfg.model.threads} "
+            f"torch thread(s); {env.type} {env.args}, max_turns {env.max_turns}; "
+            f"{r.batch_groups} groups x {r.group_size}, temperature {env.sampling.temperature:g}; "
+            f"{t.advantage}, lr {t.lr:g}, clip {t.clip_low}/{t.clip_high}, agg {t.agg}, "
+            f"is_cap {t.is_cap}, entropy {t.entropy_coef:g}, kl {t.kl_coef:g}, "
+            f"checkpoint_every {t.checkpoint_every}, weights via {t.weights}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 3 steps; prints JSON, writes nothing unless --write")
+    p.add_argument("--steps", type=int, default=None, help="step budget (default trainer.steps)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of all variants (order reversed every other round); medians reported")
+    p.add_argument("--eval-episodes", type=int, default=None,
+                   help="greedy episodes per version (default 1 on a deterministic env, else 16)")
+    p.add_argument("--keep", default=None, help="keep the run folders here instead of a temp dir")
+    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tag", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child, args.config, args.workdir, args.steps, args.tag or args.child)
+    if args.quick and not args.steps:
+        args.steps = 3
+    variants = [x.strip() for x in args.variants.split(",") if x.strip()]
+    unknown = [x for x in variants if x not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; allowed: {', '.join(VARIANTS)}")
+    write = not args.no_write and (args.write or not args.quick)
+    _quiet()
+
+    cfg_mtime = os.path.getmtime(args.config)
+    results: dict = {
+        "benchmark": "learning",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "quick": args.quick,
+        "machine": machine_info(),
+    }
+    tmp_ctx = tempfile.TemporaryDirectory(prefix="rollart-learning-") if not args.keep else None
+    workdir = args.keep or tmp_ctx.name
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    try:
+        from rollart.engines.provision import model_dir
+
+        cfg = job_config(args.config, run_dir=workdir, steps=args.steps)
+        t0 = time.perf_counter()
+        md = model_dir(cfg)  # built once; every variant finds it under <workdir>/_models
+        say(f"model folder {md} ready in {time.perf_counter() - t0:.1f}s; step budget "
+            f"{cfg.trainer.steps}; variants {variants} x {args.repeats}")
+        det = deterministic_env(cfg.envs[cfg.rollout.env])
+        episodes = args.eval_episodes or (1 if det else 16)
+        results["job"] = {
+            "config": args.config,
+            "config_mtime": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(cfg_mtime)),
+            "steps": cfg.trainer.steps,
+            "repeats": args.repeats,
+            "summary": job_summary(cfg),
+            "threshold": THRESHOLD,
+            "eval_episodes": episodes,
+            "eval_note": (f"The map is fixed and not slippery, so greedy decoding is deterministic "
+                          f"and {episodes} episode per version gives its greedy success exactly."
+                          if det and episodes == 1 else
+                          f"{episodes} greedy episodes (seeds 1000000+) per version."),
+        }
+        runs: dict[str, list[dict]] = {n: [] for n in variants}
+        order = []
+        for k in range(args.repeats):
+            for name in (variants if k % 2 == 0 else variants[::-1]):
+                tag = name if args.repeats == 1 else f"{name}-r{k}"
+                order.append(tag)
+                runs[name].append(run_variant(name, args, workdir, tag))
+        results["order"] = order
+        results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        say("offline greedy evaluation of every saved version")
+        out = {}
+        for name in variants:
+            reps = []
+            for res in runs[name]:
+                t0 = time.perf_counter()
+                succ = greedy_eval(cfg, res["weights"], episodes)
+                a = analyse(name, res, succ, cfg.trainer.steps)
+                reps.append(a)
+                say(f"{name}: {len(succ)} versions evaluated in {time.perf_counter() - t0:.1f}s; "
+                    f"time to {THRESHOLD}: {_fmt_t(a['time_to_threshold_s'])} s "
+                    f"(v{a['first_version']}), {a['mean_step_s']} s/step")
+            out[name] = combine(name, reps)
+    finally:
+        if tmp_ctx is not None:
+            tmp_ctx.cleanup()
+    results["variants"] = out
+    ratios, target = {}, {}
+    base = out.get("plain")
+    for name, r in out.items():
+        if base is None:
+            break
+        tt = (round(r["time_to_threshold_s"] / base["time_to_threshold_s"], 2)
+              if r["time_to_threshold_s"] and base["time_to_threshold_s"] else None)
+        ratios[name] = {"time_to_threshold": tt,
+                        "mean_step": round(r["mean_step_s"] / base["mean_step_s"], 2)}
+        if name != "plain":
+            if tt is not None:
+                target[name] = f"{tt}x ({'pass' if tt <= TARGET_RATIO else 'fail'})"
+            elif r["time_to_threshold_s"] is None:
+                target[name] = "not reached (fail)"
+            else:
+                target[name] = "plain loop did not reach 0.9 (n/a)"
+    results["ratios_vs_plain"] = ratios
+    results["target"] = target
+    results["config_changed_during_run"] = os.path.getmtime(args.config) != cfg_mtime
+    text = json.dumps(results, indent=2, ensure_ascii=False)
+    print(text)
+    if write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(text + "\n")
+        write_readme(readme_section(results))
+        say(f"wrote {RESULTS.relative_to(ROOT)} and the learning section of {README.relative_to(ROOT)}")
+    for name, t in target.items():
+        say(f"target {name}: {t}")
+    if results["config_changed_during_run"]:
+        say(f"warning: {args.config} changed during the run")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

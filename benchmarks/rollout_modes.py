@@ -1,0 +1,588 @@
+"""Rollout modes: trajectory-level vs batch-level env interaction under Gaussian env latency.
+
+::
+
+    python benchmarks/rollout_modes.py               # full suite (a few minutes)
+    python benchmarks/rollout_modes.py --quick       # smoke run; prints JSON, writes nothing
+    python benchmarks/rollout_modes.py --bus nats    # the same over an embedded nats-server
+
+The paper (ROLLART, arXiv 2512.22560) compares trajectory-level with batch-level env
+interaction while injecting Gaussian latency into env steps, and reports a 1.23-2.27x
+shorter rollout for sigma 1-10. This script repeats that on one host with the real actor
+system: a ``RolloutScheduler``, one ``EnvManager``, one ``LLMProxy`` serving a real tiny torch
+model (greedy, decoding constrained to L/D/R/U), and the in-process ``MemoryBus`` (or an
+embedded ``nats-server`` with ``--bus nats``).
+
+- **Env**: ``benchmarks.latency_envs:LatencyLake``, FrozenLake 4x4 with a random map per
+  seed, whose every step sleeps ``max(0, N(mu, sigma)) * unit`` seconds (default
+  ``mu = 10``, ``unit = 40 ms``, so a step takes 400 ms on average; sigma is swept over
+  1, 2, 5, 10 units, i.e. 40-400 ms: the paper's sigma 1-10 with mu in the same units). The draws are seeded by the task seed, so a
+  trajectory sees the same latencies in both modes.
+- **Same work in both modes**: the same groups (``--batches`` x ``batch_groups`` groups of
+  ``group_size``), the same task seeds (one per trajectory: ``same_seed_per_group: false``),
+  greedy decoding from the same weights, so each trajectory makes the same moves and
+  takes the same number of turns in both modes (checked, and reported as
+  ``same_trajectories``). One warm engine serves every measurement.
+- **Same resources**: ``rollout.concurrency`` = trajectories per wave (32), so both modes
+  run at most 32 trajectories (envs) at once on one EnvManager; one generation replica.
+- **trajectory** mode: every trajectory advances on its own; a finished one frees its slot
+  for the next queued trajectory at once.
+- **batch** mode: waves of ``batch_groups`` groups; the wave's trajectories generate
+  together, then step their envs together (each phase waits for the slowest), and the next
+  wave starts when the whole wave is done.
+
+Reported: rollout time per batch (span from the first admission to the last group done,
+divided by the number of batches) for each mode and sigma, and the ratio batch / trajectory
+(how many times longer a batch takes in batch mode; the paper's speed-up). Modes alternate
+in order per sigma and repetition. The full run writes ``benchmarks/results/rollout_modes.json``
+and the section of ``benchmarks/README.md`` between ``<!-- rollout_modes:begin -->`` and
+``<!-- rollout_modes:end -->``. Progress goes to stderr, the JSON to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # so that "benchmarks.latency_envs:..." imports
+    sys.path.insert(0, str(ROOT))
+
+from rollart.bus.memory import MemoryBus  # noqa: E402
+from rollart.config import RunConfig, convert  # noqa: E402
+from rollart.launch import rollout_actors  # noqa: E402
+from rollart.node import Node  # noqa: E402
+
+RESULTS = HERE / "results" / "rollout_modes.json"
+README = HERE / "README.md"
+BEGIN, END = "<!-- rollout_modes:begin -->", "<!-- rollout_modes:end -->"
+
+ENV_TYPES = {"thread": "benchmarks.latency_envs:LatencyLake",
+             "async": "benchmarks.latency_envs:AsyncLatencyLake"}
+PAPER = {"sigma_low": 1, "ratio_low": 1.23, "sigma_high": 10, "ratio_high": 2.27}
+"""The paper's row: sigma 1-10 -> 1.23-2.27x (trajectory-level over batch-level)."""
+MODES = ("trajectory", "batch")
+
+
+# -- progress ----------------------------------------------------------------------------
+class Progress:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def say(self, text: str) -> None:
+        print(f"[rollout-modes {time.monotonic() - self.t0:6.1f}s] {text}", file=sys.stderr,
+              flush=True)
+
+
+PROGRESS = Progress()
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def paper_target(sigma: float) -> tuple[float, str]:
+    """The ratio to reach at ``sigma``: the paper's value at its ends (1 and 10), else the
+    low end of its range (the paper reports only the range)."""
+    if sigma >= PAPER["sigma_high"]:
+        return PAPER["ratio_high"], f"paper {PAPER['ratio_high']}x at sigma {PAPER['sigma_high']}"
+    if sigma == PAPER["sigma_low"]:
+        return PAPER["ratio_low"], f"paper {PAPER['ratio_low']}x at sigma {PAPER['sigma_low']}"
+    return PAPER["ratio_low"], (f"low end of the paper's {PAPER['ratio_low']}-{PAPER['ratio_high']}x "
+                                f"over sigma {PAPER['sigma_low']}-{PAPER['sigma_high']}")
+
+
+# -- one measurement -----------------------------------------------------------------------
+def make_cfg(args, *, mode: str, sigma: float, model_dir: Path, run_dir: Path) -> RunConfig:
+    env_args = {"mu": args.mu, "sigma": sigma, "unit": args.unit, "size": 4, "random_map": True}
+    env = {"type": ENV_TYPES[args.env_kind], "args": env_args, "max_turns": args.max_turns,
+           "step_timeout": 60.0}
+    if args.instruction:
+        env["instruction"] = args.instruction
+    return convert({
+        "run": f"rm{uuid.uuid4().hex[:8]}",
+        "run_dir": str(run_dir),
+        "model": {"path": str(model_dir), "threads": args.threads},
+        "envs": {"main": env},
+        "rollout": {"mode": mode, "group_size": args.group_size, "batch_groups": args.batch_groups,
+                    "concurrency": args.concurrency, "same_seed_per_group": False,
+                    "seed": args.seed, "generate_timeout": 120.0, "ack_wait": 120.0},
+        "proxy": {"gather_ms": args.gather_ms, "max_batch": args.max_batch, "replicas": 1},
+        "reward": {"replicas": 0},
+    }, RunConfig)
+
+
+@contextlib.asynccontextmanager
+async def open_bus(kind: str, url: str | None):
+    if kind == "memory":
+        bus = MemoryBus()
+    else:
+        from rollart.bus.nats import NatsBus
+
+        bus = NatsBus(url, name="rollart-bench-rollout-modes")
+    await bus.connect()
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run_dir: Path,
+                  url: str | None, label: str) -> dict:
+    """Roll out ``args.batches`` batches in ``mode``; return timings and the trajectories."""
+    cfg = make_cfg(args, mode=mode, sigma=sigma, model_dir=model_dir, run_dir=run_dir)
+    groups = args.batches * args.batch_groups
+    load_start = loadavg()
+    async with open_bus(args.bus, url) as bus:
+        sched, actors = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True,
+                                       greedy=not args.sample)
+        proxies = [a for a in actors if a.role == "generate"]
+        envs = [a for a in actors if a.role == "env"]
+        for p in proxies:
+            p.engine_obj = engine  # one warm engine for every measurement
+        t_node = time.perf_counter()
+        async with Node(bus, actors, heartbeat_every=0):
+            t_ready = time.perf_counter()
+            deadline = time.monotonic() + args.timeout
+            shown = 0
+            while not sched.all_done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(sched.all_done.wait(), 1.0)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{label}: {sched.groups_settled}/{groups} groups after "
+                                       f"{args.timeout:.0f}s")
+                done = sched.groups_settled // args.batch_groups
+                if shown < done < args.batches:
+                    shown = done
+                    PROGRESS.say(f"  {label}: {done}/{args.batches} batches settled, "
+                                 f"{time.perf_counter() - t_ready:.1f}s")
+            t_done = time.perf_counter()
+    gs = sorted(sched.groups.items())
+    start = min(g.admitted_at for _, g in gs)
+    end = max(g.done_at for _, g in gs)
+    span = end - start
+    # per batch (groups w*batch_groups...): first admission -> last group done. Batch mode
+    # admits a wave when the last is done, so these are the waves' durations; trajectory
+    # mode admits every group at once, so they are the batches' completion times.
+    waves = []
+    for w in range(args.batches):
+        part = [g for _, g in gs[w * args.batch_groups:(w + 1) * args.batch_groups]]
+        waves.append(round(max(g.done_at for g in part) - min(g.admitted_at for g in part), 3))
+    res = sched.results
+    n = max(1, len(res))
+    sizes = [s for p in proxies for s in p.batcher.sizes]
+    trajs = {r.seed: [t.action for t in r.turns] for r in res}
+    shape = [(r.group_index, r.seed, len(r.turns)) for r in res]
+    out = {
+        "mode": mode,
+        "sigma": sigma,
+        "span_s": round(span, 3),
+        "per_batch_s": round(span / args.batches, 3),
+        "batch_spans_s": waves,
+        "startup_s": round(t_ready - t_node, 3),
+        "node_wall_s": round(t_done - t_ready, 3),
+        "trajectories": len(res),
+        "outcomes": sched.summary(),
+        "turns_total": sum(len(r.turns) for r in res),
+        "mean_turns": round(sum(len(r.turns) for r in res) / n, 3),
+        "max_turns_seen": max((len(r.turns) for r in res), default=0),
+        "success_rate": round(sum(r.success for r in res) / n, 3),
+        "stop_reasons": {s: sum(r.stop_reason == s for r in res)
+                         for s in sorted({r.stop_reason for r in res})},
+        "mean_stage_s": {k: round(sum(r.timings.get(k, 0.0) for r in res) / n, 4)
+                         for k in ("reset", "generate", "step", "wait")},
+        "generate_batches": len(sizes),
+        "generate_batch_mean": round(sum(sizes) / max(1, len(sizes)), 2),
+        "generate_batch_max": max(sizes, default=0),
+        "generate_batch_hist": {str(k): sizes.count(k) for k in sorted(set(sizes))},
+        "engine_busy_s": round(sum(p.batcher.busy_s for p in proxies), 3),
+        "env_stats": {k: v for e in envs for k, v in e.stats.items()},
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+    }
+    out["_trajs"], out["_shape"] = trajs, shape
+    return out
+
+
+def env_only(args, sigma: float, shape: list[tuple[int, int, int]]) -> dict:
+    """Env latency alone, per batch, from the very draws the envs made (the same RNG as
+    :class:`benchmarks.latency_envs.LatencyLake`): in batch mode a wave pays, turn by turn,
+    the slowest step of its trajectories still running; in trajectory mode, with perfect
+    packing, the batch's slots share the total latency (sum over trajectories / concurrency).
+    Generation, overheads and the tail of the last batch are left out."""
+    import random
+
+    lat: dict[int, list[float]] = {}
+    waves: dict[int, list[int]] = {}
+    for g, seed, turns in shape:
+        rng = random.Random(f"latency:{seed}")
+        lat[seed] = [max(0.0, rng.gauss(args.mu, sigma)) * args.unit for _ in range(turns)]
+        waves.setdefault(g // args.batch_groups, []).append(seed)
+    batch = sum(max((lat[s][t] for s in members if t < len(lat[s])), default=0.0)
+                for members in waves.values()
+                for t in range(max(len(lat[s]) for s in members))) / max(1, len(waves))
+    traj = sum(map(sum, lat.values())) / args.concurrency / max(1, len(waves))
+    return {"batch_s": round(batch, 3), "trajectory_s": round(traj, 3),
+            "ratio": round(batch / traj, 3) if traj else None}
+
+
+def _same(a: dict, b: dict) -> float:
+    keys = set(a) | set(b)
+    return sum(a.get(k) == b.get(k) for k in keys) / max(1, len(keys))
+
+
+async def suite(args, url: str | None, engine, model_dir: Path, run_dir: Path) -> list[dict]:
+    runs: list[dict] = []
+    total = len(args.sigmas) * args.reps * 2
+    k = 0
+    for si, sigma in enumerate(args.sigmas):
+        for rep in range(args.reps):
+            order = MODES if (si + rep) % 2 == 0 else MODES[::-1]
+            for mode in order:
+                k += 1
+                label = f"sigma={sigma:g} rep {rep + 1}/{args.reps} {mode}"
+                PROGRESS.say(f"[{k}/{total}] {label}: {args.batches} batches x "
+                             f"{args.batch_groups * args.group_size} trajectories, load "
+                             f"{loadavg()[0]}")
+                r = await measure(args, mode=mode, sigma=sigma, engine=engine,
+                                  model_dir=model_dir, run_dir=run_dir, url=url, label=label)
+                r["rep"], r["order"] = rep, order.index(mode)
+                spans = "wave durations" if mode == "batch" else "batches done at"
+                PROGRESS.say(f"[{k}/{total}] {label}: {r['per_batch_s']:.2f} s/batch "
+                             f"({spans} {r['batch_spans_s']}), {r['mean_turns']:.2f} turns/traj, "
+                             f"generate batch mean {r['generate_batch_mean']:.1f} over "
+                             f"{r['generate_batches']} batches")
+                runs.append(r)
+    return runs
+
+
+def summarize(args, runs: list[dict]) -> list[dict]:
+    rows = []
+    for sigma in args.sigmas:
+        by = {mo: [r for r in runs if r["sigma"] == sigma and r["mode"] == mo] for mo in MODES}
+        t = {mo: statistics.median(r["per_batch_s"] for r in by[mo]) for mo in MODES}
+        ratio = t["batch"] / t["trajectory"]
+        per_rep = [round(b["per_batch_s"] / tr["per_batch_s"], 3)
+                   for tr, b in zip(by["trajectory"], by["batch"])]
+        same = [_same(tr["_trajs"], b["_trajs"]) for tr, b in zip(by["trajectory"], by["batch"])]
+        target, source = paper_target(sigma)
+        eo = env_only(args, sigma, by["batch"][0]["_shape"])
+        rows.append({
+            "sigma": sigma,
+            "sigma_s": round(sigma * args.unit, 4),
+            "trajectory_per_batch_s": round(t["trajectory"], 3),
+            "batch_per_batch_s": round(t["batch"], 3),
+            "ratio": round(ratio, 3),
+            "ratio_per_rep": per_rep,
+            "target": target,
+            "target_source": source,
+            "pass": ratio >= target,
+            "same_trajectories": round(min(same), 3),
+            "env_only": eo,
+            "engine_busy_per_batch_s": {mo: round(statistics.mean(r["engine_busy_s"] for r in by[mo])
+                                                  / args.batches, 3) for mo in MODES},
+            "generate_batch_mean": {mo: round(statistics.mean(r["generate_batch_mean"]
+                                                              for r in by[mo]), 2) for mo in MODES},
+            "mean_stage_s": {mo: {k: round(statistics.mean(r["mean_stage_s"][k] for r in by[mo]), 3)
+                                  for k in by[mo][0]["mean_stage_s"]} for mo in MODES},
+            "mean_turns": by["trajectory"][0]["mean_turns"],
+        })
+    return rows
+
+
+# -- README ---------------------------------------------------------------------------------
+def readme_section(results: dict) -> str:
+    c, mi, rows = results["config"], results["machine"], results["summary"]
+    wave = c["batch_groups"] * c["group_size"]
+    sig_units = ", ".join(f"{s:g}" for s in c["sigmas"])
+    sig_ms = ", ".join(f"{s * c['unit'] * 1e3:g}" for s in c["sigmas"])
+    bus = "MemoryBus" if c["bus"] == "memory" else "NatsBus (embedded nats-server)"
+    where = ("in the env runner thread (`time.sleep`, sync env)" if c["env_kind"] == "thread"
+             else "on the event loop (`asyncio.sleep`, async env)")
+    lines = [
+        BEGIN,
+        "## Rollout modes: trajectory-level vs batch-level env interaction (`rollout_modes.py`)",
+        "",
+        "`python benchmarks/rollout_modes.py [--quick] [--bus memory|nats] [--sigmas 1,2,5,10] "
+        "[--reps R] [--batches B]` rolls out the same groups in `rollout.mode: trajectory` and "
+        "`rollout.mode: batch` with the real actors (`RolloutScheduler`, one `EnvManager`, one "
+        f"`LLMProxy` serving the tiny torch model) on the {bus}, while every env step "
+        "sleeps a Gaussian latency, as in the paper's experiment.",
+        "",
+        f"- **Env**: FrozenLake 4x4, a random map per seed, up to {c['max_turns']} turns; each step "
+        f"sleeps max(0, N(mu, sigma)) x unit with mu = {c['mu']:g}, unit = {c['unit'] * 1e3:g} ms "
+        f"(mean step {c['mu'] * c['unit'] * 1e3:g} ms; sigma {sig_units} = {sig_ms} ms), "
+        f"{where}; "
+        "the draws are seeded by the task seed, so a trajectory meets the same latencies in both modes.",
+        f"- **Constant across modes**: {c['batches']} batches of {c['batch_groups']} groups x "
+        f"{c['group_size']} trajectories ({wave} per batch), one task seed per trajectory, the "
+        f"same seeds, {'greedy' if not c['sample'] else 'sampled'} decoding from one warm engine "
+        f"(so the trajectories are the same: `same_trajectories` below), "
+        f"`rollout.concurrency` = {c['concurrency']} trajectories at once, one generation replica "
+        f"(torch, {c['threads']} thread, `gather_ms` {c['gather_ms']:g}).",
+        "- **trajectory**: each trajectory advances on its own; a finished one frees its slot for "
+        "the next at once. **batch**: a wave of "
+        f"{c['batch_groups']} groups generates together, then steps together (each phase waits "
+        "for the slowest trajectory), and the next wave starts when the wave is done.",
+        "- **Per batch**: the span from the first admission to the last group done, divided by "
+        "the number of batches (median over repetitions; modes alternate in order). "
+        "**Ratio** = batch / trajectory: how many times longer a batch takes in batch mode, "
+        "the paper's speed-up of trajectory-level interaction.",
+        "",
+        f"Last run {results['timestamp']}: {mi['cpu_count']} CPUs ({mi['cpu_model']}), load "
+        f"{mi['loadavg_start'][0]} at start, {mi['loadavg_end'][0]} at end "
+        f"(1-min averages during the measurements: {mi['loadavg_min']}-{mi['loadavg_max']}), "
+        f"Python {mi['python']}, torch {mi['torch']}, {c['reps']} repetition(s) per mode and sigma, "
+        f"total {results['total_s']:.0f} s.",
+        "",
+        "| sigma (units / ms) | trajectory (s/batch) | batch (s/batch) | ratio | per repetition "
+        "| paper | result | env latency only: batch / trajectory (s/batch) | engine busy traj / batch "
+        "(s/batch) | gen. batch mean traj / batch |",
+        "|---|---:|---:|---:|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        eo, eb, gb = r["env_only"], r["engine_busy_per_batch_s"], r["generate_batch_mean"]
+        lines.append(
+            f"| {r['sigma']:g} / {r['sigma_s'] * 1e3:g} | {r['trajectory_per_batch_s']:.2f} | "
+            f"{r['batch_per_batch_s']:.2f} | **{r['ratio']:.2f}x** | "
+            f"{', '.join(f'{x:.2f}' for x in r['ratio_per_rep'])} | >= {r['target']}x "
+            f"({r['target_source']}) | {'pass' if r['pass'] else '**fail**'} | "
+            f"{eo['batch_s']:.2f} / {eo['trajectory_s']:.2f} = {eo['ratio']:.2f}x | "
+            f"{eb['trajectory']:.2f} / {eb['batch']:.2f} | "
+            f"{gb['trajectory']:.1f} / {gb['batch']:.1f} |")
+    last = rows[-1]
+    st = last["mean_stage_s"]
+    probe = results["engine_probe"]
+    turns = ("every trajectory ran the full "
+             f"{c['max_turns']} turns, so differing trajectory lengths play no part here"
+             if last["mean_turns"] == c["max_turns"] else
+             f"{last['mean_turns']:.2f} turns per trajectory on average")
+    lines += [
+        "",
+        f"Per trajectory at sigma {last['sigma']:g} (seconds, mean over the run): trajectory mode "
+        f"generate {st['trajectory']['generate']:.2f}, step {st['trajectory']['step']:.2f}; batch "
+        f"mode generate {st['batch']['generate']:.2f}, step {st['batch']['step']:.2f}, waiting at "
+        f"the lock-step barriers {st['batch']['wait']:.2f}. {turns[0].upper() + turns[1:]}; the "
+        f"same trajectories (moves) in both modes: {min(r['same_trajectories'] for r in rows):.0%}. "
+        f"Before the suite one engine call took {probe['generate_1_s'] * 1e3:.0f} ms for 1 row and "
+        f"{probe[f'generate_{wave}_s'] * 1e3:.0f} ms for {wave} rows ({probe['prompt_tokens']}-token "
+        "first prompt; every turn re-reads the whole context).",
+        "",
+        "What the ratio is made of: batch mode pays, at every turn, the slowest env step of "
+        f"the wave (about mu + 2 sigma for {wave} draws) and its generation and env phases never "
+        "overlap; trajectory mode overlaps one trajectory's env step with other trajectories' "
+        "generation and refills a slot as soon as a trajectory ends. *Env latency only* replays "
+        "the envs' own latency draws without generation: per batch, the sum over turns of the "
+        f"wave's slowest step, against the total latency shared by {c['concurrency']} slots; it "
+        "grows with sigma, which is the paper's effect. The measured ratio is that plus the "
+        "overlap of generation with env steps, less the tail of the last batch in trajectory mode. "
+        "The machine is a shared 2-core host whose load (above) comes mostly from other jobs: "
+        "generation competes with them for the CPU, so absolute times move from run to run (the "
+        "env sleeps do not). Raw numbers: `benchmarks/results/rollout_modes.json`.",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_readme(section: str, path: Path = README) -> None:
+    """Replace our section between the markers; append it if missing."""
+    if path.exists():
+        text = path.read_text()
+    else:
+        text = ("# Benchmarks\n\nEach script here measures one part of rollart on the machine it "
+                "runs on and rewrites its own section of this file (between its markers) and its "
+                "file in `results/`.\n")
+    b, e = text.find(BEGIN), text.find(END)
+    if b != -1 and e > b:
+        text = text[:b] + section + text[e + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+# -- main -------------------------------------------------------------------------------------
+def machine_info(loop_name: str) -> dict:
+    cpu_model = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "loadavg_start": loadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "event_loop": loop_name,
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "nats_py": _version("nats-py"),
+        "rollart": _version("rollart"),
+    }
+
+
+def build_engine(args, model_dir: Path):
+    from rollart.actors.chat import ChatFormat
+    from rollart.engines.base import GenInput
+    from rollart.engines.torch_engine import TorchGenerationEngine
+    from rollart.envs.frozenlake import INSTRUCTION, FrozenLakeEnv
+
+    engine = TorchGenerationEngine(model_dir, threads=args.threads, seed=0)
+    chat = ChatFormat.load(model_dir)
+    env = FrozenLakeEnv(random_map=True)
+    prompt = chat.first_prompt(args.instruction or INSTRUCTION, env.reset(0)[0])
+    choices = [chat.encode(a) for a in env.legal_actions()]
+    wave = args.batch_groups * args.group_size
+    for n in (1, wave, wave):  # warm-up: the first calls pay for allocation
+        engine.generate([GenInput(prompt_ids=prompt, max_new_tokens=1, choices=choices, greedy=True)
+                         for _ in range(n)])
+    t0 = time.perf_counter()
+    engine.generate([GenInput(prompt_ids=prompt, max_new_tokens=1, choices=choices, greedy=True)
+                     for _ in range(wave)])
+    gen_wave = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate([GenInput(prompt_ids=prompt, max_new_tokens=1, choices=choices, greedy=True)])
+    gen_one = time.perf_counter() - t0
+    return engine, {"prompt_tokens": len(prompt), "generate_1_s": round(gen_one, 4),
+                    f"generate_{wave}_s": round(gen_wave, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: sigma 1 and 10, 1 batch, 1 repetition; writes nothing "
+                        "unless --write")
+    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--bus", choices=("memory", "nats"), default="memory",
+                   help="MemoryBus (default) or NatsBus to an embedded nats-server")
+    p.add_argument("--sigmas", default=None, help="comma-separated sigmas in units "
+                   "(default 1,2,5,10; --quick 1,10)")
+    p.add_argument("--mu", type=float, default=10.0, help="mean step latency in units (default 10)")
+    p.add_argument("--unit", type=float, default=0.04, help="seconds per unit (default 0.04)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per mode and sigma "
+                   "(default 2, --quick 1)")
+    p.add_argument("--batches", type=int, default=None, help="batches per measurement "
+                   "(default 3, --quick 1)")
+    p.add_argument("--batch-groups", type=int, default=4, help="groups per batch (default 4)")
+    p.add_argument("--group-size", type=int, default=8, help="trajectories per group (default 8)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="rollout.concurrency (default: trajectories per batch)")
+    p.add_argument("--max-turns", type=int, default=8, help="env max_turns (default 8)")
+    p.add_argument("--env-kind", choices=("thread", "async"), default="thread",
+                   help="sync env sleeping in its runner thread (default) or async env")
+    p.add_argument("--instruction", default=None,
+                   help="system prompt (default: FrozenLake's own instruction)")
+    p.add_argument("--sample", action="store_true",
+                   help="sample at temperature 1 instead of greedy (trajectories then differ "
+                        "between modes)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--gather-ms", type=float, default=2.0, help="proxy.gather_ms (default 2)")
+    p.add_argument("--max-batch", type=int, default=128, help="proxy.max_batch (default 128)")
+    p.add_argument("--seed", type=int, default=1000, help="base task seed (default 1000)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement at most")
+    args = p.parse_args(argv)
+    args.sigmas = [float(s) for s in (args.sigmas or ("1,10" if args.quick else "1,2,5,10")).split(",")]
+    args.reps = args.reps or (1 if args.quick else 2)
+    args.batches = args.batches or (1 if args.quick else 3)
+    wave = args.batch_groups * args.group_size
+    args.concurrency = args.concurrency or wave
+    if args.concurrency < wave:
+        p.error(f"--concurrency {args.concurrency} < {wave} trajectories per batch: batch mode "
+                "needs a whole wave on the EnvManager")
+    write = not args.no_write and (args.write or not args.quick)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    try:
+        import uvloop
+
+        run, loop_name = uvloop.run, f"uvloop {_version('uvloop')}"
+    except ImportError:
+        run, loop_name = asyncio.run, "asyncio"
+
+    t_start = time.perf_counter()
+    results: dict = {
+        "benchmark": "rollout_modes",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "quick": args.quick,
+        "config": {k: getattr(args, k) for k in (
+            "bus", "sigmas", "mu", "unit", "reps", "batches", "batch_groups", "group_size",
+            "concurrency", "max_turns", "env_kind", "instruction", "sample", "threads",
+            "gather_ms", "max_batch", "seed")},
+        "paper": PAPER,
+        "machine": machine_info(loop_name),
+    }
+    with tempfile.TemporaryDirectory(prefix="rollart-rollout-modes-") as tmp:
+        from rollart.engines.tiny import build_tiny_model
+
+        PROGRESS.say(f"building the tiny model; load {loadavg()[0]}")
+        model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
+        engine, probe = build_engine(args, model_dir)
+        results["engine_probe"] = probe
+        PROGRESS.say(f"engine warm: {probe}")
+        server, url = None, None
+        if args.bus == "nats":
+            from rollart.bus.server import EmbeddedServer
+
+            server = EmbeddedServer(Path(tmp) / "nats").start()
+            url = server.url
+            PROGRESS.say(f"nats-server at {url}")
+        try:
+            runs = run(suite(args, url, engine, model_dir, Path(tmp) / "runs"))
+        finally:
+            if server is not None:
+                server.stop()
+    results["summary"] = summarize(args, runs)
+    for r in runs:
+        r.pop("_trajs", None)
+        r.pop("_shape", None)
+    results["runs"] = runs
+    loads = [x for r in runs for x in (r["loadavg_start"][0], r["loadavg_end"][0])]
+    results["machine"].update(loadavg_end=loadavg(), loadavg_min=min(loads), loadavg_max=max(loads))
+    results["total_s"] = round(time.perf_counter() - t_start, 1)
+    results["all_pass"] = all(r["pass"] for r in results["summary"])
+
+    text = json.dumps(results, indent=2)
+    print(text)
+    if write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(text + "\n")
+        write_readme(readme_section(results))
+        PROGRESS.say(f"wrote {RESULTS.relative_to(ROOT)} and the rollout_modes section of "
+                     f"{README.relative_to(ROOT)}")
+    for r in results["summary"]:
+        PROGRESS.say(f"sigma {r['sigma']:g}: trajectory {r['trajectory_per_batch_s']:.2f} s/batch, "
+                     f"batch {r['batch_per_batch_s']:.2f} s/batch, ratio {r['ratio']:.2f}x "
+                     f"(>= {r['target']}x: {'pass' if r['pass'] else 'FAIL'})")
+    PROGRESS.say(f"total {results['total_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
