@@ -97,6 +97,10 @@ def job_config(config: str, *, run_dir: str, steps: int | None):
 
 
 # -- one variant, in a child process ---------------------------------------------------------
+MAIN_STARTED: list[float] = []
+"""perf_counter() when the rollart Trainer's loop started (set in the child)."""
+
+
 def _record_cpu_time() -> None:
     """Add ``cpu_s`` to each metrics record the rollart Trainer writes: this process's CPU
     seconds from the trainer loop's start to the end of the step's ``train_step`` (the point
@@ -108,6 +112,7 @@ def _record_cpu_time() -> None:
 
     async def timed_main(self) -> None:
         self._bench_cpu0 = time.process_time()
+        MAIN_STARTED.append(time.perf_counter())
         await main(self)
 
     def timed_step(self, *a, **k):
@@ -176,7 +181,8 @@ def child(variant: str, config: str, workdir: str, steps: int | None, tag: str) 
             h.pop("traj_ids", None)
             h.pop("traj_min_versions", None)
         result = {"history": history, "weights": str(run_path / "weights"), "summary": summary,
-                  "run_path": str(run_path), "train_call_s": train_call_s}
+                  "run_path": str(run_path), "train_call_s": train_call_s,
+                  "setup_s": MAIN_STARTED[0] - t_call if MAIN_STARTED else None}
     result["process_s"] = time.perf_counter() - t0
     (out_dir / "result.json").write_text(json.dumps(result))
     return 0
@@ -311,6 +317,7 @@ def analyse(variant: str, res: dict, success: dict[int, float], steps: int) -> d
         "time_to_sustained_s": round(wall[sustained], 2) if sustained is not None else None,
         "total_wall_s": round(last_wall, 2) if last_wall is not None else None,
         "mean_step_s": round(last_wall / n, 3) if n else None,
+        "cpu_per_step_s": round(float(hist[-1]["cpu_s"]) / n, 3) if n and "cpu_s" in hist[-1] else None,
         "greedy_success": {str(v): success[v] for v in sorted(success)},
         "wall_s": {str(v): round(wall[v], 3) for v in sorted(wall)},
         "train_success": [round(float(h["success"]), 4) for h in hist],
@@ -334,13 +341,13 @@ def analyse(variant: str, res: dict, success: dict[int, float], steps: int) -> d
         }
         summ = res.get("summary") or {}
         out["in_run_final_eval"] = {k: summ.get(k) for k in ("version", "greedy_success", "trajectories")}
-        if res.get("train_call_s") is not None and summ.get("wall_s") is not None and last_wall:
-            # train(): Node start (actor setup) -> steps -> final greedy eval, then the node's
-            # drain, bus close and the plot.
+        if res.get("setup_s") is not None and summ.get("wall_s") is not None and last_wall:
+            # train(): bus + Node start (actor setup) | steps | after the last step: final
+            # greedy eval and the node's drain (both inside summary["wall_s"]), bus close, plot.
             out["after_steps"] = {
                 "train_call_s": round(res["train_call_s"], 2),
-                "setup_and_final_eval_s": round(summ["wall_s"] - last_wall, 2),
-                "drain_close_plot_s": round(res["train_call_s"] - summ["wall_s"], 2),
+                "setup_s": round(res["setup_s"], 2),
+                "after_last_step_s": round(res["train_call_s"] - res["setup_s"] - last_wall, 2),
             }
     return out
 
@@ -367,6 +374,7 @@ def combine(variant: str, reps: list[dict]) -> dict:
         "first_version": _median([r["first_version"] for r in reps]),
         "time_to_sustained_s": _median([r["time_to_sustained_s"] for r in reps]),
         "mean_step_s": _median([r["mean_step_s"] for r in reps]),
+        "cpu_per_step_s": _median([r["cpu_per_step_s"] for r in reps]),
         "total_wall_s": _median([r["total_wall_s"] for r in reps]),
         "steps_run": reps[0]["steps_run"],
         "all_times_to_threshold_s": [r["time_to_threshold_s"] for r in reps],
@@ -420,7 +428,7 @@ def _fmt_t(x: float | None) -> str:
 
 
 def _fmt_v(x: float | None) -> str:
-    return "–" if x is None else f"{x:g}"
+    return "–" if x is None else f"{x:.3g}"
 
 
 def readme_section(results: dict) -> str:
@@ -438,8 +446,10 @@ def readme_section(results: dict) -> str:
         rows.append(
             f"| {r['label']} | {t} | {_fmt_v(r['first_version'])} | {_fmt_t(r['cpu_to_threshold_s'])} | "
             f"{_fmt_t(r['time_to_sustained_s'])} | {r['mean_step_s']:.2f} | "
+            f"{_fmt_v(r['cpu_per_step_s'])} | "
             f"{'–' if is_plain else (ratio.get('time_to_threshold') or 'n/a')} | "
             f"{'–' if is_plain else ratio.get('mean_step')} | "
+            f"{'–' if is_plain else ratio.get('cpu_per_step')} | "
             f"{p.get('cores_used', '?')} / {p.get('others_cores_busy', '?')} | {p.get('load1_mean', '?')} |")
     what = "median of " + str(reps) + " runs (each run in brackets)" if reps > 1 else "one run each"
     lines = [
@@ -469,8 +479,9 @@ def readme_section(results: dict) -> str:
         f"step budget {job['steps']}; {what}.",
         "",
         "| Variant | Time to 0.9 (s) | at version | CPU to 0.9 (s) | Sustained (s) | s/step "
-        "| Time ratio vs plain | s/step ratio | Cores: ours / others | Load (1 min) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU s/step | Time to 0.9 vs plain | s/step vs plain | CPU s/step vs plain "
+        "| Cores: ours / others | Load (1 min) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
     ]
@@ -491,9 +502,9 @@ def readme_section(results: dict) -> str:
                       f"{b['first_wait_s']:.2f} s), train {b['train_s']:.2f} s, checkpoint + "
                       f"publish {b['ckpt_publish_s']:.2f} s; per trajectory: generate "
                       f"{b['traj_generate_s']:.2f} s, env {b['traj_step_s']:.3f} s; staleness "
-                      f"{b['staleness']:.2f}. After the last step: final eval + setup "
-                      f"{a.get('setup_and_final_eval_s', float('nan')):.1f} s, drain + plot "
-                      f"{a.get('drain_close_plot_s', float('nan')):.1f} s |")
+                      f"{b['staleness']:.2f}. Not in `wall_s`: setup {a.get('setup_s', float('nan')):.1f} s; "
+                      f"after the last step (final eval, drain, plot) "
+                      f"{a.get('after_last_step_s', float('nan')):.1f} s |")
     lines += bd
     lines += [
         "",
@@ -631,7 +642,9 @@ def main(argv: list[str] | None = None) -> int:
         tt = (round(r["time_to_threshold_s"] / base["time_to_threshold_s"], 2)
               if r["time_to_threshold_s"] and base["time_to_threshold_s"] else None)
         ratios[name] = {"time_to_threshold": tt,
-                        "mean_step": round(r["mean_step_s"] / base["mean_step_s"], 2)}
+                        "mean_step": round(r["mean_step_s"] / base["mean_step_s"], 2),
+                        "cpu_per_step": round(r["cpu_per_step_s"] / base["cpu_per_step_s"], 2)
+                        if r["cpu_per_step_s"] and base["cpu_per_step_s"] else None}
         if name != "plain":
             if tt is not None:
                 target[name] = f"{tt}x ({'pass' if tt <= TARGET_RATIO else 'fail'})"

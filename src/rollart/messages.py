@@ -301,6 +301,18 @@ def lookup(full_subject: str) -> SubjectDef | None:
     return None
 
 
+def dead_request(dl: DeadLetter) -> RolloutRequested | None:
+    """The rollout request a dead letter carries, if it carries one."""
+    from rollart.bus.codec import DecodeError, decode
+
+    if ".rollout.requested." not in dl.subject:
+        return None
+    try:
+        return decode(RolloutRequested, dl.payload)
+    except DecodeError:
+        return None
+
+
 # -- key-value state -------------------------------------------------------------
 
 POLICY_KEY = "policy.version"

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import pytest
 
-from rollart import messages as m
 from rollart.config import RunConfig, convert
 from rollart.launch import rollout_actors
 from rollart.node import Node

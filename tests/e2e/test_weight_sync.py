@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
 from rollart import messages as m
 from rollart.actors.llm_proxy import LLMProxy

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from rollart import messages as m
 from rollart.bus.codec import decode

@@ -20,7 +20,7 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.base import Actor, consume
 from rollart.actors.policy import watch_policy
-from rollart.bus.codec import DecodeError, decode, encode
+from rollart.bus.codec import encode
 
 log = logging.getLogger(__name__)
 
@@ -199,13 +199,9 @@ class RolloutScheduler(Actor):
 
     @consume("dead", max_inflight=64)
     async def on_dead(self, msg: m.DeadLetter, delivery) -> None:
-        if ".rollout.requested." not in msg.subject:
-            return
-        try:
-            req = decode(m.RolloutRequested, msg.payload)
-        except DecodeError:
-            return
-        await self._record(req.traj_id, req.group_id, "dead")
+        req = m.dead_request(msg)
+        if req is not None:
+            await self._record(req.traj_id, req.group_id, "dead")
 
     def summary(self) -> dict[str, float]:
         done = [g for g in self.groups.values() if g.done]

@@ -21,7 +21,6 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.base import Actor, consume
 from rollart.actors.policy import set_policy, sha256_digest
-from rollart.bus.codec import DecodeError, decode
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +184,8 @@ class Trainer(Actor):
 
     @consume("dead", durable="trainer-dead", max_deliver=-1)
     async def on_dead(self, msg: m.DeadLetter, delivery) -> None:
-        if ".rollout.requested." not in msg.subject:
-            return
-        try:
-            req = decode(m.RolloutRequested, msg.payload)
-        except DecodeError:
+        req = m.dead_request(msg)
+        if req is None:
             return
         if req.group_index >= self.next_index and req.group_index not in self.closed and not req.eval:
             self.groups.setdefault(req.group_index, Group(req.group_index)).dead += 1

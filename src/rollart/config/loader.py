@@ -31,15 +31,15 @@ def convert(data: Any, typ: type[T], *, source: str = "config") -> T:
     """Validate plain data (a dict from YAML) as ``typ``; raise :class:`ConfigError`."""
     try:
         return msgspec.convert(data, typ, strict=False)
-    except msgspec.ValidationError as e:
-        prefix, sub, subtyp = _locate(data, typ, "")
+    except msgspec.ValidationError as outer:
+        message, prefix, sub, subtyp = str(outer), *_locate(data, typ, "")
         try:
             msgspec.convert(sub, subtyp, strict=False)
-        except msgspec.ValidationError as inner:
-            e = inner
+        except msgspec.ValidationError as inner:  # the innermost failing entry names its key
+            message = str(inner)
         else:
             prefix, subtyp = "", typ
-        raise ConfigError(f"{source}: {_explain(str(e), subtyp, prefix)}") from None
+        raise ConfigError(f"{source}: {_explain(message, subtyp, prefix)}") from None
 
 
 def _locate(data: Any, typ: Any, prefix: str) -> tuple[str, Any, Any]:
