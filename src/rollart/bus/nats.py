@@ -16,6 +16,9 @@ Notes that shaped the code (measured with nats-server 2.15, nats-py 2.16):
   it has applied it, so a caller that got ``ack()`` back knows the server has it.
 - Handlers of core subscriptions run concurrently, one task per message (a service
   in a queue group must not serialise its requests); a failing handler is logged.
+- A KV watch is re-made after every reconnect (see ``_NatsKeyValue.watch``).
+- One fetch at a time per consumer object: nats-py mixes up concurrent fetches on
+  one pull subscription. Replicas each bind their own (same durable).
 """
 
 from __future__ import annotations
@@ -27,34 +30,14 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-)
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from rollart.bus.base import (
-    Bus,
-    BusError,
-    BusTimeout,
-    ConsumerSpec,
-    Delivery,
-    KeyValue,
-    KVEntry,
-    NoResponders,
-    ObjectStore,
-    PullConsumer,
-    Request,
-    Retention,
-    StreamSpec,
-    Subscription,
+    Bus, BusError, BusTimeout, ConsumerSpec, Delivery, KeyValue, KVEntry, NoResponders, ObjectStore,
+    PullConsumer, Request, Retention, StreamSpec, Subscription,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +54,7 @@ def _translated(what: str):
         raise
     except nats.errors.NoRespondersError as err:
         raise NoResponders(f"{what}: no responders") from err
-    except (nats.errors.TimeoutError, asyncio.TimeoutError) as err:
+    except (TimeoutError, nats.errors.TimeoutError) as err:
         raise BusTimeout(f"{what}: timed out") from err
     except (nats.errors.Error, OSError) as err:
         raise BusError(f"{what}: {type(err).__name__}: {err}") from err
@@ -83,7 +66,7 @@ def _headers(msg) -> dict[str, str]:
 
 # -- durable -------------------------------------------------------------------------
 class _NatsDelivery(Delivery):
-    __slots__ = ("subject", "data", "headers", "stream_seq", "num_delivered", "_nc", "_reply", "_timeout")
+    __slots__ = ("_nc", "_reply", "_timeout", "data", "headers", "num_delivered", "stream_seq", "subject")
 
     def __init__(self, msg, nc: NATS, timeout: float) -> None:
         meta = msg.metadata
@@ -121,7 +104,7 @@ class _NatsDelivery(Delivery):
 
 
 class _NatsPullConsumer(PullConsumer):
-    def __init__(self, bus: "NatsBus", stream: str, spec: ConsumerSpec) -> None:
+    def __init__(self, bus: NatsBus, stream: str, spec: ConsumerSpec) -> None:
         self._bus = bus
         self._stream = stream
         self._spec = spec
@@ -131,13 +114,8 @@ class _NatsPullConsumer(PullConsumer):
         js = self._bus._jetstream()
         spec = self._spec
         config = ConsumerConfig(
-            name=spec.durable,
-            durable_name=spec.durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=spec.ack_wait,
-            max_deliver=spec.max_deliver,
-            max_ack_pending=spec.max_ack_pending,
-            filter_subject=spec.filter_subject,
+            name=spec.durable, durable_name=spec.durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=spec.ack_wait,
+            max_deliver=spec.max_deliver, max_ack_pending=spec.max_ack_pending, filter_subject=spec.filter_subject,
             deliver_policy=DeliverPolicy.ALL if spec.deliver_all else DeliverPolicy.NEW,
         )
         what = f"consumer {self._stream}/{spec.durable}"
@@ -163,7 +141,7 @@ class _NatsPullConsumer(PullConsumer):
         sub = self._sub
         try:
             msgs = await sub.fetch(max(1, batch), timeout=max(timeout, 0.01))
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             return []  # nothing there (or the server is unreachable right now)
         except nats.errors.Error as err:
             # The subscription may be unusable now: bind afresh on the next call.
@@ -192,7 +170,7 @@ class _NatsPullConsumer(PullConsumer):
 
 # -- core --------------------------------------------------------------------------
 class _NatsSubscription(Subscription):
-    def __init__(self, subject: str, handler: Callable[[Request], Awaitable[None]], bus: "NatsBus") -> None:
+    def __init__(self, subject: str, handler: Callable[[Request], Awaitable[None]], bus: NatsBus) -> None:
         self._subject = subject
         self._handler = handler
         self._bus = bus
@@ -244,7 +222,7 @@ class _NatsSubscription(Subscription):
 class _Watch:
     """One live nats-py key watcher; stopped on reconnect (to be re-made) or on close."""
 
-    __slots__ = ("watcher", "restart")
+    __slots__ = ("restart", "watcher")
 
     def __init__(self, watcher) -> None:
         self.watcher = watcher
@@ -257,7 +235,7 @@ class _Watch:
 
 
 class _NatsKeyValue(KeyValue):
-    def __init__(self, kv, bucket: str, bus: "NatsBus") -> None:
+    def __init__(self, kv, bucket: str, bus: NatsBus) -> None:
         self._kv = kv
         self._bucket = bucket
         self._bus = bus
@@ -343,16 +321,8 @@ class _NatsObjectStore(ObjectStore):
 class NatsBus(Bus):
     """A :class:`Bus` on one NATS connection with JetStream."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        name: str = "rollart",
-        connect_timeout: float = 5.0,
-        reconnect_time_wait: float = 0.25,
-        ack_timeout: float = 5.0,
-        drain_timeout: float = 10.0,
-    ) -> None:
+    def __init__(self, url: str, *, name: str = "rollart", connect_timeout: float = 5.0,
+                 reconnect_time_wait: float = 0.25, ack_timeout: float = 5.0, drain_timeout: float = 10.0) -> None:
         self.url = url
         self.name = name
         self.connect_timeout = connect_timeout
@@ -377,14 +347,9 @@ class NatsBus(Bus):
         attempts = max(1, math.ceil(self.connect_timeout / max(self.reconnect_time_wait, 0.01)))
         with _translated(f"connect to {self.url}"):
             await nc.connect(
-                servers=[self.url],
-                name=self.name,
-                connect_timeout=self.connect_timeout,
-                reconnect_time_wait=self.reconnect_time_wait,
-                max_reconnect_attempts=attempts,
-                error_cb=self._on_error,
-                disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected,
+                servers=[self.url], name=self.name, connect_timeout=self.connect_timeout,
+                reconnect_time_wait=self.reconnect_time_wait, max_reconnect_attempts=attempts,
+                error_cb=self._on_error, disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
                 drain_timeout=self.drain_timeout,
             )
         nc.options["max_reconnect_attempts"] = -1
@@ -419,7 +384,7 @@ class NatsBus(Bus):
             await asyncio.wait_for(
                 asyncio.gather(*(s.unsubscribe() for s in subs), return_exceptions=True), self.drain_timeout
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("nats %s: handlers still running after %.1fs; cancelling them", self.url, self.drain_timeout)
         for rec in list(self._watches):
             await rec.stop()  # ends the watch iterators
@@ -456,14 +421,9 @@ class NatsBus(Bus):
 
     # -- durable --------------------------------------------------------------------
     async def ensure_stream(self, spec: StreamSpec) -> None:
-        config = StreamConfig(
-            name=spec.name,
-            subjects=list(spec.subjects),
-            retention=RetentionPolicy.WORK_QUEUE if spec.retention == Retention.WORKQUEUE else RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            duplicate_window=spec.duplicate_window,
-            max_age=spec.max_age,
-        )
+        retention = RetentionPolicy.WORK_QUEUE if spec.retention == Retention.WORKQUEUE else RetentionPolicy.LIMITS
+        config = StreamConfig(name=spec.name, subjects=list(spec.subjects), retention=retention,
+                              storage=StorageType.FILE, duplicate_window=spec.duplicate_window, max_age=spec.max_age)
         js = self._jetstream()
         with _translated(f"ensure stream {spec.name}"):
             try:
@@ -473,15 +433,8 @@ class NatsBus(Bus):
                     raise
                 await js.update_stream(config)
 
-    async def publish(
-        self,
-        subject: str,
-        data: bytes,
-        *,
-        headers: dict[str, str] | None = None,
-        msg_id: str | None = None,
-        timeout: float = 5.0,
-    ) -> int:
+    async def publish(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
+                      msg_id: str | None = None, timeout: float = 5.0) -> int:
         hdrs = dict(headers) if headers else {}
         if msg_id is not None:
             hdrs["Nats-Msg-Id"] = msg_id
@@ -513,13 +466,8 @@ class NatsBus(Bus):
         with _translated(f"publish to {subject}"):
             await self._client().publish(subject, data, headers=headers)
 
-    async def subscribe(
-        self,
-        subject: str,
-        handler: Callable[[Request], Awaitable[None]],
-        *,
-        queue: str | None = None,
-    ) -> Subscription:
+    async def subscribe(self, subject: str, handler: Callable[[Request], Awaitable[None]], *,
+                        queue: str | None = None) -> Subscription:
         nc = self._client()
         sub = _NatsSubscription(subject, handler, self)
         with _translated(f"subscribe to {subject}"):
@@ -532,14 +480,8 @@ class NatsBus(Bus):
         self._subs.append(sub)
         return sub
 
-    async def request(
-        self,
-        subject: str,
-        data: bytes,
-        *,
-        headers: dict[str, str] | None = None,
-        timeout: float = 5.0,
-    ) -> Request:
+    async def request(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
+                      timeout: float = 5.0) -> Request:
         with _translated(f"request to {subject}"):
             msg = await self._client().request(subject, data, timeout=timeout, headers=headers)
         return Request(subject=msg.subject, data=msg.data, headers=_headers(msg))

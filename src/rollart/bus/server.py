@@ -19,9 +19,9 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import socket
 import subprocess
+import sys
 import sysconfig
 import time
 import weakref
@@ -104,7 +104,7 @@ class EmbeddedServer:
         return self._proc.pid if self._proc is not None else None
 
     # -- lifecycle --------------------------------------------------------------
-    def start(self, timeout: float = 10.0) -> "EmbeddedServer":
+    def start(self, timeout: float = 10.0) -> EmbeddedServer:
         """Start the server and return once it accepts clients (JetStream included)."""
         if self.running:
             return self
@@ -154,13 +154,13 @@ class EmbeddedServer:
         """SIGKILL, as a crash would; waits until the process is gone."""
         self._terminate(sig=signal.SIGKILL, timeout=5.0)
 
-    def restart(self, timeout: float = 10.0) -> "EmbeddedServer":
+    def restart(self, timeout: float = 10.0) -> EmbeddedServer:
         """Stop if running, then start again on the same port and store."""
         if self.running:
             self.stop()
         return self.start(timeout=timeout)
 
-    def __enter__(self) -> "EmbeddedServer":
+    def __enter__(self) -> EmbeddedServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
