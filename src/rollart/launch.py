@@ -29,6 +29,8 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
                           for h in ("on_completed", "on_cancelled", "on_dead")}
     sched.total_groups, sched.bounded, sched.keep_results = groups, bounded, keep_results
     sched.greedy, sched.eval, sched.env, sched.prefix = greedy, eval, env, prefix
+    if eval:
+        sched.seed_offset = 1_000_000  # held-out tasks: training seeds start at rollout.seed
     actors: list[Actor] = [sched, EnvManager.from_config(cfg, _role(cfg, "env"), pool=pool)]
     for i in range(cfg.proxy.replicas):
         actors.append(LLMProxy.from_config(cfg, _role(cfg, "generate"), pool=pool, index=i))

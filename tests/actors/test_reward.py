@@ -31,12 +31,11 @@ async def test_reasoning_gym_scorer_and_unknown_scorer(memory_bus_only):
 
     env = ReasoningGymEnv(dataset="basic_arithmetic")
     _, info = env.reset(3)
+    meta = {"env_args": '{"dataset": "basic_arithmetic"}', "seed": 3}
     svc = RewardService(run=new_run())
     async with Node(memory_bus_only, [svc], heartbeat_every=0):
-        good = await svc.request("reward.request", req(1, "reasoning_gym", str(info["answer"]), "",
-                                                      dataset="basic_arithmetic", index=3))
-        bad = await svc.request("reward.request", req(2, "reasoning_gym", "nonsense", "",
-                                                     dataset="basic_arithmetic", index=3))
+        good = await svc.request("reward.request", req(1, "reasoning_gym", str(info["answer"]), "", **meta))
+        bad = await svc.request("reward.request", req(2, "reasoning_gym", "nonsense", "", **meta))
         assert good.score == 1.0 and bad.score == 0.0
         with pytest.raises(RemoteError, match="unknown scorer 'nope'"):
             await svc.request("reward.request", req(3, "nope"))

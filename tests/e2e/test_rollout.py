@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
+import pytest
+
 
 from rollart.config import RunConfig, convert
 from rollart.launch import rollout_actors
@@ -139,3 +141,16 @@ async def test_batch_mode_runs_in_lock_step(memory_bus_only, tiny_model):
     # all 8 first turns of a wave go to the engine as one batch
     assert proxy.batcher.sizes[0] == 8
     assert all(d.timings["wait"] >= 0 for d in sched.results)
+
+
+async def test_reward_service_scores_free_text_trajectories(memory_bus_only, tiny_model):
+    pytest.importorskip("reasoning_gym")
+    env = {"type": "reasoning_gym", "args": {"dataset": "basic_arithmetic"}, "max_turns": 1,
+           "action_pattern": r"(\d+)", "scorer": "reasoning_gym", "constrain": False,
+           "sampling": {"max_new_tokens": 3}}
+    cfg = make_cfg(tiny_model, env=env, group_size=4)
+    sched, actors = await run_groups(memory_bus_only, cfg, groups=2)
+    reward = next(a for a in actors if a.role == "reward")
+    assert sched.summary()["completed"] == 8 and sched.summary()["dead"] == 0
+    assert reward.served == 8
+    assert all(d.timings["reward"] > 0 and 0.0 <= d.reward <= 1.0 for d in sched.results)

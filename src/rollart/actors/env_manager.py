@@ -9,6 +9,7 @@ ids are appended turn by turn and history is never re-tokenised.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -146,9 +147,10 @@ class EnvManager(Actor):
             if self.lockstep.join(req.wave_id, req.wave_size):
                 self._in_wave.add(req.traj_id)
         runner, obs, info = await self._reset(req, cfg, tr)
+        reset_info = dict(info)
         reward, success, stop, text = 0.0, False, "max_turns", ""
         try:
-            instruction = cfg.instruction or runner.instruction
+            instruction = cfg.instruction if cfg.instruction is not None else runner.instruction
             tr.add_prompt(self.chat.first_prompt(instruction, self._user(cfg, obs, 1)))
             for turn in range(1, cfg.max_turns + 1):
                 if cancel.is_set():
@@ -188,7 +190,7 @@ class EnvManager(Actor):
                 if turn < cfg.max_turns:
                     tr.add_prompt(self.chat.next_prompt(res.token_ids, self._user(cfg, obs, turn + 1)))
             if cfg.scorer:
-                reward, success = await self._score(req, cfg, tr, info, text)
+                reward, success = await self._score(req, cfg, tr, {**reset_info, **info}, text)
         finally:
             await runner.close()
         versions = [v for v in tr.versions if v >= 0] or [self.version]
@@ -266,7 +268,9 @@ class EnvManager(Actor):
             res = await self.request("reward.request", m.RewardRequest(
                 traj_id=req.traj_id, scorer=cfg.scorer, response=answer,
                 answer=str(info.get("answer", "")),
-                metadata={k: str(v) for k, v in info.items() if isinstance(v, (str, int, float))}),
+                metadata={**{k: str(v) for k, v in info.items() if isinstance(v, (str, int, float))},
+                          "seed": str(req.seed), "env_type": cfg.type,
+                          "env_args": json.dumps(cfg.args, sort_keys=True)}),
                 timeout=self.rollout.generate_timeout)
         finally:
             tr.timings["reward"] += time.perf_counter() - t0

@@ -29,15 +29,22 @@ def answer_match(response: str, answer: str, metadata: dict[str, str]) -> float:
 
 
 def reasoning_gym_score(response: str, answer: str, metadata: dict[str, str]) -> float:
-    """The reasoning-gym dataset's own scorer for item ``metadata['index']``."""
+    """The reasoning-gym dataset's own scorer, for the task the env served.
+
+    The EnvManager sends ``env_args`` (JSON) and ``seed``: the env is rebuilt with the
+    same arguments and reset with the same seed, so the same question is scored.
+    """
+    import json
+
     from rollart.envs.reasoning import ReasoningGymEnv
 
-    if "dataset" not in metadata or "index" not in metadata:
-        raise ValueError("reasoning_gym scorer needs metadata 'dataset' and 'index'")
-    env = _rg_envs.get(metadata["dataset"])
+    if "env_args" not in metadata or "seed" not in metadata:
+        raise ValueError("reasoning_gym scorer needs metadata 'env_args' and 'seed'")
+    key = metadata["env_args"]
+    env = _rg_envs.get(key)
     if env is None:
-        env = _rg_envs[metadata["dataset"]] = ReasoningGymEnv(dataset=metadata["dataset"])
-    env.reset(int(metadata["index"]))
+        env = _rg_envs[key] = ReasoningGymEnv(**json.loads(key))
+    env.reset(int(metadata["seed"]))
     _, reward, *_ = env.step(response)
     return float(reward)
 

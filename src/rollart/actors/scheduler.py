@@ -65,6 +65,8 @@ class RolloutScheduler(Actor):
     eval: bool = False
     greedy: bool = False
     prefix: str = "g"
+    seed_offset: int = 0
+    """Added to task seeds (evaluation uses held-out seeds)."""
     resume: bool = False
     """Continue the admission count stored in KV by an earlier process of this run."""
     keep_results: bool = False
@@ -152,7 +154,8 @@ class RolloutScheduler(Actor):
         self.max_admitted_ahead = max(self.max_admitted_ahead,
                                       self.admitted - (self.version + 1) * r.batch_groups)
         for i, tid in enumerate(members):
-            seed = r.seed + g if r.same_seed_per_group else r.seed + g * n + i
+            base = r.seed + self.seed_offset
+            seed = base + g if r.same_seed_per_group else base + g * n + i
             req = m.RolloutRequested(
                 traj_id=tid, group_id=gid, env=self.env or r.env, seed=seed, index_in_group=i,
                 admitted_version=self.version,

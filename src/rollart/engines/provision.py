@@ -17,7 +17,12 @@ def model_dir(run_cfg: Any) -> Path:
     t = mc.tiny
     from rollart.engines.tiny import build_tiny_model
 
-    name = f"tiny-v{t.vocab_size}-h{t.hidden_size}-l{t.num_layers}-s{t.seed}"
+    import hashlib
+
+    import msgspec
+
+    tag = hashlib.sha256(msgspec.json.encode(t)).hexdigest()[:8]
+    name = f"tiny-v{t.vocab_size}-h{t.hidden_size}-l{t.num_layers}-s{t.seed}-{tag}"
     return build_tiny_model(
         Path(run_cfg.run_dir) / "_models" / name, vocab_size=t.vocab_size,
         hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
