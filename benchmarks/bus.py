@@ -47,6 +47,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_section import replace_section  # noqa: E402
+
 from rollart import messages as m
 from rollart.actors.base import Actor, consume, serve
 from rollart.bus import Bus, ConsumerSpec, Request, StreamSpec
@@ -582,19 +585,7 @@ def readme_section(results: dict) -> str:
 
 
 def write_readme(section: str, path: Path = README) -> None:
-    """Replace our section between the markers; create the file or the section if missing."""
-    if path.exists():
-        text = path.read_text()
-    else:
-        text = ("# Benchmarks\n\nEach script here measures one part of rollart on the machine it "
-                "runs on and rewrites its own section of this file (between its markers) and its "
-                "file in `results/`.\n")
-    b, e = text.find(BEGIN), text.find(END)
-    if b != -1 and e > b:
-        text = text[:b] + section + text[e + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    replace_section("bus", section, path)
 
 
 # -- main -------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_section import replace_section  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # so that "benchmarks.latency_envs:..." imports
@@ -405,19 +408,7 @@ def readme_section(results: dict) -> str:
 
 
 def write_readme(section: str, path: Path = README) -> None:
-    """Replace our section between the markers; append it if missing."""
-    if path.exists():
-        text = path.read_text()
-    else:
-        text = ("# Benchmarks\n\nEach script here measures one part of rollart on the machine it "
-                "runs on and rewrites its own section of this file (between its markers) and its "
-                "file in `results/`.\n")
-    b, e = text.find(BEGIN), text.find(END)
-    if b != -1 and e > b:
-        text = text[:b] + section + text[e + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    replace_section("rollout_modes", section, path)
 
 
 # -- main -------------------------------------------------------------------------------------

@@ -1,0 +1,26 @@
+"""Each benchmark owns one section of benchmarks/README.md, between its markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+README = Path(__file__).resolve().parent / "README.md"
+HEADER = ("# Benchmarks\n\nEach script here measures one part of rollart on the machine it runs on "
+          "and rewrites its own section of this file (between its markers) and its file in "
+          "`results/`.\n")
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def replace_section(name: str, section: str, path: Path = README) -> None:
+    """Put ``section`` (which includes its own markers) in place of the old one, or append it."""
+    begin, end = markers(name)
+    text = path.read_text() if path.exists() else HEADER
+    b, e = text.find(begin), text.find(end)
+    if b != -1 and e > b:
+        text = text[:b] + section + text[e + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
