@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, consume
+from rollart.actors.base import Actor, Retry, consume
 from rollart.actors.policy import set_policy, sha256_digest
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,8 @@ class Trainer(Actor):
     # -- input -------------------------------------------------------------------
     @consume("rollout.completed", durable="trainer", ack_wait=30.0, max_deliver=-1)
     async def on_completed(self, msg: m.RolloutCompleted, delivery) -> None:
+        if self.finished.is_set():  # keep it for a later run that trains further
+            raise Retry(30.0, "trainer finished its steps")
         if msg.eval or msg.group_index < 0:
             self.counts["eval_skipped"] += 1
             return
@@ -206,6 +208,10 @@ class Trainer(Actor):
         for fut in self.unacked:
             fut.done() or fut.set_result(None)
         self.finished.set()
+        for g in list(self.groups.values()):  # buffered, never trained: back to the stream
+            for _, fut in g.members:
+                fut.done() or fut.set_exception(Retry(30.0, "trainer finished its steps"))
+        self.groups.clear()
 
     async def _next_batch(self) -> list[Group]:
         r = self.cfg.rollout

@@ -28,28 +28,38 @@ def plot(run_path: str | Path, out: str | Path | None = None) -> Path:
     out = Path(out or Path(run_path) / "learning.png")
     steps = [r["step"] for r in rows]
     wall = [r.get("wall_s", 0.0) for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     for ax, x, label in ((axes[0], steps, "step"), (axes[1], wall, "wall time (s)")):
         ax.plot(x, [r["reward"] for r in rows], label="mean reward")
         ax.plot(x, [r["success"] for r in rows], label="success (sampled)")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    stages = ["traj_generate_s", "traj_step_s", "traj_reset_s", "traj_wait_s", "train_s", "wait_s"]
-    bottom = [0.0] * len(rows)
-    for s in stages:
-        vals = [r.get(s, 0.0) for r in rows]
-        axes[2].bar(steps, vals, bottom=bottom, label=s.removeprefix("traj_").removesuffix("_s"))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[2].set_xlabel("step")
-    axes[2].set_ylabel("seconds")
-    axes[2].set_title("time per step (trajectory stages are per-trajectory means)")
-    axes[2].legend(fontsize=7)
+    _stacked(axes[2], steps, rows, {"train_s": "train", "wait_s": "waiting for a batch",
+                                    "publish_s": "checkpoint + publish"},
+             "trainer: seconds per step")
+    _stacked(axes[3], steps, rows, {"traj_generate_s": "generate", "traj_step_s": "env step",
+                                    "traj_reset_s": "env reset", "traj_reward_s": "reward",
+                                    "traj_wait_s": "lock-step wait"},
+             "one trajectory: seconds by stage (mean)")
     fig.suptitle(Path(run_path).name)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def _stacked(ax, steps, rows, series: dict[str, str], title: str) -> None:
+    bottom = [0.0] * len(rows)
+    for key, label in series.items():
+        vals = [r.get(key, 0.0) for r in rows]
+        if not any(vals):
+            continue
+        ax.bar(steps, vals, bottom=bottom, label=label, width=1.0)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
 
 
 def table(run_path: str | Path, every: int = 1) -> str:
