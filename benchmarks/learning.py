@@ -29,6 +29,13 @@ version stays >= 0.9. ``wall_s`` runs from the trainer's first step (setup exclu
 both: model loading, tokenizer, engine) to the end of that version's optimizer step.
 A run that does not get there within the step budget (``trainer.steps``) is "not reached".
 
+With ``--repeats R`` every variant runs R times (order reversed every other round) and
+medians are reported. Repeat k samples with seed k (``actors.generate.args.seed``, the
+LLMProxy's sampler; the plain loop reads the same key), because the plain loop is
+deterministic for a given seed: repeating it with one seed would measure one lucky or
+unlucky draw R times, while rollart runs differ anyway (engine batches depend on timing).
+``--same-seed`` keeps the config's seed in every repeat.
+
 The full run writes ``benchmarks/results/learning.json`` and the section of
 ``benchmarks/README.md`` between ``<!-- learning:begin -->`` and ``<!-- learning:end -->``.
 Progress goes to stderr, the JSON to stdout.
@@ -83,9 +90,13 @@ def _quiet() -> None:
         pass
 
 
-def job_config(config: str, *, run_dir: str, steps: int | None):
-    """The config every variant starts from: the file, under ``run_dir``, step budget set."""
-    from rollart.config import RunConfig, load
+def job_config(config: str, *, run_dir: str, steps: int | None, sampling_seed: int | None = None):
+    """The config every variant starts from: the file, under ``run_dir``, step budget set;
+    ``sampling_seed`` overrides the seed of the generation engine's sampler
+    (``actors.generate.args.seed``, which the plain loop reads too)."""
+    import msgspec
+
+    from rollart.config import ActorConfig, RunConfig, load
     from rollart.launch import with_overrides
 
     cfg = load(config, RunConfig)
@@ -93,6 +104,10 @@ def job_config(config: str, *, run_dir: str, steps: int | None):
     if steps:
         tr["steps"] = steps
     cfg = with_overrides(cfg, run_dir=run_dir, trainer=tr)
+    if sampling_seed is not None:
+        gen = cfg.actors.get("generate", ActorConfig())
+        gen = msgspec.structs.replace(gen, args={**gen.args, "seed": sampling_seed})
+        cfg = msgspec.structs.replace(cfg, actors={**cfg.actors, "generate": gen})
     return with_overrides(cfg, trainer={"keep_weights": cfg.trainer.steps + 10})
 
 
@@ -128,14 +143,15 @@ def _record_cpu_time() -> None:
     TorchTrainBackend.train_step = timed_step
 
 
-def child(variant: str, config: str, workdir: str, steps: int | None, tag: str) -> int:
+def child(variant: str, config: str, workdir: str, steps: int | None, tag: str,
+          sampling_seed: int | None = None) -> int:
     """Run one variant; write ``<workdir>/<tag>/result.json`` (history + weights folder)."""
     _quiet()
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = VARIANTS[variant]
-    cfg = job_config(config, run_dir=workdir, steps=steps)
+    cfg = job_config(config, run_dir=workdir, steps=steps, sampling_seed=sampling_seed)
     out_dir = Path(workdir) / tag
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -219,9 +235,11 @@ class LoadSampler:
         self._t.join()
 
 
-def run_variant(variant: str, args, workdir: str, tag: str) -> dict:
+def run_variant(variant: str, args, workdir: str, tag: str, sampling_seed: int | None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--tag", tag,
            "--config", args.config, "--workdir", workdir]
+    if sampling_seed is not None:
+        cmd += ["--sampling-seed", str(sampling_seed)]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
     say(f"{tag}: {VARIANTS[variant]['label']}")
@@ -451,7 +469,8 @@ def readme_section(results: dict) -> str:
             f"{'–' if is_plain else ratio.get('mean_step')} | "
             f"{'–' if is_plain else ratio.get('cpu_per_step')} | "
             f"{p.get('cores_used', '?')} / {p.get('others_cores_busy', '?')} | {p.get('load1_mean', '?')} |")
-    what = "median of " + str(reps) + " runs (each run in brackets)" if reps > 1 else "one run each"
+    what = (f"median of {reps} runs per variant (each run in brackets; {job['sampling_seeds']})"
+            if reps > 1 else "one run each")
     lines = [
         BEGIN,
         "## Learning: time to greedy success 0.9 against a plain loop (`learning.py`)",
@@ -520,17 +539,11 @@ def readme_section(results: dict) -> str:
 
 
 def write_readme(section: str, path: Path = README) -> None:
-    """Replace our section between the markers (re-reading the file right before); append it
-    if missing."""
-    text = path.read_text() if path.exists() else (
-        "# Benchmarks\n\nEach script here measures one part of rollart on the machine it runs on "
-        "and rewrites its own section of this file (between its markers) and its file in `results/`.\n")
-    b, e = text.find(BEGIN), text.find(END)
-    if b != -1 and e > b:
-        text = text[:b] + section + text[e + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    """Replace our section between the markers (the file is re-read right before writing)."""
+    sys.path.insert(0, str(HERE))
+    from readme_section import replace_section
+
+    replace_section("learning", section, path)
 
 
 def job_summary(cfg) -> str:
@@ -555,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, from {', '.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of all variants (order reversed every other round); medians reported")
+    p.add_argument("--same-seed", action="store_true",
+                   help="every repeat with the config's sampling seed (default: repeat k samples "
+                        "with seed k; the plain loop is deterministic for a given seed)")
     p.add_argument("--eval-episodes", type=int, default=None,
                    help="greedy episodes per version (default 1 on a deterministic env, else 16)")
     p.add_argument("--keep", default=None, help="keep the run folders here instead of a temp dir")
@@ -563,9 +579,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tag", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sampling-seed", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child, args.config, args.workdir, args.steps, args.tag or args.child)
+        return child(args.child, args.config, args.workdir, args.steps, args.tag or args.child,
+                     args.sampling_seed)
     if args.quick and not args.steps:
         args.steps = 3
     variants = [x.strip() for x in args.variants.split(",") if x.strip()]
@@ -600,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
             "config_mtime": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(cfg_mtime)),
             "steps": cfg.trainer.steps,
             "repeats": args.repeats,
+            "sampling_seeds": "the config's in every repeat" if args.same_seed or args.repeats == 1
+            else f"repeat k samples with seed k (actors.generate.args.seed), k = 0..{args.repeats - 1}",
             "summary": job_summary(cfg),
             "threshold": THRESHOLD,
             "eval_episodes": episodes,
@@ -614,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in (variants if k % 2 == 0 else variants[::-1]):
                 tag = name if args.repeats == 1 else f"{name}-r{k}"
                 order.append(tag)
-                runs[name].append(run_variant(name, args, workdir, tag))
+                seed = None if args.same_seed or k == 0 else k
+                runs[name].append(run_variant(name, args, workdir, tag, seed))
         results["order"] = order
         results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         say("offline greedy evaluation of every saved version")

@@ -164,7 +164,9 @@ def build(cfg: RunConfig, *, model_dir: str | None = None):
 
     md = str(model_dir or provision(cfg))
     t = cfg.trainer
-    engine = TorchGenerationEngine(md, threads=cfg.model.threads, seed=0)
+    gen = cfg.actors.get("generate")
+    seed = int((gen.args if gen is not None else {}).get("seed", 0))  # LLMProxy replica 0's seed
+    engine = TorchGenerationEngine(md, threads=cfg.model.threads, seed=seed)
     backend = TorchTrainBackend(md, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                                 warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
                                 threads=cfg.model.threads, seed=t.seed,

@@ -32,8 +32,9 @@ async def test_quickstart_learns(tmp_path, alpha, bus, request):
     cfg = quickstart(tmp_path, f"learn-a{alpha}-{bus}", alpha)
     summary = await train(cfg, nats=nats, resume=False, quiet=True)
     assert summary["steps"] == cfg.trainer.steps and not summary["interrupted"]
-    assert summary["greedy_success"] >= 0.9, summary
     rows = [json.loads(x) for x in (tmp_path / "runs" / cfg.run / "metrics.jsonl").read_text().splitlines()]
+    curve = [round(r["success"], 2) for r in rows[::10]]
+    assert summary["greedy_success"] >= 0.9, (summary, curve)
     assert rows[0]["success"] < 0.5, "it must start from a policy that cannot do the task"
     for r in rows:  # the α rule on recorded data: step v+1 uses min_version >= v - alpha
         v = r["step"] - 1
