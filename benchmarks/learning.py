@@ -445,6 +445,10 @@ def _fmt_t(x: float | None) -> str:
     return "not reached" if x is None else f"{x:.1f}"
 
 
+def _fmt_n(x: float | None, digits: int) -> str:
+    return "?" if x is None else f"{x:.{digits}f}"
+
+
 def _fmt_v(x: float | None) -> str:
     return "–" if x is None else f"{x:.3g}"
 
@@ -461,14 +465,18 @@ def readme_section(results: dict) -> str:
         if reps > 1:
             t += " (" + ", ".join(_fmt_t(x) for x in r["all_times_to_threshold_s"]) + ")"
         is_plain = name == "plain"
+        at = _fmt_v(r["first_version"])
+        if reps > 1:
+            at += " (" + ", ".join(_fmt_v(x) for x in r["all_first_versions"]) + ")"
         rows.append(
-            f"| {r['label']} | {t} | {_fmt_v(r['first_version'])} | {_fmt_t(r['cpu_to_threshold_s'])} | "
+            f"| {r['label']} | {t} | {at} | {_fmt_t(r['cpu_to_threshold_s'])} | "
             f"{_fmt_t(r['time_to_sustained_s'])} | {r['mean_step_s']:.2f} | "
             f"{_fmt_v(r['cpu_per_step_s'])} | "
             f"{'–' if is_plain else (ratio.get('time_to_threshold') or 'n/a')} | "
             f"{'–' if is_plain else ratio.get('mean_step')} | "
             f"{'–' if is_plain else ratio.get('cpu_per_step')} | "
-            f"{p.get('cores_used', '?')} / {p.get('others_cores_busy', '?')} | {p.get('load1_mean', '?')} |")
+            f"{_fmt_n(p.get('cores_used'), 2)} / {_fmt_n(p.get('others_cores_busy'), 2)} | "
+            f"{_fmt_n(p.get('load1_mean'), 1)} |")
     what = (f"median of {reps} runs per variant (each run in brackets; {job['sampling_seeds']})"
             if reps > 1 else "one run each")
     lines = [
@@ -576,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default=None, help="keep the run folders here instead of a temp dir")
     p.add_argument("--write", action="store_true", help="write results and README even with --quick")
     p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--render", default=None, metavar="RESULTS_JSON",
+                   help="only rewrite the README section from a saved results file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tag", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -584,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args.child, args.config, args.workdir, args.steps, args.tag or args.child,
                      args.sampling_seed)
+    if args.render:
+        write_readme(readme_section(json.loads(Path(args.render).read_text())))
+        say(f"rewrote the learning section of {README.relative_to(ROOT)} from {args.render}")
+        return 0
     if args.quick and not args.steps:
         args.steps = 3
     variants = [x.strip() for x in args.variants.split(",") if x.strip()]

@@ -235,10 +235,8 @@ class TrainerConfig(Base):
     """Weight files kept on disk (older versions are deleted)."""
     seed: int = 0
     """Seed of the trainer."""
-    eval_every: int = 0
-    """Steps between greedy evaluations on fresh groups (0: only at the end)."""
     eval_groups: int = 4
-    """Groups per greedy evaluation."""
+    """Groups of the greedy evaluation at the end of ``rollart run`` (held-out seeds)."""
 
 
 class RunConfig(Base):
