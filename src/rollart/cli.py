@@ -179,6 +179,7 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
                 done.cancel()
                 final = {}
                 if not interrupted:
+                    sched.total_groups = sched.admitted  # no more training rollouts
                     proxies = [a for a in actors if a.role == "generate"]
                     final = await evaluate(bus, cfg, trainer.version, cfg.trainer.eval_groups, proxies)
             wall = time.perf_counter() - t0

@@ -44,6 +44,13 @@ class Batcher(Generic[X, Y]):
         return self.items / self.batches if self.batches else 0.0
 
     async def run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:  # stopping: nobody will run the queued requests
+            self.fail_pending(RuntimeError("batcher stopped"))
+            raise
+
+    async def _loop(self) -> None:
         while True:
             await self._wake.wait()
             if len(self._queue) < self.max_batch and self.gather_s > 0:

@@ -124,6 +124,8 @@ class RolloutScheduler(Actor):
 
     def _may_admit(self) -> bool:
         r = self.rollout
+        if self.total_groups is not None and self.admitted >= self.total_groups:
+            return False
         if not admissible(self.admitted, self.version, r.alpha if self.bounded else None,
                           r.batch_groups):
             return False
