@@ -203,6 +203,15 @@ class EnvManager(Actor):
             attempt=delivery.num_delivered, finished_at=time.time(),
             group_index=req.group_index, admitted_version=req.admitted_version)
 
+    def _encode_actions(self, legal: tuple[str, ...]) -> list[list[int]]:
+        """Token ids of each legal action, cached (the same few sets recur every turn)."""
+        cache = self.__dict__.setdefault("_action_ids", {})
+        if legal not in cache:
+            if len(cache) > 4096:
+                cache.clear()
+            cache[legal] = [self.chat.encode(a) for a in legal]
+        return [list(x) for x in cache[legal]]
+
     def _user(self, cfg: Any, obs: str, turn: int) -> str:
         return cfg.turn_template.format(observation=obs, turn=turn)
 
@@ -237,7 +246,7 @@ class EnvManager(Actor):
     async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
                         legal: list[str] | None) -> tuple[m.GenerateResult, list[list[int]]]:
         s = cfg.sampling
-        choices = [self.chat.encode(a) for a in legal] if legal else []
+        choices = self._encode_actions(tuple(legal)) if legal else []
         gen = m.GenerateRequest(
             traj_id=req.traj_id, prompt_ids=tr.token_ids,
             sampling=m.SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
