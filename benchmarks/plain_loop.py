@@ -38,44 +38,28 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.chat import ChatFormat
+from rollart.actors.env_manager import Trace
 from rollart.config import RunConfig, load
 from rollart.envs import parse_action
 from rollart.envs.base import legal_actions_of
 from rollart.envs.registry import make_env
 
 
-@dataclass
-class _Traj:
-    """One trajectory in flight (the plain counterpart of EnvManager's ``Trace``)."""
+@dataclass(kw_only=True)
+class _Traj(Trace):
+    """One trajectory in flight: EnvManager's token-level ``Trace`` plus loop state."""
 
     traj_id: str
     group_index: int
     seed: int
     env: Any
     obs: str
-    token_ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turns: list[m.TurnRecord] = field(default_factory=list)
     reward: float = 0.0
     success: bool = False
     stop: str = "max_turns"
     done: bool = False
     legal: list[str] | None = None
     choices: list[list[int]] = field(default_factory=list)
-
-    def add_prompt(self, ids: list[int]) -> None:
-        self.token_ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def add_response(self, ids: list[int], logprobs: list[float], version: int) -> None:
-        self.token_ids += ids
-        self.mask += [1] * len(ids)
-        self.logprobs += list(logprobs)
-        self.versions += [version] * len(ids)
 
 
 def rollout_lockstep(engine: Any, chat: ChatFormat, env_cfg: Any, tasks: list[tuple[str, int, int]],

@@ -87,6 +87,7 @@ class EnvManager(Actor):
         self._group_of: dict[str, str] = {}
         self.lockstep = LockStep()
         self._in_wave: set[str] = set()
+        self._max_inflight = self.settings_of("on_request").max_inflight
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
 
     async def teardown(self) -> None:
@@ -141,7 +142,7 @@ class EnvManager(Actor):
                           delivery) -> m.RolloutCompleted:
         tr = Trace()
         if req.wave >= 0 and req.wave_size > 0:
-            if req.wave_size > self.settings_of("on_request").max_inflight:
+            if req.wave_size > self._max_inflight:
                 raise Reject(f"batch mode needs rollout.concurrency >= {req.wave_size} "
                              f"(the trajectories of one wave) on one EnvManager")
             if self.lockstep.join(req.wave_id, req.wave_size):
