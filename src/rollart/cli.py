@@ -63,6 +63,58 @@ def _quiet_libraries() -> None:
         pass
 
 
+# -- configs: a path, or the name of one shipped with the package ----------------------
+
+
+def packaged_configs() -> dict[str, Path]:
+    """The example configs shipped inside the package (``rollart/configs/*.yaml``) by name."""
+    from importlib.resources import files
+
+    folder = files("rollart") / "configs"
+    if not folder.is_dir():
+        return {}
+    return {p.name[:-5]: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def resolve_config(name: str) -> Path:
+    """The config file ``name`` means: a path that exists wins; else the packaged config of
+    that name (``quickstart``, ``quickstart.yaml`` or ``configs/quickstart.yaml``)."""
+    p = Path(name)
+    if p.exists():
+        return p
+    known = packaged_configs()
+    stem = p.name[:-5] if p.name.endswith(".yaml") else p.name
+    if str(p.parent) in (".", "configs") and stem in known:
+        log.info("config %s: the packaged %s", name, known[stem])
+        return known[stem]
+    raise ConfigError(f"config file {name} does not exist; packaged configs (give the name): "
+                      f"{', '.join(sorted(known)) or 'none'}")
+
+
+def _claim_run_folder(cfg: RunConfig) -> tuple[RunConfig, Path]:
+    """Create the folder of a new run: ``<run_dir>/<run>``, or ``<run>-2``, ``-3``, ... when
+    that one is taken (an empty folder is reused); returns ``cfg`` with the run name chosen."""
+    root, base = Path(cfg.run_dir), cfg.run
+    root.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        name = base if n == 1 else f"{base}-{n}"
+        path = root / name
+        try:
+            path.mkdir()  # atomic: two runs started at once never share a folder
+            break
+        except FileExistsError:
+            if path.is_dir() and not any(path.iterdir()):
+                break
+            n += 1
+    if name != base:
+        print(f"rollart run: {root / base} exists, so this run is {name} ({path}/); continue "
+              f"the old one with `rollart run --resume {root / base}`", file=sys.stderr, flush=True)
+    else:
+        print(f"rollart run: run {name} ({path}/)", file=sys.stderr, flush=True)
+    return msgspec.structs.replace(cfg, run=name), path
+
+
 # -- rollart rollout ---------------------------------------------------------------
 
 
@@ -83,18 +135,33 @@ def summarize(results: list[m.RolloutCompleted], wall_s: float) -> dict:
     }
 
 
+@contextlib.asynccontextmanager
+async def _scratch_bus(cfg: RunConfig, nats: str | None):
+    """``open_bus`` for a rollout: an embedded server keeps its store in a temporary folder
+    (removed after), so a rollout writes nothing but its ``--out`` file."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rollart-rollout-") as store:
+        async with open_bus(msgspec.structs.replace(cfg, run_dir=store), nats) as bus:
+            yield bus
+
+
 async def rollout_main(args) -> int:
+    import uuid
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rollart.launch import rollout_actors
     from rollart.node import Node
 
-    cfg = load(args.config, RunConfig)
-    if args.run:
-        cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
+    cfg = load(resolve_config(args.config), RunConfig)
+    base = m.check_token("run", args.run) if args.run else cfg.run
+    # its own run name (subjects, streams): never a training run's folder, queue or stream
+    cfg = msgspec.structs.replace(cfg, run=f"{base}-rollout-{uuid.uuid4().hex[:6]}")
+    await _check_envs(cfg, [args.env] if args.env else None)  # a broken env fails now
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    async with open_bus(cfg, args.nats) as bus:
+    async with _scratch_bus(cfg, args.nats) as bus:
         sched, actors = rollout_actors(cfg, groups=args.groups, bounded=False, keep_results=True,
                                        greedy=args.greedy, eval=True, env=args.env,
                                        prefix=f"e{int(time.time())}-")
@@ -119,7 +186,8 @@ async def rollout_main(args) -> int:
     with out.open("w") as f:
         for r in sched.results:
             f.write(json.dumps(msgspec.to_builtins(r)) + "\n")
-    summary = summarize(sched.results, wall) | {"outcomes": sched.summary(), "out": str(out)}
+    summary = summarize(sched.results, wall) | {"run": cfg.run, "outcomes": sched.summary(),
+                                                 "out": str(out)}
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -128,67 +196,84 @@ async def rollout_main(args) -> int:
 
 
 async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies) -> dict:
-    """Greedy success of the policy ``version`` on ``groups`` fresh groups."""
-    from rollart.launch import rollout_actors
-    from rollart.node import Node
+    """Greedy success of the policy ``version`` on ``groups`` fresh groups
+    (:func:`rollart.launch.evaluate`)."""
+    from rollart.launch import evaluate as _evaluate
 
-    deadline = time.monotonic() + 60
-    while any(p.version < version for p in proxies) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    sched, _ = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True, greedy=True,
-                              eval=True, prefix=f"eval{version}-")
-    async with Node(bus, [sched], heartbeat_every=0):
-        await sched.all_done.wait()
-    res = sched.results
-    return {"version": version, "greedy_success": sum(r.success for r in res) / max(1, len(res)),
-            "greedy_reward": sum(r.reward for r in res) / max(1, len(res)), "trajectories": len(res)}
+    return await _evaluate(bus, cfg, version, groups, proxies)
 
 
 async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool = False) -> dict:
     """Run the whole training job of ``cfg`` on one host; returns the final summary."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress, TextColumn
 
-    from rollart.launch import training_actors
+    from rollart.launch import drive_training, training_actors
     from rollart.node import Node
-    from rollart.telemetry.report import plot
+    from rollart.telemetry.progress import StepClock, step_line
 
-    run_path = Path(cfg.run_dir) / cfg.run
+    total = cfg.trainer.steps
     async with open_bus(cfg, nats) as bus:
+        if bus.url.startswith("nats"):  # how to watch it, once, at any log level
+            print(f"rollart run: nats-server at {bus.url}; watch it with: "
+                  f"rollart top --nats {bus.url} --run {cfg.run}", flush=True)
         sched, trainer, actors = training_actors(cfg, resume=resume)
-        with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=quiet) as bar:
-            task = bar.add_task("steps", total=cfg.trainer.steps, info="starting")
+        live = not quiet and sys.stdout.isatty()  # a bar; piped: one line per step
+        with Progress(TextColumn("{task.fields[info]}"), disable=not live) as bar:
+            task = bar.add_task("steps", total=total, info=f"train: starting ({total} steps)")
+            clock = StepClock()
 
             def on_step(mt: dict) -> None:
-                split = " ".join(f"{k[5:-2]} {mt[k]:.2f}" for k in ("traj_generate_s", "traj_step_s"))
-                bar.update(task, completed=mt["step"], info=(
-                    f"v{mt['version']} reward {mt['reward']:.2f} success {mt['success']:.2f} "
-                    f"tok/s {mt['gen_tokens'] / max(1e-9, mt['train_s'] + mt['wait_s']):.0f} "
-                    f"stale {mt['staleness']:.1f} | per traj {split} | train {mt['train_s']:.2f}s "
-                    f"wait {mt['wait_s']:.2f}s"))
+                clock.step(int(mt["step"]))
+                eta, elapsed = clock.eta(total), clock.elapsed()
+                if not live:
+                    if not quiet:
+                        print(step_line(mt, total, eta_s=eta, elapsed_s=elapsed), flush=True)
+                    return
+                width = bar.console.width - 1
+                bw = 10 if width >= 70 else 0  # the fields first, a bar where it fits
+                text = step_line(mt, total, eta_s=eta, elapsed_s=elapsed,
+                                 width=width - (bw + 1 if bw else 0))
+                k = min(bw, round(bw * mt["step"] / max(1, total)))
+                graphic = f"[green]{'━' * k}[/][bright_black]{'━' * (bw - k)}[/] " if bw else ""
+                bar.update(task, completed=mt["step"], info=graphic + text)
 
             trainer.on_step = on_step
             t0 = time.perf_counter()
             async with Node(bus, actors, heartbeat_every=cfg.node.heartbeat_every,
                             grace=cfg.node.grace, handle_signals=True) as node:
-                done = asyncio.ensure_future(trainer.finished.wait())
-                stop = asyncio.ensure_future(node.wait())
-                await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
-                stop.cancel()
-                interrupted = not done.done()
-                done.cancel()
-                final = {}
-                if not interrupted:
-                    sched.total_groups = sched.admitted  # no more training rollouts
-                    proxies = [a for a in actors if a.role == "generate"]
-                    final = await evaluate(bus, cfg, trainer.version, cfg.trainer.eval_groups, proxies)
-            wall = time.perf_counter() - t0
-    summary = {"run": cfg.run, "steps": trainer.version, "wall_s": wall,
-               "interrupted": interrupted, **final}
-    if trainer.history:
-        summary["plot"] = str(await asyncio.to_thread(plot, run_path))
-    (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+                return await drive_training(
+                    bus, cfg, node, trainer, sched, t0=t0,
+                    proxies=[a for a in actors if a.role == "generate"])
+
+
+async def _check_envs(cfg: RunConfig, names: list[str] | None = None) -> None:
+    """Import, construct and reset every env of ``cfg`` (or ``names``; see rollart.envs.check);
+    raises a ConfigError naming the env when one is broken."""
+    from rollart.envs.check import check_envs_async
+
+    await check_envs_async(cfg, names)
+
+
+def _checkpoint_version(run_path: Path) -> int | None:
+    """The policy version of a run folder's checkpoint (None: no checkpoint yet)."""
+    p = run_path / "checkpoints" / "latest.pt"
+    if not p.exists():
+        return None
+    import torch
+
+    state = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+    return int(state["backend"]["version"])
+
+
+def _set_config_steps(path: Path, steps: int) -> None:
+    """Record a new ``trainer.steps`` in a run's config.yaml (atomically)."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text()) or {}
+    raw.setdefault("trainer", {})["steps"] = steps
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
+    tmp.replace(path)
 
 
 async def run_main(args) -> int:
@@ -196,22 +281,36 @@ async def run_main(args) -> int:
 
     if args.resume:
         run_path = Path(args.resume)
+        if not (run_path / "config.yaml").exists():
+            raise ConfigError(f"{run_path} is not a run folder (it has no config.yaml): start a "
+                              f"run with `rollart run CONFIG`")
         cfg = load(run_path / "config.yaml", RunConfig)
+        if args.steps:  # "up to N steps in all"
+            cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, steps=args.steps))
+        version = await asyncio.to_thread(_checkpoint_version, run_path)
+        if version is not None and version >= cfg.trainer.steps:  # touch nothing, start nothing
+            print(f"rollart run: {run_path} is finished: its checkpoint is at version {version} "
+                  f"and trainer.steps is {cfg.trainer.steps}; nothing to do (train further with "
+                  f"`rollart run --resume {run_path} --steps N`)", flush=True)
+            return 0
+        await _check_envs(cfg)
+        if args.steps:  # a later plain --resume keeps the new target
+            _set_config_steps(run_path / "config.yaml", args.steps)
         cfg = msgspec.structs.replace(cfg, run_dir=str(run_path.parent))
     else:
-        cfg = load(args.config, RunConfig)
+        cfg = load(resolve_config(args.config), RunConfig)
         if args.run:
             cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
         if args.steps:
             cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, steps=args.steps))
-        run_path = Path(cfg.run_dir) / cfg.run
-        if run_path.exists() and any(run_path.iterdir()):
-            raise ValueError(f"run folder {run_path} exists: continue it with "
-                             f"`rollart run --resume {run_path}` or pick another --run name")
-        run_path.mkdir(parents=True, exist_ok=True)
+        await _check_envs(cfg)  # before the run folder exists: a broken env fails in seconds
+        cfg, run_path = _claim_run_folder(cfg)  # a name that is taken gets a fresh suffix
         (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
     summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet)
     print(json.dumps(summary, indent=2))
+    if summary.get("failed"):
+        print(f"rollart run: stopped: {summary['failed']}", file=sys.stderr)
+        return 3
     return 130 if summary["interrupted"] else 0
 
 
@@ -228,10 +327,13 @@ async def top_main(args) -> int:
 
 
 async def report_main(args) -> int:
-    from rollart.telemetry.report import plot, table
+    from rollart.telemetry.report import report
 
-    print(table(args.run_dir, every=args.every))
-    print(f"plot: {plot(args.run_dir)}")
+    if not (Path(args.run_dir) / "metrics.jsonl").exists():
+        raise ConfigError(f"{args.run_dir}: no metrics.jsonl here; give a run folder (runs/<run>)")
+    text, txt, png = await asyncio.to_thread(report, args.run_dir, args.out, every=args.every)
+    print(text)
+    print(f"wrote {txt} and {png}")
     return 0
 
 
@@ -248,11 +350,17 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("run", help="train: every role on this host (the main job)",
                        description="Train the policy of CONFIG on one host: embedded nats-server "
                                    "(or --nats), all roles in-process. Writes runs/<run>/.")
-    t.add_argument("config", nargs="?", help="run config (YAML)")
+    t.add_argument("config", nargs="?",
+                   help="run config: a YAML path, or the name of a packaged one (quickstart)")
     t.add_argument("--nats", default=None, help="NATS URL, or 'memory' for the in-process bus")
-    t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a stopped run")
-    t.add_argument("--run", default=None, help="override the run name")
-    t.add_argument("--steps", type=int, default=None, help="override trainer.steps")
+    t.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue a stopped run from its checkpoint (a finished run: says so, "
+                        "exits 0 and changes nothing)")
+    t.add_argument("--run", default=None,
+                   help="override the run name (one that is taken gets a suffix: NAME-2, ...)")
+    t.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="train up to N steps in all (overrides trainer.steps); with --resume: "
+                        "continue up to N total steps, recorded in the run's config.yaml")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=run_main)
 
@@ -264,22 +372,31 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--duration", type=float, default=None, help="stop after N seconds")
     tp.set_defaults(fn=top_main)
 
-    rp = sub.add_parser("report", help="table and plot of a run folder")
+    rp = sub.add_parser("report", help="table and plot of a run folder",
+                        description="Summary table (first, best, last and every 10th step, then "
+                                    "the final greedy evaluation) and a plot of a finished or "
+                                    "running run; writes report.txt and report.png (never the "
+                                    "run's own learning.png).")
     rp.add_argument("run_dir", help="runs/<run>")
-    rp.add_argument("--every", type=int, default=1, help="print every N-th step")
+    rp.add_argument("--every", type=int, default=None, metavar="N",
+                    help="list every N-th step (default 10, more for long runs; 1: all)")
+    rp.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for report.txt and report.png (default: the run folder)")
     rp.set_defaults(fn=report_main)
 
     r = sub.add_parser("rollout", help="roll out the current policy; write one JSON line per trajectory",
                        description="Run the configured envs with the current policy (also how "
                                    "you evaluate one) and print a summary.")
-    r.add_argument("config", help="run config (YAML)")
+    r.add_argument("config", help="run config: a YAML path, or the name of a packaged one")
     r.add_argument("--groups", type=int, default=4, help="groups to roll out (default 4)")
     r.add_argument("--out", default="rollouts.jsonl", help="output JSONL (default rollouts.jsonl)")
     r.add_argument("--nats", default=None, help="NATS URL, or 'memory' for the in-process bus")
     r.add_argument("--env", default=None, help="env name of the config (default rollout.env)")
     r.add_argument("--greedy", action="store_true", help="greedy decoding")
     r.add_argument("--weights", default=None, help="safetensors file to load into the policy")
-    r.add_argument("--run", default=None, help="override the run name")
+    r.add_argument("--run", default=None,
+                   help="base of the run name: the rollout runs as RUN-rollout-<id>, never in a "
+                        "training run's folder, and writes only --out")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(fn=rollout_main)
 
@@ -288,19 +405,43 @@ def build_parser() -> argparse.ArgumentParser:
     n.set_defaults(fn=None)
 
     c = sub.add_parser("config", help="check a config, or print every key with its meaning")
-    c.add_argument("config", nargs="?", help="config to check")
+    c.add_argument("config", nargs="?", help="config to check: a YAML path or a packaged name")
+    c.add_argument("--dump", nargs="?", const="", default=None, metavar="FILE",
+                   help="write a copy of CONFIG to edit (default ./<name>.yaml; '-': stdout)")
     c.add_argument("--doc", action="store_true", help="print all keys with documentation")
+    c.add_argument("--static", action="store_true",
+                   help="do not import, construct or reset the envs (only validate the YAML)")
     c.set_defaults(fn=config_main)
     return p
 
 
-async def config_main(args) -> int:
-    from rollart.config import describe
-
-    if args.doc or not args.config:
-        print(describe(RunConfig))
+def _dump_config(name: str, dest: str) -> int:
+    """``rollart config NAME --dump [FILE]``: a copy of a config (comments kept) to edit."""
+    src = resolve_config(name)
+    text = src.read_text()
+    if dest == "-":
+        sys.stdout.write(text)
         return 0
-    cfg = load(args.config, RunConfig)
+    out = Path(dest or src.name)
+    if out.exists():
+        raise ConfigError(f"{out} exists: give another FILE (rollart config {name} --dump FILE)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out} (a copy of {src}): edit it, then `rollart run {out}`")
+    return 0
+
+
+async def config_main(args) -> int:
+    if args.doc or not args.config:
+        from rollart.config.doc import document
+
+        print(document(RunConfig), end="")
+        return 0
+    if args.dump is not None:
+        return _dump_config(args.config, args.dump)
+    cfg = load(resolve_config(args.config), RunConfig)
+    if not args.static:
+        await _check_envs(cfg)
     print(f"{args.config}: ok (run={cfg.run}, envs={sorted(cfg.envs)}, "
           f"mode={cfg.rollout.mode}, alpha={cfg.rollout.alpha})")
     return 0
@@ -316,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "run" and not (args.config or args.resume):
         parser.error("rollart run needs CONFIG or --resume RUN_DIR")
+    if args.cmd == "config" and args.dump is not None and not args.config:
+        parser.error("rollart config --dump needs CONFIG: a path or a packaged name "
+                     f"({', '.join(sorted(packaged_configs()))})")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()

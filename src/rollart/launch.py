@@ -1,11 +1,21 @@
-"""In-process deployments: the actor sets behind ``rollart rollout`` and ``rollart run``."""
+"""In-process deployments: the actor sets behind ``rollart rollout`` and ``rollart run``,
+and how a training run ends (evaluation, ``summary.json``, the end published to its nodes)."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
 
 import msgspec
 
 from rollart.actors.base import Actor
 from rollart.config import ActorConfig, RunConfig
+
+log = logging.getLogger(__name__)
 
 
 def _role(cfg: RunConfig, role: str) -> ActorConfig:
@@ -59,3 +69,178 @@ def training_actors(cfg: RunConfig, *, resume: bool = False, pool: str = "defaul
     trainer = Trainer.from_config(cfg, _role(cfg, "trainer"), pool=pool)
     trainer.resume = resume
     return sched, trainer, actors + [trainer]
+
+
+# -- the end of a training run: the same in one process (`rollart run`) and on the node
+#    that hosts the trainer (`python -m rollart.node --roles trainer,...`) ------------
+
+
+def write_config(cfg: RunConfig, *, overwrite: bool = True) -> Path:
+    """The run's resolved config as ``<run_dir>/<run>/config.yaml``."""
+    import yaml
+
+    path = Path(cfg.run_dir) / cfg.run / "config.yaml"
+    if overwrite or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+    return path
+
+
+async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
+                   pool: str = "default") -> dict:
+    """Greedy success of the policy ``version`` on ``groups`` fresh groups, on whatever
+    env, generate and reward replicas serve the run (in this process or others)."""
+    import uuid
+
+    from rollart.node import Node
+
+    deadline = time.monotonic() + 60
+    while any(p.version < version for p in proxies) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    sched, _ = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True, greedy=True,
+                              eval=True, pool=pool,
+                              prefix=f"eval{version}-{uuid.uuid4().hex[:6]}-")  # unique:
+    # the prefix names trajectories and their msg ids; a repeated evaluation of the same
+    # version (a resumed run) would otherwise be dropped as duplicates and never finish
+    sched.min_policy = version  # a replica elsewhere that has not loaded it yet waits for it
+    async with Node(bus, [sched], heartbeat_every=0):
+        await sched.all_done.wait()
+    res = sched.results
+    return {"version": version, "greedy_success": sum(r.success for r in res) / max(1, len(res)),
+            "greedy_reward": sum(r.reward for r in res) / max(1, len(res)), "trajectories": len(res)}
+
+
+class _QuietHandBacks(logging.Filter):
+    """Deliveries a finished (or stopping) trainer hands back for a later run are expected,
+    not news: their ``retry`` lines are logged only at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from rollart.actors.base import Retry
+
+        args = record.args if isinstance(record.args, tuple) else ()
+        if (record.levelno == logging.INFO and str(record.msg).startswith("retry ")
+                and args and isinstance(args[-1], Retry) and str(args[-1]).startswith("trainer ")):
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_hand_backs() -> None:
+    """Install :class:`_QuietHandBacks` on the consumer runtime's logger (idempotent)."""
+    lg = logging.getLogger("rollart.actors.runtime")
+    if not any(isinstance(f, _QuietHandBacks) for f in lg.filters):
+        lg.addFilter(_QuietHandBacks())
+
+
+def _stop_consuming(node, actor) -> None:
+    """Stop ``actor``'s consumers: what they would fetch now stays queued for a later run."""
+    for loop in node.loops:
+        if loop.actor is actor:
+            loop.stop()
+
+
+async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, proxies=(),
+                         pool: str = "default", t0: float | None = None) -> dict:
+    """Drive a training run hosted by ``node`` to its end and return its summary.
+
+    Waits for the trainer's last step (or the node's stop: SIGINT/SIGTERM), stops admitting,
+    runs the final greedy evaluation, writes ``summary.json`` and the plot into the run
+    folder, and publishes the end of the run (:mod:`rollart.actors.run_end`), on which the
+    other nodes of the run drain and exit. ``proxies``: generate replicas in this process.
+    """
+    from rollart import messages as m
+    from rollart.actors.run_end import put_run_end
+
+    quiet_hand_backs()
+    t0 = time.perf_counter() if t0 is None else t0
+    done = asyncio.ensure_future(trainer.finished.wait())
+    stop = asyncio.ensure_future(node.wait())
+    await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    interrupted = not done.done()
+    done.cancel()
+    _stop_consuming(node, trainer)
+    final: dict = {}
+    if not interrupted and trainer.failure is None:
+        if sched is not None:
+            sched.total_groups = sched.admitted  # no more training rollouts
+        log.info("run %s: trained %d steps; final greedy evaluation on %d groups", cfg.run,
+                 trainer.version, cfg.trainer.eval_groups)
+        ev = asyncio.ensure_future(
+            evaluate(bus, cfg, trainer.version, cfg.trainer.eval_groups, proxies, pool=pool))
+        stop = asyncio.ensure_future(node.wait())  # SIGINT/SIGTERM stop it too
+        await asyncio.wait({ev, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if ev.done():
+            final = ev.result()
+        else:
+            ev.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ev
+            interrupted = True
+    summary = await write_summary(cfg, trainer, wall=time.perf_counter() - t0,
+                                  interrupted=interrupted, final=final)
+    if not interrupted:
+        await put_run_end(bus, cfg.run, m.RunEnd(
+            stage="ended", version=trainer.version, steps=cfg.trainer.steps,
+            stopped=trainer.failure or "", summary=str(Path(cfg.run_dir) / cfg.run / "summary.json"),
+            result={k: float(v) for k, v in final.items() if isinstance(v, (int, float))},
+            ts=time.time()))
+    return summary
+
+
+async def write_summary(cfg: RunConfig, trainer, *, wall: float, interrupted: bool,
+                        final: dict) -> dict:
+    """``summary.json`` (and the plot) of a training run; returns the summary."""
+    from rollart.telemetry.report import plot
+
+    run_path = Path(cfg.run_dir) / cfg.run
+    summary = {"run": cfg.run, "steps": trainer.version, "wall_s": wall,
+               "interrupted": interrupted, **final}
+    if trainer.failure is not None:  # the circuit breaker: say why, with the counts by kind
+        led = trainer.ledger
+        summary.update(failed=trainer.failure, groups_failed=led.counts["groups_failed"],
+                       groups_trained=led.trained,
+                       dead_letters_by_kind=dict(led.failure_kinds.most_common()))
+    if trainer.history:
+        summary["plot"] = str(await asyncio.to_thread(plot, run_path))
+    (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+async def wait_for_peers(bus, run: str, node_id: str, *, heartbeat_every: float,
+                         deadline: float, known: dict | None = None) -> int:
+    """After the end of a run: wait (up to ``deadline`` seconds) until every other node of
+    the run has stopped heartbeating, i.e. has drained, so that an embedded server is not
+    stopped under them. ``known``: node id -> last :class:`NodeHeartbeat` seen so far.
+    Returns how many were still heartbeating at the deadline."""
+    from rollart import messages as m
+    from rollart.actors.runtime import decode_core
+
+    if heartbeat_every <= 0:
+        return 0
+    now, wall = time.monotonic(), time.time()
+    last: dict[str, float] = {}
+    for nid, hb in (known or {}).items():
+        age = min(max(0.0, wall - hb.ts), 3 * heartbeat_every)
+        if nid != node_id and age < 3 * heartbeat_every:
+            last[nid] = now - age
+
+    async def on_hb(req) -> None:
+        hb = decode_core(m.NodeHeartbeat, req)
+        if hb is None:  # junk on a core subject: counted and dropped
+            return
+        if hb.node_id != node_id:
+            last[hb.node_id] = time.monotonic()
+
+    sub = await bus.subscribe(m.subject(run, "node.heartbeat"), on_hb)
+    try:
+        end = now + deadline
+        while time.monotonic() < end:
+            t = time.monotonic()
+            if all(t - seen > 1.5 * heartbeat_every for seen in last.values()):
+                return 0
+            await asyncio.sleep(0.1)
+        t = time.monotonic()
+        return sum(t - seen <= 1.5 * heartbeat_every for seen in last.values())
+    finally:
+        await sub.unsubscribe()

@@ -107,6 +107,8 @@ class RolloutCancelled(Message, frozen=True, kw_only=True):
     traj_id: str
     group_id: str
     reason: str = "group_complete"
+    group_index: int = -1
+    """Training group index of the trajectory (``-1``: unknown or evaluation)."""
 
 
 class CancelGroup(Message, frozen=True, kw_only=True):
@@ -130,6 +132,8 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     min_version: int = 0
     """Refuse to answer with a policy older than this."""
     greedy: bool = False
+    request_id: str = ""
+    """Unique per attempt; the replica lists it in ``service.progress`` while it holds it."""
 
 
 class GenerateResult(Message, frozen=True, kw_only=True):
@@ -151,12 +155,31 @@ class RewardRequest(Message, frozen=True, kw_only=True):
     response: str
     answer: str = ""
     metadata: dict[str, str] = {}
+    request_id: str = ""
+    """Unique per attempt; the replica lists it in ``service.progress`` while it holds it."""
 
 
 class RewardResult(Message, frozen=True, kw_only=True):
     score: float
     replica: str = ""
     error: str = ""
+
+
+class ServiceProgress(Message, frozen=True, kw_only=True):
+    """Liveness of one generate/reward replica, about once a second: the requests it holds.
+
+    A requester whose request is held by a replica that went silent, or that no live
+    replica claims, re-sends it elsewhere instead of waiting for its timeout.
+    """
+
+    service: str
+    """Subject key of the service (``generate.request`` or ``reward.request``)."""
+    replica: str
+    pool: str = ""
+    request_ids: list[str] = []
+    """``request_id`` of every request received and not yet answered."""
+    every: float = 1.0
+    """Seconds until the next report."""
 
 
 # -- policy --------------------------------------------------------------------
@@ -201,6 +224,66 @@ class DeadLetter(Message, frozen=True, kw_only=True):
     actor: str = ""
     headers: dict[str, str] = {}
     ts: float = msgspec.field(default_factory=time.time)
+    kind: str = ""
+    """``permanent`` (rejected or undecodable: never retried) or ``exhausted`` (retried
+    up to ``max_deliver``); empty in letters written before the field existed."""
+
+
+class LedgerSummary(Message, frozen=True, kw_only=True):
+    """The trainer's group ledger in brief (KV :data:`LEDGER_KEY`): admission reads
+    ``lost`` to free the headroom of groups that will never be trained."""
+
+    lost: int = 0
+    """Groups failed or dropped so far (each frees one group of admission headroom)."""
+    trained: int = 0
+    """Groups trained so far."""
+    next_index: int = 0
+    """Lowest group index not yet closed."""
+    failed_streak: int = 0
+    """Groups failed in a row (the circuit breaker's count)."""
+    waiting: str = ""
+    """What the trainer has been waiting for, when it waits longer than ``stall_after``."""
+    stopped: str = ""
+    """Why the run stopped, when the circuit breaker stopped it."""
+    ts: float = 0.0
+    version: int = 0
+    """Policy version (optimizer steps taken so far)."""
+    steps_total: int = 0
+    """``trainer.steps``: the version the run trains up to (0: unknown)."""
+    started_at: float = 0.0
+    """Wall-clock time training started (a resumed run counts its earlier processes' time)."""
+    last_step_s: float = 0.0
+    """Seconds the last step took, its wait for the batch included."""
+    step_s: float = 0.0
+    """Mean seconds per step over the recent steps (what an ETA is computed from)."""
+    trajectories: int = 0
+    """Trajectories trained so far."""
+    dead: int = 0
+    """Dead-lettered training trajectories so far."""
+
+
+class RunEnd(Message, frozen=True, kw_only=True):
+    """The end of a run (KV :data:`RUN_END_KEY`), in two stages.
+
+    ``trained``: the trainer took its last step (or its circuit breaker stopped it);
+    schedulers stop admitting training groups and the final evaluation runs.
+    ``ended``: the host of the trainer wrote ``summary.json``; every node of the run
+    drains and exits (unless started with ``--serve``).
+    """
+
+    stage: str = "ended"
+    """``trained`` or ``ended``."""
+    version: int = 0
+    """The final policy version."""
+    steps: int = 0
+    """``trainer.steps`` of the run."""
+    stopped: str = ""
+    """Why the run stopped early (the circuit breaker); empty when it took its steps."""
+    result: dict[str, float] = {}
+    """The final greedy evaluation (``greedy_success``, ``greedy_reward``, ...)."""
+    summary: str = ""
+    """Path of the run's ``summary.json`` on the trainer's host."""
+    ts: float = 0.0
 
 
 # -- subject table -------------------------------------------------------------
@@ -244,6 +327,8 @@ SUBJECTS: dict[str, SubjectDef] = {
                    doc="request/reply to an LLMProxy queue group"),
         SubjectDef("reward.request", RewardRequest, pooled=True,
                    doc="request/reply to a RewardService queue group"),
+        SubjectDef("service.progress", ServiceProgress,
+                   doc="each generate/reward replica, ~1/s: the request ids it holds"),
         SubjectDef("policy.published", PolicyPublished, stream="events",
                    doc="a new policy version is readable at uri"),
         SubjectDef("policy.loaded", PolicyLoaded, stream="events",
@@ -308,15 +393,255 @@ def dead_request(dl: DeadLetter) -> RolloutRequested | None:
     if ".rollout.requested." not in dl.subject:
         return None
     try:
-        return decode(RolloutRequested, dl.payload)
-    except DecodeError:
+        req = decode(RolloutRequested, dl.payload)
+        validate(req)  # junk that was never a real request must not count as a lost member
+        return req
+    except (DecodeError, Invalid):
         return None
+
+
+# -- validation ------------------------------------------------------------------
+#
+# What a receiver checks after decoding, beyond types: values no correct sender produces
+# (negative counts or indices, lists of different lengths, NaN, ids of the wrong form).
+# The runtime runs :func:`validate` on every durable and request delivery: a stream
+# message that fails is dead-lettered with ``invalid: <why>``, a request gets an error
+# reply, core messages are counted and dropped (``rollart.actors.runtime.decode_core``).
+# Checks that need state (a ``min_version`` beyond the published policy) live in the
+# handler that has the state.
+
+
+class Invalid(ValueError):
+    """A message that decodes but holds a value no correct sender produces."""
+
+
+_I64 = 1 << 63
+_MAX_TOKENS = 1 << 22
+"""Longest token list a message may carry (prompt, trajectory)."""
+MAX_NEW_TOKENS = 1 << 20
+"""Most tokens one generate request may ask for."""
+_ID = re.compile(r"^[A-Za-z0-9_.:@+/-]{1,200}$")
+_VALIDATORS: dict[type, list] = {}
+
+
+def validate(msg: object) -> None:
+    """Raise :class:`Invalid` if ``msg`` (a decoded wire message) holds an impossible value."""
+    for fn in _VALIDATORS.get(type(msg), ()):
+        fn(msg)
+
+
+def _checks(*types: type):
+    def deco(fn):
+        for t in types:
+            _VALIDATORS.setdefault(t, []).append(fn)
+        return fn
+    return deco
+
+
+def _int(name: str, v: int, lo: int = 0, hi: int = _I64 - 1) -> None:
+    if not lo <= v <= hi:
+        raise Invalid(f"{name} = {v} is out of range [{lo}, "
+                      f"{'2^63 - 1' if hi == _I64 - 1 else hi}]")
+
+
+def _finite(name: str, v: float, lo: float = float("-inf")) -> None:
+    if not (v == v and v not in (float("inf"), float("-inf")) and v >= lo):  # NaN != NaN
+        raise Invalid(f"{name} = {v!r} is not a finite number"
+                      + (f" >= {lo}" if lo > float("-inf") else ""))
+
+
+def _ident(name: str, v: str, empty_ok: bool = False) -> None:
+    if (v or not empty_ok) and not _ID.match(v):
+        raise Invalid(f"{name} {v[:80]!r} is not an id (1-200 of letters, digits, _.:@+/-)")
+
+
+def _text(name: str, v: str, limit: int = 256) -> None:
+    if not v or len(v) > limit or not v.isprintable():
+        raise Invalid(f"{name} {v[:80]!r} must be 1-{limit} printable characters")
+
+
+def _tokens(name: str, ids: list[int], empty_ok: bool = True) -> None:
+    if not ids and not empty_ok:
+        raise Invalid(f"{name} is empty")
+    if len(ids) > _MAX_TOKENS:
+        raise Invalid(f"{name} has {len(ids)} tokens (at most {_MAX_TOKENS})")
+    if ids and not (0 <= min(ids) and max(ids) < 1 << 31):
+        raise Invalid(f"{name} holds a token id outside [0, 2^31)")
+
+
+def _floats(name: str, xs: list[float]) -> None:
+    import math
+
+    if not all(map(math.isfinite, xs)):
+        raise Invalid(f"{name} holds NaN or infinity")
+
+
+@_checks(RolloutRequested)
+def _rollout_requested(r: RolloutRequested) -> None:
+    _ident("traj_id", r.traj_id)
+    _ident("group_id", r.group_id)
+    _text("env", r.env)
+    _int("seed", r.seed)
+    for k in ("index_in_group", "admitted_version", "min_version"):
+        _int(k, getattr(r, k))
+    _int("group_index", r.group_index, lo=-1)
+    _int("wave", r.wave, lo=-1)
+    _int("wave_size", r.wave_size, lo=1 if r.wave >= 0 else 0)
+    if r.wave >= 0:
+        _ident("wave_id", r.wave_id)
+    _finite("created_at", r.created_at)
+
+
+@_checks(RolloutCompleted)
+def _rollout_completed(r: RolloutCompleted) -> None:
+    _ident("traj_id", r.traj_id)
+    _ident("group_id", r.group_id)
+    _int("seed", r.seed)
+    _int("index_in_group", r.index_in_group)
+    _int("group_index", r.group_index, lo=-1)
+    _int("attempt", r.attempt, lo=1)
+    _int("min_version", r.min_version)
+    _int("max_version", r.max_version, lo=r.min_version)
+    _int("admitted_version", r.admitted_version)
+    n = len(r.token_ids)
+    _tokens("token_ids", r.token_ids)
+    if len(r.response_mask) != n or len(r.logprobs) != n:
+        raise Invalid(f"token_ids, response_mask and logprobs differ in length "
+                      f"({n}, {len(r.response_mask)}, {len(r.logprobs)})")
+    if r.token_versions and len(r.token_versions) != n:
+        raise Invalid(f"token_versions has {len(r.token_versions)} entries for {n} tokens")
+    if not set(r.response_mask) <= {0, 1}:
+        raise Invalid("response_mask holds values other than 0 and 1")
+    if r.token_versions and min(r.token_versions) < -1:
+        raise Invalid("token_versions holds a version below -1")
+    _floats("logprobs", r.logprobs)
+    for i, t in enumerate(r.turns):
+        _int(f"turns[{i}].start", t.start, hi=n)
+        _int(f"turns[{i}].response_len", t.response_len, hi=n - t.start)
+        _int(f"turns[{i}].version", t.version)
+        _finite(f"turns[{i}].reward", t.reward)
+    _finite("reward", r.reward)
+    _floats("timings", list(r.timings.values()))
+    _finite("finished_at", r.finished_at)
+
+
+@_checks(RolloutCancelled)
+def _rollout_cancelled(r: RolloutCancelled) -> None:
+    _ident("traj_id", r.traj_id)
+    _ident("group_id", r.group_id)
+    _int("group_index", r.group_index, lo=-1)
+
+
+@_checks(CancelGroup)
+def _cancel_group(c: CancelGroup) -> None:
+    _ident("group_id", c.group_id)
+    for t in c.keep:
+        _ident("keep", t)
+
+
+@_checks(SamplingParams)
+def _sampling(s: SamplingParams) -> None:
+    _int("sampling.max_new_tokens", s.max_new_tokens, hi=MAX_NEW_TOKENS)
+    _finite("sampling.temperature", s.temperature, lo=0.0)
+    _finite("sampling.top_p", s.top_p)
+    if not 0 < s.top_p <= 1:
+        raise Invalid(f"sampling.top_p = {s.top_p} is not in (0, 1]")
+    _tokens("sampling.stop_token_ids", list(s.stop_token_ids))
+
+
+@_checks(GenerateRequest)
+def _generate_request(r: GenerateRequest) -> None:
+    _ident("traj_id", r.traj_id)
+    _tokens("prompt_ids", r.prompt_ids, empty_ok=False)
+    _sampling(r.sampling)
+    for c in r.choices:
+        _tokens("choices", c, empty_ok=False)
+    _int("min_version", r.min_version)
+    _ident("request_id", r.request_id, empty_ok=True)
+
+
+@_checks(GenerateResult)
+def _generate_result(r: GenerateResult) -> None:
+    _tokens("token_ids", r.token_ids)
+    if len(r.logprobs) != len(r.token_ids):
+        raise Invalid(f"{len(r.logprobs)} logprobs for {len(r.token_ids)} tokens")
+    _floats("logprobs", r.logprobs)
+    _int("version", r.version)
+
+
+@_checks(RewardRequest)
+def _reward_request(r: RewardRequest) -> None:
+    _ident("traj_id", r.traj_id)
+    _text("scorer", r.scorer)
+    _ident("request_id", r.request_id, empty_ok=True)
+
+
+@_checks(RewardResult)
+def _reward_result(r: RewardResult) -> None:
+    _finite("score", r.score)
+
+
+@_checks(ServiceProgress)
+def _service_progress(p: ServiceProgress) -> None:
+    if p.service not in REPLY_TYPES:
+        raise Invalid(f"service {p.service[:80]!r} is not one of {sorted(REPLY_TYPES)}")
+    _text("replica", p.replica)
+    _finite("every", p.every)
+    if not 0 < p.every <= 3600:
+        raise Invalid(f"every = {p.every} is not in (0, 3600] seconds")
+    for rid in p.request_ids:
+        _ident("request_ids", rid)
+
+
+@_checks(PolicyPublished)
+def _policy_published(p: PolicyPublished) -> None:
+    _int("version", p.version)
+    if not p.uri.startswith(("file:///", "obj://")) or len(p.uri) > 4096:
+        raise Invalid(f"uri {p.uri[:80]!r} is not file:///... or obj://...")
+    scheme, _, hexd = p.digest.partition(":")
+    if scheme not in ("sha256", "tensors-sha256") or not hexd:
+        raise Invalid(f"digest {p.digest[:80]!r} is not sha256:<hex> or tensors-sha256:<hex>")
+    _finite("created_at", p.created_at)
+
+
+@_checks(PolicyLoaded)
+def _policy_loaded(p: PolicyLoaded) -> None:
+    _int("version", p.version)
+    _text("replica", p.replica)
+    _finite("load_s", p.load_s, lo=0.0)
+
+
+@_checks(NodeHeartbeat)
+def _node_heartbeat(h: NodeHeartbeat) -> None:
+    _text("node_id", h.node_id)
+    _int("pid", h.pid)
+    for role in h.roles:
+        _text("roles", role, limit=64)
+    _finite("ts", h.ts, lo=0.0)
+
+
+@_checks(DeadLetter)
+def _dead_letter(d: DeadLetter) -> None:
+    if not d.subject.startswith(f"{PREFIX}.") or len(d.subject) > 1024:
+        raise Invalid(f"subject {d.subject[:80]!r} is not a {PREFIX}.* subject")
+    if not d.reason:
+        raise Invalid("reason is empty")
+    _int("num_delivered", d.num_delivered)
+    _int("stream_seq", d.stream_seq)
+    if d.kind not in ("", "permanent", "exhausted"):
+        raise Invalid(f"kind {d.kind[:40]!r} is not permanent or exhausted")
 
 
 # -- key-value state -------------------------------------------------------------
 
 POLICY_KEY = "policy.version"
 """KV key holding the latest :class:`PolicyPublished` (encoded)."""
+
+LEDGER_KEY = "trainer.ledger"
+"""KV key holding the trainer's latest :class:`LedgerSummary` (encoded)."""
+
+RUN_END_KEY = "run.end"
+"""KV key holding the run's :class:`RunEnd` once its training is over (encoded)."""
 
 
 def kv_bucket(run: str) -> str:

@@ -57,6 +57,10 @@ class Node:
         self.services: list[Service] = []
         self._tg: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
+        """Set by :meth:`stop`: stop fetching new work."""
+        self._stop_mains = asyncio.Event()
+        """Set once in-flight work and services are drained: stop the actors' mains."""
+        self._loop_tasks: list[asyncio.Task] = []
         self._started = False
 
     # -- lifecycle ---------------------------------------------------------------
@@ -89,7 +93,8 @@ class Node:
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         for loop in self.loops:
-            self._tg.create_task(loop.run(self.grace), name=f"consume:{loop.h.subject}")
+            self._loop_tasks.append(
+                self._tg.create_task(loop.run(self.grace), name=f"consume:{loop.h.subject}"))
         for actor in self.actors:
             if actor.overrides_main():
                 self._tg.create_task(self._run_main(actor), name=f"main:{actor.name}")
@@ -108,6 +113,11 @@ class Node:
         self._stop.set()
         for loop in self.loops:
             loop.stop()
+        for actor in self.actors:
+            try:
+                actor.draining()
+            except Exception:  # noqa: BLE001 - a hook must not stop the drain
+                log.exception("draining hook of %s failed", actor.name)
 
     async def wait(self) -> None:
         """Block until :meth:`stop` is called (SIGTERM does, with ``handle_signals``)."""
@@ -118,10 +128,17 @@ class Node:
             return
         self._started = False
         self.stop()
-        for svc in self.services:
-            await svc.stop(self.grace)
         assert self._tg is not None
         try:
+            # 1. no new work; in-flight handlers finish within grace while the services
+            #    and mains they call (batchers, engines) are still up
+            if self._loop_tasks and exc is None:
+                await asyncio.wait(self._loop_tasks, timeout=self.grace + 5.0)
+            # 2. then the services (their own in-flight requests get the grace too)
+            for svc in self.services:
+                await svc.stop(self.grace)
+            # 3. then the actors' mains
+            self._stop_mains.set()
             await self._tg.__aexit__(type(exc) if exc else None, exc, None)
         finally:
             if self.handle_signals:
@@ -138,7 +155,7 @@ class Node:
     # -- background tasks ------------------------------------------------------
     async def _run_main(self, actor: Actor) -> None:
         main = asyncio.ensure_future(actor.main())
-        stop = asyncio.ensure_future(self._stop.wait())
+        stop = asyncio.ensure_future(self._stop_mains.wait())
         try:
             await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -163,7 +180,7 @@ class Node:
     async def _heartbeats(self) -> None:
         runs = sorted({a.run for a in self.actors})
         roles = sorted({a.role for a in self.actors})
-        while not self._stop.is_set():
+        while not self._stop_mains.is_set():
             hb = m.NodeHeartbeat(node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
                                  pool=self.pool, roles=roles, ts=time.time(), stats=self.stats())
             for run in runs:
@@ -172,7 +189,7 @@ class Node:
                 except Exception as e:  # noqa: BLE001 - a missed heartbeat is not fatal
                     log.debug("heartbeat failed: %s", e)
             try:
-                await asyncio.wait_for(self._stop.wait(), self.heartbeat_every)
+                await asyncio.wait_for(self._stop_mains.wait(), self.heartbeat_every)
             except TimeoutError:
                 pass
 
@@ -237,6 +254,9 @@ def _parser():
     p.add_argument("--nats", default=None, help="NATS URL to join (default: config, else embedded)")
     p.add_argument("--run", default=None, help="override the config's run name")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--serve", action="store_true",
+                   help="stay up when the run ends (for the next run); by default a node drains "
+                        "and exits 0 once the host of the trainer has published the end of the run")
     return p
 
 
@@ -251,6 +271,10 @@ async def _amain(args) -> int:
     if args.run:
         cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    if "env" in roles:  # a broken env fails this node now, not every trajectory later
+        from rollart.envs.check import check_envs_async
+
+        await check_envs_async(cfg)
     actors = build_actors(cfg, roles, m.check_token("pool", args.pool))
     url = args.nats or cfg.nats
     server = None
@@ -262,18 +286,111 @@ async def _amain(args) -> int:
         url = server.url
         print(f"rollart node: embedded nats-server at {url}", flush=True)
     bus = NatsBus(url, name=f"rollart-node-{args.pool}")
+    rc = 0
     try:
-        await bus.connect()
+        await _connect_patiently(bus, cfg.rollout.service_wait)
+        if any(a.role == "trainer" for a in actors):  # the run folder, as `rollart run` writes it
+            from rollart.launch import write_config
+
+            write_config(cfg)
         async with Node(bus, actors, grace=cfg.node.grace, pool=args.pool,
                         heartbeat_every=cfg.node.heartbeat_every, handle_signals=True) as node:
             print(f"rollart node: {node.node_id} serving {', '.join(roles)} "
                   f"(run={cfg.run}, pool={args.pool})", flush=True)
-            await node.wait()
+            if server is not None:
+                print(f"rollart node: other nodes join with --nats {url}; watch the run with: "
+                      f"rollart top --nats {url} --run {cfg.run}", flush=True)
+            rc = await _until_end(bus, cfg, node, serve=args.serve, embedded=server is not None)
         print("rollart node: drained", flush=True)
     finally:
         await bus.close()
         if server is not None:
             server.stop()
+    return rc
+
+
+async def _connect_patiently(bus: Bus, wait_s: float) -> None:
+    """Connect, waiting quietly (one line) for a server that is not up yet: a node may be
+    started before the head node whose embedded server it joins."""
+    from rollart.bus import BusError
+
+    t0, said = time.monotonic(), False
+    while True:
+        try:
+            await bus.connect()
+            break
+        except BusError as e:
+            waited = time.monotonic() - t0
+            if waited > wait_s:
+                raise ValueError(f"no nats-server at {bus.url} after {waited:.0f}s "
+                                 f"(rollout.service_wait): {e}") from e
+            if not said:
+                said = True
+                print(f"rollart node: waiting for the nats-server at {bus.url} (up to "
+                      f"{wait_s:.0f}s): is the head node started?", flush=True)
+            await asyncio.sleep(1.0)
+    if said:
+        print(f"rollart node: connected to {bus.url}", flush=True)
+
+
+async def _until_end(bus: Bus, cfg, node: Node, *, serve: bool, embedded: bool) -> int:
+    """Serve until the run ends (or SIGTERM, or forever with ``serve``); the exit status.
+
+    The node that hosts the trainer drives the end of the run exactly as ``rollart run``
+    does (:func:`rollart.launch.drive_training`): final evaluation, ``summary.json``, the
+    plot, then the end of the run in KV, on which every other node drains and exits.
+    """
+    from pathlib import Path
+
+    from rollart.actors.run_end import wait_run_end
+
+    trainer = next((a for a in node.actors if a.role == "trainer"), None)
+    if trainer is not None:
+        from rollart.launch import drive_training, wait_for_peers
+
+        sched = next((a for a in node.actors
+                      if a.role == "scheduler" and getattr(a, "bounded", False)), None)
+        summary = await drive_training(bus, cfg, node, trainer, sched, pool=node.pool,
+                                       proxies=[a for a in node.actors if a.role == "generate"])
+        if summary["interrupted"]:
+            return 0
+        result = (f"; greedy success {summary['greedy_success']:.2f}"
+                  if "greedy_success" in summary else "")
+        print(f"rollart node: run {cfg.run} ended at step {summary['steps']}{result}; "
+              f"{Path(cfg.run_dir) / cfg.run / 'summary.json'}", flush=True)
+        if summary.get("failed"):
+            print(f"rollart node: run stopped: {summary['failed']}", flush=True)
+        if serve:
+            print("rollart node: serving until SIGTERM (--serve)", flush=True)
+            await node.wait()
+        elif embedded:  # the other nodes drain through this server: let them
+            hb = cfg.node.heartbeat_every
+            left = await wait_for_peers(bus, cfg.run, node.node_id, heartbeat_every=hb,
+                                        deadline=2 * cfg.node.grace + 3 * hb + 5,
+                                        known=dict(trainer.nodes))
+            if left:
+                log.warning("%d node(s) of run %s still up; stopping the nats-server anyway",
+                            left, cfg.run)
+        return 3 if summary.get("failed") else 0
+    if serve:
+        await node.wait()
+        return 0
+    end = asyncio.ensure_future(wait_run_end(bus, cfg.run))
+    stop = asyncio.ensure_future(node.wait())
+    try:
+        await asyncio.wait({end, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not end.done():
+            end.cancel()
+            try:
+                await end
+            except asyncio.CancelledError:
+                pass
+    if not end.cancelled() and end.exception() is None:
+        rec = end.result()
+        why = f" (stopped: {rec.stopped})" if rec.stopped else ""
+        print(f"rollart node: run {cfg.run} ended at step {rec.version}{why}; draining", flush=True)
     return 0
 
 
@@ -283,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollart.cli import _quiet_libraries
+
+    _quiet_libraries()  # no third-party progress bars in node logs
     try:
         import uvloop
 
@@ -294,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"rollart node: error: {e}", flush=True)
         return 2
+    except KeyboardInterrupt:  # before the node handles signals itself (connecting, loading)
+        return 130
 
 
 if __name__ == "__main__":

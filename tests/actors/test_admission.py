@@ -11,7 +11,8 @@ from hypothesis import given, strategies as st
 
 from rollart import messages as m
 from rollart.actors.policy import set_policy
-from rollart.actors.scheduler import RolloutScheduler, admissible
+from rollart.actors.ledger import admissible
+from rollart.actors.scheduler import RolloutScheduler
 from rollart.bus import ConsumerSpec
 from rollart.bus.codec import decode
 from rollart.config import RolloutConfig
@@ -21,10 +22,12 @@ from tests.actors.sample_actors import new_run
 
 
 @given(v=st.integers(0, 50), alpha=st.integers(0, 4), batch=st.integers(1, 16),
-       admitted=st.integers(0, 2000))
-def test_admissible_matches_the_bound(v, alpha, batch, admitted):
-    assert admissible(admitted, v, alpha, batch) == (admitted + 1 <= (v + alpha + 1) * batch)
-    assert admissible(admitted, v, None, batch)
+       admitted=st.integers(0, 2000), lost=st.integers(0, 100))
+def test_admissible_matches_the_bound(v, alpha, batch, admitted, lost):
+    lost = min(lost, admitted)
+    live = admitted - lost
+    assert admissible(admitted, lost, v, alpha, batch) == (live + 1 <= (v + alpha + 1) * batch)
+    assert admissible(admitted, lost, v, None, batch)
 
 
 @pytest.mark.parametrize("seed,alpha", [(0, 0), (1, 1), (2, 1), (3, 2), (4, 0)])

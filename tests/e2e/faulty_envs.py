@@ -39,3 +39,20 @@ class HangLake(FrozenLakeEnv):
         if self.steps >= 1:
             time.sleep(30)
         return super().step(action)
+
+
+class SeedFailLake(FrozenLakeEnv):
+    """Every reset of a seed divisible by 3 fails (the task itself is broken): every
+    member of such a group is dead-lettered, so the group is lost."""
+
+    def reset(self, seed):
+        if seed % 3 == 0:
+            raise RuntimeError(f"task {seed} cannot be set up")
+        return super().reset(seed)
+
+
+class BrokenStepLake(FrozenLakeEnv):
+    """Resets fine, but every step raises: a systematic failure the circuit breaker stops."""
+
+    def step(self, action):
+        raise RuntimeError("the simulator crashed")

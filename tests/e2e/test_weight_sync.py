@@ -96,3 +96,96 @@ async def test_weights_through_the_object_store(bus, tiny_model, tmp_path):
         loaded = await collect(bus, run, "policy.loaded", 1, deadline=30)
         assert loaded[0].version == 1 and not loaded[0].error
         assert (await generate(proxy, [1, 5, 6])).version == 1
+
+
+async def _until(cond, deadline: float, what: str) -> None:
+    import asyncio
+
+    end = time.monotonic() + deadline
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_path):
+    """A refusal is not forever: a re-announce (other digest, or the same record once the
+    file is fixed) is tried at once."""
+    from rollart.actors.policy import file_content_digest
+
+    run = new_run()
+    proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model))
+    async with Node(bus, [proxy], heartbeat_every=0):
+        proxy._follow.first_retry = 3600.0  # no backoff retry here: only announcements count
+        # v1 announced with the digest of other tensors: refused
+        w1, other = tmp_path / "v1.safetensors", tmp_path / "other.safetensors"
+        perturbed_weights(tiny_model, w1, 0.5)
+        perturbed_weights(tiny_model, other, 0.6)
+        await publish(bus, run, 1, w1, file_content_digest(other))
+        await _until(lambda: proxy._follow.refused, 30, "the refusal")
+        assert proxy.version == 0
+        # announced again with the right digest: loaded at once
+        await publish(bus, run, 1, w1, file_content_digest(w1))
+        await _until(lambda: proxy.version == 1, 30, "v1 loaded")
+        assert (await generate(proxy, [1, 5, 6])).version == 1
+
+        # v2: the file is torn when announced, then fixed; the identical record comes again
+        w2 = tmp_path / "v2.safetensors"
+        perturbed_weights(tiny_model, w2, 0.7)
+        good, digest = w2.read_bytes(), file_content_digest(w2)
+        w2.write_bytes(good[:-16] + b"\0" * 16)
+        await publish(bus, run, 2, w2, digest)
+        await _until(lambda: any(k[0] == 2 for k in proxy._follow.refused), 30, "v2 refused")
+        assert proxy.version == 1
+        w2.write_bytes(good)
+        await publish(bus, run, 2, w2, digest)
+        await _until(lambda: proxy.version == 2, 30, "v2 loaded after the re-announce")
+        loaded = await collect(bus, run, "policy.loaded", 4, deadline=30)
+        assert [(x.version, bool(x.error)) for x in loaded] == [(0, True), (1, False), (1, True), (2, False)]
+
+
+async def test_refused_version_is_retried_after_a_backoff(memory_bus_only, tiny_model, tmp_path):
+    from rollart.actors.policy import file_content_digest
+
+    bus, run = memory_bus_only, new_run()
+    proxy = LLMProxy(run=run, model_dir=str(tiny_model))
+    async with Node(bus, [proxy], heartbeat_every=0):
+        proxy._follow.first_retry = 0.2
+        w1 = tmp_path / "v1.safetensors"
+        perturbed_weights(tiny_model, w1, 0.5)
+        good, digest = w1.read_bytes(), file_content_digest(w1)
+        w1.write_bytes(good[:-16] + b"\0" * 16)
+        await publish(bus, run, 1, w1, digest)
+        await _until(lambda: proxy._follow.refused, 30, "the refusal")
+        w1.write_bytes(good)  # fixed, not announced again
+        await _until(lambda: proxy.version == 1, 30, "v1 loaded by the backoff retry")
+
+
+async def test_failed_status_publish_does_not_stop_the_proxy(memory_bus_only, tiny_model, tmp_path,
+                                                            caplog):
+    from rollart.actors.policy import file_content_digest
+    from rollart.bus import BusError
+
+    bus, run = memory_bus_only, new_run()
+    proxy = LLMProxy(run=run, model_dir=str(tiny_model))
+    real = proxy.publish
+    calls = []
+
+    async def flaky(name, msg, **kw):
+        if name == "policy.loaded":
+            calls.append(msg)
+            raise BusError("no route to the server")
+        return await real(name, msg, **kw)
+
+    proxy.publish = flaky
+    async with Node(bus, [proxy], heartbeat_every=0) as node:
+        proxy._follow.report_deadline = 0.3
+        w1 = tmp_path / "v1.safetensors"
+        perturbed_weights(tiny_model, w1, 0.5)
+        await publish(bus, run, 1, w1, file_content_digest(w1))
+        # a request drives _maybe_load through the batcher hook as well
+        res = await generate(proxy, [1, 5, 6])
+        await _until(lambda: proxy.version == 1 and len(calls) >= 2, 30, "the load and its retried report")
+        await _until(lambda: any("not published" in r.getMessage() for r in caplog.records), 30,
+                     "the report given up")
+        assert res.version in (0, 1) and (await generate(proxy, [1, 5, 6])).version == 1
+        assert not node._stop.is_set()  # the error stayed inside: the node still serves

@@ -1,4 +1,3 @@
-import hashlib
 import io
 import math
 
@@ -8,6 +7,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from rollart.actors.policy import file_content_digest  # noqa: E402
 from rollart.algos.losses import LossConfig  # noqa: E402
 from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, _lr_factor  # noqa: E402
 
@@ -152,7 +152,8 @@ def test_save_weights_digest(tmp_path, tie):
     tr = TorchTrainBackend(model_dir)
     path = tmp_path / "w.safetensors"
     digest = tr.save_weights(path)
-    assert digest == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest.startswith("tensors-sha256:")
+    assert digest == file_content_digest(path) == tr.weights_digest()  # the tensors, not the bytes
     loaded = load_file(str(path))
     state = tr.model.state_dict()
     assert set(loaded) == set(state)

@@ -90,3 +90,110 @@ class FailingEnv:
 class NotAnEnv:
     def __init__(self) -> None:
         pass
+
+
+# -- envs for the startup check (tests/envs/test_env_check.py) ---------------------------
+
+
+class RaisingCtorEnv:
+    """The constructor raises."""
+
+    instruction = "never built"
+
+    def __init__(self, *, level: int = 1) -> None:
+        raise ValueError(f"no such level {level}")
+
+    def reset(self, seed):
+        return "", {}
+
+    def step(self, action):
+        return "", 0.0, True, False, {}
+
+
+class NeedsArgEnv(EchoEnv):
+    """A required keyword argument."""
+
+    def __init__(self, *, level: int, prefix: str = "") -> None:
+        super().__init__(prefix=prefix)
+        self.level = level
+
+
+class BadResetEnv(EchoEnv):
+    """reset() returns the observation alone."""
+
+    def reset(self, seed):
+        return f"obs {seed}"
+
+
+class BadInfoEnv(EchoEnv):
+    """reset() returns an info that is not a dict."""
+
+    def reset(self, seed):
+        return f"obs {seed}", "not a dict"
+
+
+class BadStepEnv(EchoEnv):
+    """step() returns a 3-tuple."""
+
+    def step(self, action):
+        return "obs", 1.0, True
+
+
+class AsyncBadStepEnv(AsyncEchoEnv):
+    """Async env whose step() returns a 3-tuple; it offers legal actions."""
+
+    def legal_actions(self):
+        return ["x"]
+
+    async def step(self, action):
+        await asyncio.sleep(0)
+        return "obs", 1.0, True
+
+
+class HangResetEnv(EchoEnv):
+    """reset() blocks for a minute (the check must give up at reset_timeout)."""
+
+    def reset(self, seed):
+        time.sleep(60)
+        return "late", {}
+
+
+class HangStepEnv(EchoEnv):
+    """step() blocks for a minute (the check must give up at step_timeout)."""
+
+    def step(self, action):
+        time.sleep(60)
+        return "late", 0.0, True, False, {}
+
+
+_flaky_resets = {"n": 0}
+
+
+class FlakyResetEnv(EchoEnv):
+    """Every other reset in a process raises (a transient failure the check retries)."""
+
+    def reset(self, seed):
+        _flaky_resets["n"] += 1
+        if _flaky_resets["n"] % 2 == 1:
+            raise ConnectionError("sandbox not ready")
+        return super().reset(seed)
+
+
+class RaisingStepEnv(EchoEnv):
+    """step() raises for every action."""
+
+    def step(self, action):
+        raise KeyError(action)
+
+
+_flaky_ctors = {"n": 0}
+
+
+class FlakyCtorEnv(EchoEnv):
+    """Every other construction in a process fails to reach its sandbox (transient)."""
+
+    def __init__(self) -> None:
+        _flaky_ctors["n"] += 1
+        if _flaky_ctors["n"] % 2 == 1:
+            raise ConnectionError("sandbox not reachable")
+        super().__init__()

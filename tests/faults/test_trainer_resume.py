@@ -73,4 +73,149 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
     import torch
 
     state = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
-    assert set(state["trained"]) == set(ids) and state["backend"]["version"] == 8
+    ledger = state["ledger"]  # every trained group closed, none lost, nothing else open
+    assert ledger["trained"] == 16 and ledger["lost"] == 0 and ledger["closed"]["low"] == 16
+    assert state["backend"]["version"] == 8
+
+
+# -- weights by content: a published version's file is never rewritten ------------------
+
+
+def _small_config(tmp_path: Path, tiny_model: Path, *, run: str, steps: int) -> Path:
+    cfg = {
+        "run": run, "run_dir": str(tmp_path / "runs"),
+        "model": {"path": str(tiny_model)},
+        "envs": {"main": {"type": "frozenlake", "max_turns": 4}},
+        "rollout": {"group_size": 4, "batch_groups": 2, "alpha": 1, "ack_wait": 3},
+        "trainer": {"steps": steps, "lr": 1e-3, "eval_groups": 1, "keep_weights": 1000},
+        "actors": {"trainer": {"handlers": {"on_completed": {"ack_wait": 3}}}},
+    }
+    p = tmp_path / f"{run}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _start(tmp_path: Path, log: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with log.open("a") as out:
+        out.write(f"\n=== rollart {' '.join(args)}\n")
+        out.flush()
+        return subprocess.Popen([sys.executable, "-m", "rollart", *args], cwd=tmp_path, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _weights(run_dir: Path) -> dict[str, tuple[str, int]]:
+    """name -> (sha256 of the bytes, mtime_ns) of every complete weights file."""
+    import hashlib
+
+    out = {}
+    for p in sorted((run_dir / "weights").glob("v*.safetensors")):
+        try:
+            st = p.stat()
+            out[p.name] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_mtime_ns)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _wait(cond, deadline: float, what: str, proc: subprocess.Popen | None = None,
+          log: Path | None = None) -> None:
+    end = time.monotonic() + deadline
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"rollart exited ({proc.returncode}) while waiting for {what}:\n"
+                                 + (log.read_text()[-4000:] if log else ""))
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _assert_never_rewritten(seen: dict[str, tuple[str, int]], run_dir: Path) -> None:
+    now = _weights(run_dir)
+    for name, (sha, mtime) in seen.items():
+        assert name in now, f"{name} was deleted"
+        assert now[name] == (sha, mtime), f"{name} was rewritten"
+
+
+def test_kill9_and_resume_five_times(tmp_path, tiny_model):
+    """Five kill -9 / resume cycles in a row, then a SIGINT: every resume makes progress, the
+    SIGINT stops at once, the last resume finishes; no published weights file is ever
+    rewritten; no trajectory is trained twice; a finished run's resume changes nothing."""
+    steps = 14  # more than the kill cycles can reach
+    cfg = _small_config(tmp_path, tiny_model, run="k5", steps=steps)
+    run_dir, log = tmp_path / "runs" / "k5", tmp_path / "k5.log"
+    proc = _start(tmp_path, log, "run", str(cfg), "--quiet")
+    seen: dict[str, tuple[str, int]] = {}
+    t0 = time.monotonic()
+    for cycle in range(5):
+        start_rows = _steps(run_dir / "metrics.jsonl")
+        target = start_rows + 1  # this process trains at least one step of its own
+        _wait(lambda: _steps(run_dir / "metrics.jsonl") >= target, 120,
+              f"step {target} in cycle {cycle}", proc, log)
+        if cycle % 2:  # sometimes right after the metrics row, sometimes once it is published
+            _wait(lambda: (run_dir / "weights" / f"v{target:06d}.safetensors").exists(), 60,
+                  f"v{target} published", proc, log)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _assert_never_rewritten(seen, run_dir)
+        seen.update(_weights(run_dir))
+        proc = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet")
+    # a resumed run stops cleanly on the first SIGINT
+    target = _steps(run_dir / "metrics.jsonl") + 1
+    _wait(lambda: _steps(run_dir / "metrics.jsonl") >= target, 120, "a step after resume", proc, log)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130, log.read_text()[-4000:]
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"]
+    _assert_never_rewritten(seen, run_dir)
+    seen.update(_weights(run_dir))
+    proc = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet")
+    assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+    _assert_never_rewritten(seen, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and not summary["interrupted"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), "one record per step"
+    ids = [t for r in rows for t in r["traj_ids"]]
+    assert len(ids) == len(set(ids)) == steps * 2 * 4, "no trajectory trained twice"
+    names = set(_weights(run_dir))
+    assert {f"v{v:06d}.safetensors" for v in range(1, steps + 1)} <= names
+    print(f"5 kill/resume cycles + finish: {time.monotonic() - t0:.1f}s")
+
+    # a finished run: says so at once, exits 0, touches nothing
+    before = _weights(run_dir)
+    t1 = time.monotonic()
+    done = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet")
+    assert done.wait(timeout=60) == 0, log.read_text()[-2000:]
+    assert time.monotonic() - t1 < 30
+    assert "is finished" in log.read_text().rsplit("=== rollart", 1)[-1]
+    assert _weights(run_dir) == before
+
+
+def test_resume_finished_run_and_train_further(tmp_path, tiny_model):
+    """``--resume`` of a finished run exits 0 at once and changes no file; ``--resume
+    --steps N`` trains up to N steps in all, reusing (never rewriting) the published files."""
+    cfg = _small_config(tmp_path, tiny_model, run="fin", steps=2)
+    run_dir, log = tmp_path / "runs" / "fin", tmp_path / "fin.log"
+    assert _start(tmp_path, log, "run", str(cfg), "--quiet").wait(timeout=180) == 0, log.read_text()
+    before = _weights(run_dir)
+    assert set(before) == {"v000001.safetensors", "v000002.safetensors"}
+    ckpt = (run_dir / "checkpoints" / "latest.pt").stat().st_mtime_ns
+    for extra in ([], ["--steps", "2"]):
+        t0 = time.monotonic()
+        p = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet", *extra)
+        assert p.wait(timeout=60) == 0, log.read_text()[-2000:]
+        assert time.monotonic() - t0 < 30, "a finished run's resume starts nothing"
+        assert "is finished" in log.read_text().rsplit("=== rollart", 1)[-1]
+        assert _weights(run_dir) == before
+        assert (run_dir / "checkpoints" / "latest.pt").stat().st_mtime_ns == ckpt
+
+    p = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet", "--steps", "3")
+    assert p.wait(timeout=180) == 0, log.read_text()[-4000:]
+    _assert_never_rewritten(before, run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["steps"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    ids = [t for r in rows for t in r["traj_ids"]]
+    assert len(ids) == len(set(ids)), "no trajectory trained twice"
+    p = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet")  # the new target stays
+    assert p.wait(timeout=60) == 0 and "is finished" in log.read_text().rsplit("=== rollart", 1)[-1]

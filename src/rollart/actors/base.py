@@ -144,6 +144,10 @@ class Actor:
     async def teardown(self) -> None:
         """Called after handlers stopped, before the node releases the bus."""
 
+    def draining(self) -> None:
+        """Called when the node stops fetching: release handlers that would otherwise wait
+        past the grace period for something that is not coming (e.g. held deliveries)."""
+
     # -- introspection ---------------------------------------------------------
     def handlers(self) -> list[BoundHandler]:
         out = []
@@ -215,6 +219,31 @@ class Actor:
             return 0
         return await self.bus.publish(subj, encode(msg), msg_id=msg_id)
 
+    async def publish_patiently(self, name: str, msg: m.Message, *, msg_id: str | None = None,
+                                pool: str | None = None, deadline: float = 300.0) -> int:
+        """:meth:`publish`, retrying bus errors with backoff for up to ``deadline`` seconds
+        (a msg id makes the retries safe); logs once, raises the last error after that."""
+        import asyncio
+        import time
+
+        from rollart.bus import BusError
+
+        end, attempt = time.monotonic() + deadline, 0
+        while True:
+            try:
+                seq = await self.publish(name, msg, msg_id=msg_id, pool=pool)
+                if attempt:
+                    log.info("%s: publish on %s went through after %d retries", self.name, name, attempt)
+                return seq
+            except BusError as e:
+                attempt += 1
+                if time.monotonic() >= end:
+                    raise
+                if attempt == 1:
+                    log.warning("%s: publish on %s failed (%s); retrying for up to %.0fs",
+                                self.name, name, e, deadline)
+                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(attempt, 6)))
+
     async def request(self, name: str, msg: m.Message, *, pool: str | None = None,
                       timeout: float = 30.0) -> Any:
         """Request/reply on service subject ``name``; returns the decoded reply."""
@@ -223,6 +252,17 @@ class Actor:
         if ERROR_HEADER in rep.headers:
             raise RemoteError(f"{name}: {rep.headers[ERROR_HEADER]}")
         return decode(m.REPLY_TYPES[name], rep.data)
+
+
+def replica_suffix() -> str:
+    """``<host>-<pid>``: makes replica names (and the msg ids built from them) unique
+    across hosts and processes, as subject-safe characters."""
+    import os
+    import re
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:32] or "host"
+    return f"{host}-{os.getpid()}"
 
 
 def _first_param_type(fn: Callable) -> type:

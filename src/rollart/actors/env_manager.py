@@ -4,6 +4,14 @@ A request from the work queue is acked only after its outcome (completed or canc
 is stored; the runtime's ``in_progress`` heartbeats hold it while it runs, and a crash
 leaves it un-acked for redelivery. Context is kept at token level: prompt and response
 ids are appended turn by turn and history is never re-tokenised.
+
+Failure kinds. Permanent failures are dead-lettered at the first delivery with a reason
+that starts with a stable kind token: ``env_setup:`` (the env cannot be built),
+``env_contract:`` (reset/step returned the wrong shape), ``env_reset_failed:`` (every
+reset attempt raised), ``service_error:`` / ``decode:`` (generate or reward answered errors
+or garbage), ``config:``. Missing or lost generate/reward replicas are waited for (see
+:mod:`rollart.actors.service_client`) up to ``rollout.service_wait``, then
+``service_unavailable:``.
 """
 
 from __future__ import annotations
@@ -16,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, Reject, RemoteError, consume, serve  # noqa: F401
+from rollart.actors.base import Actor, Reject, RemoteError, consume, replica_suffix, serve  # noqa: F401
 from rollart.actors.chat import ChatFormat
 from rollart.actors.lockstep import LockStep
 from rollart.actors.policy import watch_policy
 from rollart.actors.runtime import backoff
-from rollart.bus import BusError
+from rollart.actors.service_client import ServiceClient
 from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
+from rollart.envs.runner import EnvContractError, EnvSetupError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +84,7 @@ class EnvManager(Actor):
         settings = {"on_request": {"max_inflight": r.concurrency, "ack_wait": r.ack_wait}}
         for h, hc in actor_cfg.handlers.items():
             settings.setdefault(h, {}).update(hc.overrides())
-        return cls(run=run_cfg.run, pool=pool, name=f"env-{pool}-{index}", settings=settings,
+        return cls(run=run_cfg.run, pool=pool, name=f"env-{pool}-{replica_suffix()}-{index}", settings=settings,
                    envs=dict(run_cfg.envs), rollout=r, model_dir=str(model_dir(run_cfg)),
                    **actor_cfg.args)
 
@@ -88,12 +97,23 @@ class EnvManager(Actor):
         self.lockstep = LockStep()
         self._in_wave: set[str] = set()
         self._max_inflight = self.settings_of("on_request").max_inflight
+        r = self.rollout
+        self.services = ServiceClient(self, timeout=r.generate_timeout, wait=r.service_wait,
+                                      retries=r.generate_retries,
+                                      replica_timeout=r.replica_timeout, count=self._count)
+        await self.services.start()
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
 
     async def teardown(self) -> None:
         await self._cancel_sub.unsubscribe()
+        await self.services.stop()
 
     async def main(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.services.run())
+            tg.create_task(self._watch_policy())
+
+    async def _watch_policy(self) -> None:
         async for pub in watch_policy(self.bus, self.run):
             self.version = max(self.version, pub.version)
 
@@ -101,21 +121,47 @@ class EnvManager(Actor):
         self.stats[key] = self.stats.get(key, 0) + n
 
     async def _on_cancel(self, req) -> None:
-        from rollart.bus.codec import decode
+        from rollart.actors.runtime import decode_core
 
-        cmd = decode(m.CancelGroup, req.data)
+        cmd = decode_core(m.CancelGroup, req)
+        if cmd is None:  # junk on a core subject: counted and dropped
+            return
         keep = set(cmd.keep)
         self._cancel_groups[cmd.group_id] = keep
         for tid, ev in self._live.items():
             if self._group_of.get(tid) == cmd.group_id and tid not in keep:
                 ev.set()
 
+    async def _check_min_version(self, req: m.RolloutRequested) -> None:
+        """Reject a request no policy of this run can serve: its ``min_version`` is beyond
+        the published version (read again from KV, the watch may lag) + alpha + 1. Served,
+        the generator would wait for a version that never comes, on every delivery."""
+        from rollart.actors.policy import current_policy
+        from rollart.bus import BusError
+        from rollart.bus.codec import DecodeError
+
+        try:
+            pub = await current_policy(self.bus, self.run)
+        except (BusError, DecodeError) as e:  # cannot tell now: the generator's wait bounds it
+            log.debug("%s: policy version unknown (%s)", self.name, e)
+            return
+        if pub is not None:
+            self.version = max(self.version, pub.version)
+        bound = self.version + self.rollout.alpha + 1
+        if req.min_version > bound:
+            self._count("invalid_requests")
+            raise Reject(f"invalid: min_version {req.min_version} is beyond any policy this run "
+                         f"can serve (published v{self.version}; at most version + alpha + 1 = "
+                         f"{bound})")
+
     # -- the handler -------------------------------------------------------------
     @consume("rollout.requested", ack_wait=30.0, max_deliver=5, max_inflight=64)
     async def on_request(self, req: m.RolloutRequested, delivery) -> None:
         cfg = self.envs.get(req.env)
         if cfg is None:
-            raise Reject(f"unknown env {req.env!r}; configured: {sorted(self.envs)}")
+            raise Reject(f"env_setup: unknown env {req.env!r}; configured: {sorted(self.envs)}")
+        if req.min_version > self.version + self.rollout.alpha + 1:
+            await self._check_min_version(req)
         cancel = asyncio.Event()
         keep = self._cancel_groups.get(req.group_id)
         if keep is not None and req.traj_id not in keep:
@@ -124,10 +170,17 @@ class EnvManager(Actor):
         self._group_of[req.traj_id] = req.group_id
         try:
             out = await self._trajectory(req, cfg, cancel, delivery)
+        except EnvSetupError as e:  # permanent: dead-letter at once, never re-run
+            self._count("env_setup_errors")
+            raise Reject(f"env_setup: {e}") from e
+        except EnvContractError as e:
+            self._count("env_contract_errors")
+            raise Reject(f"env_contract: {e}") from e
         except Cancelled:
             self._count("cancelled")
             await self.publish("rollout.cancelled", m.RolloutCancelled(
-                traj_id=req.traj_id, group_id=req.group_id), msg_id=f"out:{req.traj_id}")
+                traj_id=req.traj_id, group_id=req.group_id, group_index=req.group_index),
+                msg_id=f"out:{req.traj_id}")
             return
         finally:
             self._live.pop(req.traj_id, None)
@@ -143,7 +196,7 @@ class EnvManager(Actor):
         tr = Trace()
         if req.wave >= 0 and req.wave_size > 0:
             if req.wave_size > self._max_inflight:
-                raise Reject(f"batch mode needs rollout.concurrency >= {req.wave_size} "
+                raise Reject(f"config: batch mode needs rollout.concurrency >= {req.wave_size} "
                              f"(the trajectories of one wave) on one EnvManager")
             if self.lockstep.join(req.wave_id, req.wave_size):
                 self._in_wave.add(req.traj_id)
@@ -161,7 +214,8 @@ class EnvManager(Actor):
                     break
                 await self._sync(req, tr)
                 legal = runner.legal_actions() if cfg.constrain else None
-                res, choices = await self._generate(req, cfg, tr, legal)
+                res, choices = await self._unless_cancelled(
+                    self._generate(req, cfg, tr, legal), cancel)
                 start = len(tr.token_ids)
                 tr.add_response(res.token_ids, res.logprobs, res.version)
                 text = self.chat.decode(res.token_ids)
@@ -191,7 +245,8 @@ class EnvManager(Actor):
                 if turn < cfg.max_turns:
                     tr.add_prompt(self.chat.next_prompt(res.token_ids, self._user(cfg, obs, turn + 1)))
             if cfg.scorer:
-                reward, success = await self._score(req, cfg, tr, {**reset_info, **info}, text)
+                reward, success = await self._unless_cancelled(
+                    self._score(req, cfg, tr, {**reset_info, **info}, text), cancel)
         finally:
             await runner.close()
         versions = [v for v in tr.versions if v >= 0] or [self.version]
@@ -203,6 +258,23 @@ class EnvManager(Actor):
             stop_reason=stop, timings=tr.timings, eval=req.eval,
             attempt=delivery.num_delivered, finished_at=time.time(),
             group_index=req.group_index, admitted_version=req.admitted_version)
+
+    @staticmethod
+    async def _unless_cancelled(coro: Any, cancel: asyncio.Event) -> Any:
+        """Await ``coro`` (a service call, which may wait minutes for a replica), but raise
+        :class:`Cancelled` as soon as the group no longer needs this trajectory."""
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if task.done():
+            return task.result()
+        raise Cancelled()
 
     def _encode_actions(self, legal: tuple[str, ...]) -> list[list[int]]:
         """Token ids of each legal action, cached (the same few sets recur every turn)."""
@@ -233,6 +305,9 @@ class EnvManager(Actor):
                 obs, info = await runner.reset(req.seed, timeout=cfg.reset_timeout)
                 tr.timings["reset"] += time.perf_counter() - t0
                 return runner, obs, info
+            except (EnvSetupError, EnvContractError):  # permanent: a fresh env fails the same way
+                await runner.close()
+                raise
             except EnvError as e:
                 tr.timings["reset"] += time.perf_counter() - t0
                 last = str(e)
@@ -242,7 +317,7 @@ class EnvManager(Actor):
                             req.traj_id, e)
                 if attempt <= cfg.reset_retries:
                     await asyncio.sleep(backoff(attempt, base=0.05, cap=2.0))
-        raise Reject(f"env_reset_failed after {cfg.reset_retries + 1} attempts: {last}")
+        raise Reject(f"env_reset_failed: {cfg.reset_retries + 1} attempts failed; last: {last}")
 
     async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
                         legal: list[str] | None) -> tuple[m.GenerateResult, list[list[int]]]:
@@ -257,17 +332,8 @@ class EnvManager(Actor):
             greedy=req.greedy)
         t0 = time.perf_counter()
         try:
-            for attempt in range(1, self.rollout.generate_retries + 2):
-                try:
-                    res = await self.request("generate.request", gen,
-                                             timeout=self.rollout.generate_timeout)
-                    return res, choices
-                except (BusError, RemoteError) as e:
-                    if attempt > self.rollout.generate_retries:
-                        raise
-                    log.warning("generate for %s failed (%s); retry %d", req.traj_id, e, attempt)
-                    await asyncio.sleep(backoff(attempt))
-            raise AssertionError("unreachable")
+            res = await self.services.call("generate.request", gen, what=f" for {req.traj_id}")
+            return res, choices
         finally:
             tr.timings["generate"] += time.perf_counter() - t0
 
@@ -275,13 +341,13 @@ class EnvManager(Actor):
         answer = parse_action(text, cfg.action_pattern) or text
         t0 = time.perf_counter()
         try:
-            res = await self.request("reward.request", m.RewardRequest(
+            res = await self.services.call("reward.request", m.RewardRequest(
                 traj_id=req.traj_id, scorer=cfg.scorer, response=answer,
                 answer=str(info.get("answer", "")),
                 metadata={**{k: str(v) for k, v in info.items() if isinstance(v, (str, int, float))},
                           "seed": str(req.seed), "env_type": cfg.type,
                           "env_args": json.dumps(cfg.args, sort_keys=True)}),
-                timeout=self.rollout.generate_timeout)
+                what=f" for {req.traj_id}")
         finally:
             tr.timings["reward"] += time.perf_counter() - t0
         return res.score, res.score >= 0.99

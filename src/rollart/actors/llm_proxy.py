@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, serve
+from rollart.actors.base import Actor, replica_suffix, serve
 from rollart.actors.batching import Batcher
 from rollart.actors.policy import fetch_weights, watch_policy
+from rollart.actors.runtime import ServiceUnavailable
+from rollart.actors.service_client import ProgressReporter
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class LLMProxy(Actor):
     """A safetensors file to load (as version 0) instead of the model folder's weights."""
     engine_obj: Any = field(default=None, repr=False)
     """An engine instance to use instead of building one (embedding, tests)."""
+    progress_every: float = 1.0
+    """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
 
     @classmethod
     def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "LLMProxy":
@@ -52,7 +56,7 @@ class LLMProxy(Actor):
         kw = dict(model_dir=str(model_dir(run_cfg)), engine=px.engine, gather_ms=px.gather_ms,
                   max_batch=px.max_batch, threads=run_cfg.model.threads, seed=index)
         kw.update(actor_cfg.args)
-        name = f"generate-{pool}-{index}"
+        name = f"generate-{pool}-{replica_suffix()}-{index}"  # unique across hosts
         settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
         return cls(run=run_cfg.run, pool=pool, name=name, settings=settings, **kw)
 
@@ -69,10 +73,12 @@ class LLMProxy(Actor):
         self._lock = asyncio.Lock()
         self._loaded = asyncio.Condition()
         self._target: m.PolicyPublished | None = None
-        self._refused: set[int] = set()
         self.batcher: Batcher = Batcher(self._run_batch, gather_s=self.gather_ms / 1e3,
                                         max_batch=self.max_batch, before_batch=self._maybe_load)
         self.loads: list[tuple[int, float]] = []
+        self._stopping = False
+        self.progress = ProgressReporter(self, "generate.request", every=self.progress_every,
+                                         pool=self.settings_of("generate").pool or self.pool)
 
     @property
     def version(self) -> int:
@@ -80,40 +86,97 @@ class LLMProxy(Actor):
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.batcher.run())
+            tg.create_task(self._batching())
             tg.create_task(self._watch())
+            tg.create_task(self.progress.run())
+
+    async def _batching(self) -> None:
+        try:
+            await self.batcher.run()
+        finally:  # before the failed requests wake up: they are told to go elsewhere
+            self._stopping = True
 
     async def _watch(self) -> None:
-        async for pub in watch_policy(self.bus, self.run):
-            if pub.version > self.version and pub.version not in self._refused:
-                self._target = pub
-                await self._maybe_load()
+        """Follow KV ``policy.version``; load each newer version (and a version already
+        loaded whose digest changed). A refused record is tried again when it is announced
+        again (a new KV record, even an identical one) and otherwise after a backoff."""
+        follow = self._follow
+
+        async def records() -> None:
+            async for pub in watch_policy(self.bus, self.run):
+                if follow.wanted(pub, self.version):
+                    follow.announced(pub)
+                    self._target = pub
+                    await self._maybe_load()
+
+        async def retries() -> None:
+            while True:
+                follow.changed.clear()
+                due = follow.due_at(self._target)
+                timeout = None if due is None else max(0.0, due - time.monotonic())
+                try:
+                    await asyncio.wait_for(follow.changed.wait(), timeout)
+                except TimeoutError:
+                    pub = self._target
+                    await self._maybe_load()
+                    if pub is not None and not follow.wanted(pub, self.version):
+                        follow.refused.pop(follow.key(pub), None)  # superseded: no retry
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(records())
+            tg.create_task(retries())
 
     async def _maybe_load(self) -> None:
+        """Load ``self._target`` if it is newer than the loaded weights (between batches:
+        this is the batcher's ``before_batch``). Never raises for a bad record or a failed
+        status publish: a refused record keeps the old weights serving."""
+        follow = self._follow
         pub = self._target
-        if pub is None or pub.version <= self.version or pub.version in self._refused:
+        if pub is None or not follow.wanted(pub, self.version) or follow.blocked(pub):
             return
         async with self._lock:
-            if pub.version <= self.version:
+            if not follow.wanted(pub, self.version) or follow.blocked(pub):
                 return
             t0 = time.perf_counter()
             try:
                 data = await fetch_weights(self.bus, pub)
                 await asyncio.to_thread(self._load_bytes, data, pub.version)
             except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
-                self._refused.add(pub.version)
-                log.error("%s refused policy v%s: %s", self.name, pub.version, e)
-                await self.publish("policy.loaded", m.PolicyLoaded(
-                    version=self.version, replica=self.name, pool=self.pool, error=str(e)))
-                return
-            dt = time.perf_counter() - t0
-            self.loads.append((pub.version, dt))
-            log.info("%s loaded policy v%s in %.2fs", self.name, pub.version, dt)
-        async with self._loaded:
-            self._loaded.notify_all()
-        await self.publish("policy.loaded", m.PolicyLoaded(
-            version=pub.version, replica=self.name, pool=self.pool, load_s=dt),
-            msg_id=f"loaded:{self.name}:{pub.version}")
+                tries, delay = follow.refuse(pub)
+                log.error("%s refused policy v%s (try %d, again in %.0fs or when announced "
+                          "again): %s", self.name, pub.version, tries, delay, e)
+                report = m.PolicyLoaded(version=self.version, replica=self.name, pool=self.pool,
+                                        error=str(e))
+                msg_id = f"refused:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}:{tries}"
+            else:
+                dt = time.perf_counter() - t0
+                follow.loaded_ok(pub)
+                self.loads.append((pub.version, dt))
+                log.info("%s loaded policy v%s in %.2fs", self.name, pub.version, dt)
+                report = m.PolicyLoaded(version=pub.version, replica=self.name, pool=self.pool,
+                                        load_s=dt)
+                msg_id = f"loaded:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}"
+        if not report.error:
+            async with self._loaded:
+                self._loaded.notify_all()
+        await self._report_loaded(report, msg_id)
+
+    async def _report_loaded(self, report: m.PolicyLoaded, msg_id: str) -> None:
+        """Publish ``policy.loaded``: bus errors are retried briefly, then logged, never raised
+        (a status report must not take the proxy down)."""
+        try:
+            await self.publish_patiently("policy.loaded", report, msg_id=msg_id,
+                                         deadline=self._follow.report_deadline)
+        except Exception as e:  # noqa: BLE001 - a lost status report is not fatal
+            log.warning("%s: policy.loaded report (v%s%s) not published: %s", self.name,
+                        report.version, ", refused" if report.error else "", e)
+
+    @property
+    def _follow(self) -> "_PolicyFollow":
+        f = self.__dict__.get("_policy_follow")
+        if f is None:
+            f = self.__dict__["_policy_follow"] = _PolicyFollow()
+        return f
 
     def _load_bytes(self, data: bytes, version: int) -> None:
         from safetensors.torch import load as load_safetensors
@@ -136,9 +199,54 @@ class LLMProxy(Actor):
 
     @serve("generate.request", max_inflight=1024)
     async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
+        # the runtime lists req.request_id in self.progress while it is queued or here
+        if self._stopping:
+            raise ServiceUnavailable(f"{self.name} is stopping")
+        self._check_tokens(req)
         if req.min_version > self.version:
+            await self._check_reachable(req.min_version)
             await self._wait_for_version(req.min_version)
-        return await self.batcher.submit(req)
+        try:
+            return await self.batcher.submit(req)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stopping and task is not None and not task.cancelling():
+                # the batch was abandoned by a stopping batcher, not this handler
+                raise ServiceUnavailable(f"{self.name} stopped mid-batch") from None
+            raise
+        except RuntimeError as e:
+            if self._stopping:
+                raise ServiceUnavailable(f"{self.name} is stopping: {e}") from e
+            raise
+
+    def _check_tokens(self, req: m.GenerateRequest) -> None:
+        """Token ids the engine cannot embed would fail the whole batch they share: refuse
+        the one request instead (the runtime already checked the rest of its form)."""
+        vocab = getattr(self.engine_obj, "vocab_size", None)
+        if vocab is None:
+            return
+        top = max([*req.prompt_ids, *(t for c in req.choices for t in c)], default=-1)
+        if top >= vocab:
+            raise ValueError(f"invalid: token id {top} is outside the model's vocabulary "
+                             f"({vocab} tokens)")
+
+    async def _check_reachable(self, v: int) -> None:
+        """Refuse at once a ``min_version`` beyond the published policy (+1): no requester
+        can have seen it, and waiting ``version_wait`` for it holds the caller for nothing."""
+        from rollart.actors.policy import current_policy
+        from rollart.bus import BusError
+        from rollart.bus.codec import DecodeError
+
+        known = max(self.version, self._target.version if self._target is not None else 0)
+        if v <= known + 1:
+            return
+        try:  # the watch may lag: ask KV itself before refusing
+            pub = await current_policy(self.bus, self.run)
+        except (BusError, DecodeError):
+            return
+        latest = max(known, pub.version if pub is not None else 0)
+        if v > latest + 1:
+            raise ValueError(f"invalid: min_version {v} is beyond the published policy v{latest}")
 
     async def _wait_for_version(self, v: int) -> None:
         deadline = time.monotonic() + self.version_wait
@@ -151,3 +259,55 @@ class LLMProxy(Actor):
                     await asyncio.wait_for(self._loaded.wait(), left)
                 except TimeoutError:
                     pass
+
+
+class _PolicyFollow:
+    """Which policy records a proxy loaded or refused; when a refused one is tried again."""
+
+    first_retry = 2.0
+    max_retry = 60.0
+    report_deadline = 2.0
+    """Seconds a ``policy.loaded`` report is retried (it delays the next batch meanwhile)."""
+
+    def __init__(self) -> None:
+        self.loaded: tuple[int, str] | None = None
+        """``(version, digest)`` of the last record loaded."""
+        self.refused: dict[tuple[int, str, str], tuple[float, int]] = {}
+        """``(version, digest, uri)`` -> ``(monotonic time of the next try, tries)``."""
+        self.changed = asyncio.Event()
+
+    @staticmethod
+    def key(pub: m.PolicyPublished) -> tuple[int, str, str]:
+        return (pub.version, pub.digest, pub.uri)
+
+    def wanted(self, pub: m.PolicyPublished, version: int) -> bool:
+        return pub.version > version or (
+            pub.version == version and self.loaded is not None
+            and self.loaded != (pub.version, pub.digest))
+
+    def blocked(self, pub: m.PolicyPublished) -> bool:
+        r = self.refused.get(self.key(pub))
+        return r is not None and time.monotonic() < r[0]
+
+    def due_at(self, pub: m.PolicyPublished | None) -> float | None:
+        r = self.refused.get(self.key(pub)) if pub is not None else None
+        return None if r is None else r[0]
+
+    def announced(self, pub: m.PolicyPublished) -> None:
+        """A (re-)announced record: if it was refused, try it now."""
+        r = self.refused.get(self.key(pub))
+        if r is not None:
+            self.refused[self.key(pub)] = (0.0, r[1])
+        self.changed.set()
+
+    def refuse(self, pub: m.PolicyPublished) -> tuple[int, float]:
+        tries = self.refused.get(self.key(pub), (0.0, 0))[1] + 1
+        delay = min(self.max_retry, self.first_retry * 2 ** (tries - 1))
+        self.refused[self.key(pub)] = (time.monotonic() + delay, tries)
+        self.changed.set()
+        return tries, delay
+
+    def loaded_ok(self, pub: m.PolicyPublished) -> None:
+        self.loaded = (pub.version, pub.digest)
+        self.refused = {k: r for k, r in self.refused.items() if k[0] > pub.version}
+        self.changed.set()

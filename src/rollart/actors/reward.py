@@ -16,6 +16,8 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.base import Actor, serve
 from rollart.actors.batching import Batcher
+from rollart.actors.runtime import ServiceUnavailable
+from rollart.actors.service_client import ProgressReporter
 
 _NUM = re.compile(r"^[-+]?\d+(\.\d+)?([eE][-+]?\d+)?$")
 
@@ -62,6 +64,8 @@ class RewardService(Actor):
     gather_ms: float = 2.0
     max_batch: int = 64
     threads: int | None = 1
+    progress_every: float = 1.0
+    """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
 
     @classmethod
     def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "RewardService":
@@ -76,9 +80,20 @@ class RewardService(Actor):
         self.batcher: Batcher = Batcher(self._score_batch, gather_s=self.gather_ms / 1e3,
                                         max_batch=self.max_batch)
         self.served = 0
+        self._stopping = False
+        self.progress = ProgressReporter(self, "reward.request", every=self.progress_every,
+                                         pool=self.settings_of("score").pool or self.pool)
 
     async def main(self) -> None:
-        await self.batcher.run()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._batching())
+            tg.create_task(self.progress.run())
+
+    async def _batching(self) -> None:
+        try:
+            await self.batcher.run()
+        finally:  # before the failed requests wake up: they are told to go elsewhere
+            self._stopping = True
 
     @serve("reward.request", max_inflight=1024)
     async def score(self, req: m.RewardRequest) -> m.RewardResult:
@@ -88,7 +103,19 @@ class RewardService(Actor):
             return m.RewardResult(score=fn(req.response, req.answer, dict(req.metadata)),
                                   replica=self.name)
         if req.scorer == "model_logprob":
-            return m.RewardResult(score=await self.batcher.submit(req), replica=self.name)
+            if self._stopping:
+                raise ServiceUnavailable(f"{self.name} is stopping")
+            try:
+                return m.RewardResult(score=await self.batcher.submit(req), replica=self.name)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._stopping and task is not None and not task.cancelling():
+                    raise ServiceUnavailable(f"{self.name} stopped mid-batch") from None
+                raise
+            except RuntimeError as e:
+                if self._stopping:
+                    raise ServiceUnavailable(f"{self.name} is stopping: {e}") from e
+                raise
         raise ValueError(f"unknown scorer {req.scorer!r}; built-in: "
                          f"{sorted([*RULES, 'model_logprob'])}")
 

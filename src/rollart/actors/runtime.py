@@ -32,15 +32,56 @@ class Stats:
 
 async def dead_letter(bus: Bus, actor: Actor, *, subject: str, payload: bytes, reason: str,
                       num_delivered: int = 1, stream_seq: int = 0,
-                      headers: dict[str, str] | None = None) -> None:
-    """Store a dead letter on ``rollart.<run>.dead``; deduplicated per original message."""
+                      headers: dict[str, str] | None = None, kind: str = "permanent") -> None:
+    """Store a dead letter on ``rollart.<run>.dead``; deduplicated per original message.
+    ``kind``: ``permanent`` (never retried) or ``exhausted`` (retried up to max_deliver)."""
     dl = m.DeadLetter(subject=subject, payload=payload, reason=reason,
                       num_delivered=num_delivered, stream_seq=stream_seq,
-                      actor=actor.name, headers=dict(headers or {}))
+                      actor=actor.name, headers=dict(headers or {}), kind=kind)
     msg_id = f"dead:{subject}:{stream_seq}" if stream_seq else None
     await bus.publish(m.subject(actor.run, "dead"), encode(dl), msg_id=msg_id)
     log.warning("dead letter from %s on %s seq=%s deliveries=%s: %s",
                 actor.name, subject, stream_seq, num_delivered, reason)
+
+
+class CoreJunk:
+    """Junk on core subjects (``rollout.cancel``, ``node.heartbeat``, ``service.progress``):
+    there is no stream message to terminate and dead-letter, so it is counted per subject
+    and dropped, with at most one log line per subject every ``every`` seconds."""
+
+    def __init__(self, every: float = 60.0) -> None:
+        self.every = every
+        self.counts: dict[str, int] = {}
+        """Subject -> messages dropped so far."""
+        self._logged: dict[str, tuple[float, int]] = {}
+
+    def drop(self, subject: str, reason: str) -> None:
+        n = self.counts[subject] = self.counts.get(subject, 0) + 1
+        at, before = self._logged.get(subject, (float("-inf"), 0))
+        now = time.monotonic()
+        if now - at >= self.every:
+            self._logged[subject] = (now, n)
+            log.warning("dropped %d bad message(s) on %s (%d in all; at most one line per %.0fs);"
+                        " last: %s", n - before, subject, n, self.every, reason[:300])
+
+
+CORE_JUNK = CoreJunk()
+"""The process's count of dropped core-subject junk."""
+
+
+def decode_core(msg_type: type, req, junk: CoreJunk | None = None):
+    """The decoded and validated message of a core delivery ``req`` (a subscription
+    callback's argument), or None when it is junk: counted and dropped, never raised."""
+    try:
+        msg = decode(msg_type, req.data)
+        m.validate(msg)
+        return msg
+    except DecodeError as e:
+        why = f"malformed payload: {e}"
+    except m.Invalid as e:
+        why = f"invalid: {e}"
+    (junk or CORE_JUNK).drop(req.subject, why)
+    return None
 
 
 class ConsumerLoop:
@@ -122,12 +163,17 @@ class ConsumerLoop:
         ctx = dict(actor=self.actor.name, subject=d.subject, seq=d.stream_seq,
                    delivered=d.num_delivered)
         if s.max_deliver > 0 and d.num_delivered > s.max_deliver:
-            await self._dead(d, f"max_deliver ({s.max_deliver}) reached without an outcome")
+            await self._dead(d, f"max_deliver ({s.max_deliver}) reached without an outcome",
+                             kind="exhausted")
             return
         try:
             msg = decode(h.msg_type, d.data)
+            m.validate(msg)
         except DecodeError as e:
             await self._dead(d, f"malformed payload: {e}")
+            return
+        except m.Invalid as e:
+            await self._dead(d, f"invalid: {e}")
             return
         ctx["traj_id"] = getattr(msg, "traj_id", None)
         beat = asyncio.ensure_future(_heartbeat(d, s.heartbeat or max(0.05, s.ack_wait / 3)))
@@ -147,7 +193,8 @@ class ConsumerLoop:
             self.stats.errors += 1
             reason = f"{type(e).__name__}: {e}"
             if s.max_deliver > 0 and d.num_delivered >= s.max_deliver:
-                await self._dead(d, f"failed {d.num_delivered} times; last error {reason}")
+                await self._dead(d, f"failed {d.num_delivered} times; last error {reason}",
+                                 kind="exhausted")
             else:
                 log.warning("handler error %s: %s", ctx, reason, exc_info=log.isEnabledFor(logging.DEBUG))
                 await d.nak(backoff(d.num_delivered))
@@ -159,10 +206,10 @@ class ConsumerLoop:
         finally:
             beat.cancel()
 
-    async def _dead(self, d: Delivery, reason: str) -> None:
+    async def _dead(self, d: Delivery, reason: str, kind: str = "permanent") -> None:
         await dead_letter(self.bus, self.actor, subject=d.subject, payload=d.data, reason=reason,
                           num_delivered=d.num_delivered, stream_seq=d.stream_seq,
-                          headers=d.headers)
+                          headers=d.headers, kind=kind)
         await d.term()
         self.stats.dead += 1
 
@@ -190,8 +237,22 @@ async def _quiet(aw) -> None:
         pass
 
 
+ERROR_KIND_HEADER = "Rollart-Error-Kind"
+"""On an error reply: ``unavailable`` means "this replica cannot take it now, ask another"."""
+
+
+class ServiceUnavailable(Exception):
+    """Raise from a service handler when this replica cannot serve the request now (it is
+    stopping): the requester sends it elsewhere at once instead of counting an error."""
+
+
 class Service:
-    """A request/reply handler subscribed in a queue group."""
+    """A request/reply handler subscribed in a queue group.
+
+    Stopping (drain) answers every request that has not started yet (waiting for a slot)
+    with an ``unavailable`` error, so its requester retries elsewhere at once; requests
+    already running get ``grace`` seconds to finish.
+    """
 
     def __init__(self, bus: Bus, actor: Actor, h: BoundHandler):
         self.bus, self.actor, self.h = bus, actor, h
@@ -199,45 +260,109 @@ class Service:
         self._slots = asyncio.Semaphore(h.settings.max_inflight)
         self._sub = None
         self._inflight: set[asyncio.Task] = set()
+        self._draining = asyncio.Event()
 
     async def bind(self) -> None:
         queue = self.h.settings.queue or f"{self.actor.role}-{self.h.name}"
         self._sub = await self.bus.subscribe(self.h.subject, self._on_request, queue=queue)
 
     async def stop(self, grace: float) -> None:
+        self._draining.set()  # before unsubscribing, which may wait for running handlers
+        end = time.monotonic() + grace
         if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
-        if self._inflight:
-            await asyncio.wait(set(self._inflight), timeout=grace)
+            sub, self._sub = self._sub, None
+            try:  # a bus may wait here for running handlers: within the grace period only
+                await asyncio.wait_for(sub.unsubscribe(), max(0.1, grace))
+            except TimeoutError:
+                log.warning("%s: requests on %s still running after %.1fs of grace",
+                            self.actor.name, self.h.subject, grace)
+        if self._inflight and end > time.monotonic():
+            await asyncio.wait(set(self._inflight), timeout=end - time.monotonic())
 
     async def _on_request(self, req) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._inflight.add(task)
         try:
-            async with self._slots:
-                self.stats.inflight += 1
+            try:
+                msg = decode(self.h.msg_type, req.data)
+                m.validate(msg)
+            except (DecodeError, m.Invalid) as e:
+                why = f"{'invalid' if isinstance(e, m.Invalid) else 'malformed payload'}: {e}"
+                await _respond_error(req, why)  # first: the requester must not wait on the bus
+                self.stats.dead += 1
                 try:
-                    await self._answer(req)
+                    await dead_letter(self.bus, self.actor, subject=req.subject, payload=req.data,
+                                      reason=why, headers=req.headers)
+                except BusError as err:
+                    CORE_JUNK.drop(req.subject, f"{why} (dead letter not stored: {err})")
+                return
+            with self._hold(msg):
+                if not await self._acquire():
+                    self.stats.naked += 1
+                    await self._respond_unavailable(req, f"{self.actor.name} is stopping")
+                    return
+                try:
+                    self.stats.inflight += 1
+                    await self._answer(req, msg)
                 finally:
                     self.stats.inflight -= 1
+                    self._slots.release()
         finally:
             if task is not None:
                 self._inflight.discard(task)
 
-    async def _answer(self, req) -> None:
+    def _hold(self, msg):
+        """List the request in the actor's progress reports from arrival (queued included)
+        to reply: an actor whose ``progress`` reporter is for this subject (see
+        :class:`rollart.actors.service_client.ProgressReporter`)."""
+        import contextlib
+
+        rep = getattr(self.actor, "progress", None)
+        rid = getattr(msg, "request_id", "")
+        if rid and getattr(rep, "service", None) == self.h.settings.subject:
+            return rep.hold(rid)
+        return contextlib.nullcontext()
+
+    async def _acquire(self) -> bool:
+        """A slot, or False once the service is stopping (then no slot is held)."""
+        if self._draining.is_set():
+            return False
+        if not self._slots.locked():
+            await self._slots.acquire()
+            return True
+        slot = asyncio.ensure_future(self._slots.acquire())
+        drain = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({slot, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+            if not slot.done():
+                slot.cancel()
+        got = slot.done() and not slot.cancelled()
+        if got and self._draining.is_set():
+            self._slots.release()
+            return False
+        return got
+
+    @staticmethod
+    async def _respond_unavailable(req, text: str) -> None:
+        if req.reply:
+            try:
+                await req.respond(b"", headers={ERROR_HEADER: text[:2000],
+                                                ERROR_KIND_HEADER: "unavailable"})
+            except BusError as e:
+                log.warning("could not send error reply: %s", e)
+
+    async def _answer(self, req, msg) -> None:
         t0 = time.perf_counter()
         try:
-            msg = decode(self.h.msg_type, req.data)
-        except DecodeError as e:
-            await dead_letter(self.bus, self.actor, subject=req.subject, payload=req.data,
-                              reason=f"malformed payload: {e}", headers=req.headers)
-            self.stats.dead += 1
-            await _respond_error(req, f"malformed payload: {e}")
-            return
-        try:
             reply = await self.h.fn(msg)
+        except ServiceUnavailable as e:
+            self.stats.naked += 1
+            log.info("%s passes on a request on %s: %s", self.actor.name, req.subject, e)
+            await self._respond_unavailable(req, str(e) or f"{self.actor.name} is unavailable")
+            return
         except Exception as e:  # noqa: BLE001 - reported to the requester
             self.stats.errors += 1
             log.warning("%s failed on %s: %s", self.actor.name, req.subject, e)

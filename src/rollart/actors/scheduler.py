@@ -3,8 +3,9 @@
 Groups of ``group_size + redundancy`` trajectories share a task seed. A group is
 delivered by its first ``group_size`` completions; the rest are cancelled (a command
 that EnvManagers honour; they report ``rollout.cancelled``). Admission never lets
-more than ``(v + alpha + 1) * batch_groups`` groups in, where ``v`` is the policy
-version in KV (DESIGN.md §4). In ``batch`` mode groups are admitted in waves of
+more than ``(v + alpha + 1) * batch_groups`` live groups in, where ``v`` is the policy
+version in KV and a group stops being live when the trainer's ledger counts it lost
+(failed or dropped): its headroom goes to a fresh group (see :mod:`rollart.actors.ledger`). In ``batch`` mode groups are admitted in waves of
 ``batch_groups`` whose trajectories advance in lock step, and a wave starts only
 when the previous one is done.
 """
@@ -19,17 +20,11 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.base import Actor, consume
+from rollart.actors.ledger import admissible, watch_summary
 from rollart.actors.policy import watch_policy
 from rollart.bus.codec import encode
 
 log = logging.getLogger(__name__)
-
-
-def admissible(groups_admitted: int, version: int, alpha: int | None, batch_groups: int) -> bool:
-    """May one more group be admitted? (the α bound of DESIGN.md §4, counted in groups)"""
-    if alpha is None:
-        return True
-    return groups_admitted + 1 <= (version + alpha + 1) * batch_groups
 
 
 @dataclass
@@ -67,6 +62,9 @@ class RolloutScheduler(Actor):
     prefix: str = "g"
     seed_offset: int = 0
     """Added to task seeds (evaluation uses held-out seeds)."""
+    min_policy: int = 0
+    """Unbounded (evaluation) admission only: the oldest policy version any turn may use
+    (the final evaluation of version v sets v, so a replica that has not loaded it yet waits)."""
     resume: bool = False
     """Continue the admission count stored in KV by an earlier process of this run."""
     keep_results: bool = False
@@ -82,6 +80,12 @@ class RolloutScheduler(Actor):
 
     async def setup(self) -> None:
         self.version = 0
+        self.lost = 0
+        """Groups the trainer's ledger counts lost (failed or dropped)."""
+        self.failed_groups = 0
+        self.failed_streak = 0
+        self.failure: str | None = None
+        """Set when a fixed-size rollout stopped because every recent group failed."""
         self.admitted = 0
         self.groups_done = 0
         self.groups_settled = 0
@@ -104,6 +108,9 @@ class RolloutScheduler(Actor):
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._watch_version())
+            if self.bounded:
+                tg.create_task(self._watch_ledger())
+                tg.create_task(self._watch_run_end())
             await self._admit_loop()
 
     async def _watch_version(self) -> None:
@@ -112,12 +119,33 @@ class RolloutScheduler(Actor):
                 self.version = max(self.version, pub.version)
                 self.changed.notify_all()
 
+    async def _watch_ledger(self) -> None:
+        async for summary in watch_summary(self.bus, self.run):
+            async with self.changed:
+                if summary.lost > self.lost:
+                    log.info("%s: %d group(s) lost so far; their headroom goes to fresh groups",
+                             self.name, summary.lost)
+                self.lost = max(self.lost, summary.lost)
+                self.changed.notify_all()
+
+    async def _watch_run_end(self) -> None:
+        """Training is over (the trainer's last step, or its circuit breaker): admit nothing more."""
+        from rollart.actors.run_end import wait_run_end
+
+        rec = await wait_run_end(self.bus, self.run, stages=("trained", "ended"))
+        async with self.changed:
+            if self.total_groups is None or self.total_groups > self.admitted:
+                log.info("%s: training ended at v%d; no more groups after %d", self.name,
+                         rec.version, self.admitted)
+                self.total_groups = self.admitted
+            self.changed.notify_all()
+
     def _min_version(self) -> int:
         """Oldest policy the trajectory's turns may use. With ``stale: wait`` it is the
         version at admission, so that the trainer, taking groups in admission order, never
         sees a group older than its bound; otherwise ``v - alpha``."""
         if not self.bounded:
-            return 0
+            return self.min_policy
         if self.rollout.stale == "wait":
             return self.version
         return max(0, self.version - self.rollout.alpha)
@@ -126,22 +154,25 @@ class RolloutScheduler(Actor):
         r = self.rollout
         if self.total_groups is not None and self.admitted >= self.total_groups:
             return False
-        if not admissible(self.admitted, self.version, r.alpha if self.bounded else None,
-                          r.batch_groups):
+        if not admissible(self.admitted, self.lost, self.version,
+                          r.alpha if self.bounded else None, r.batch_groups):
             return False
         if r.mode == "batch" and self.admitted % r.batch_groups == 0:
             return self.groups_done >= self.admitted  # a new wave waits for the last one
         return True
 
+    def _settled(self) -> bool:
+        return (self.total_groups is not None and self.admitted >= self.total_groups
+                and self.groups_settled >= self.admitted)
+
     async def _admit_loop(self) -> None:
-        while self.total_groups is None or self.admitted < self.total_groups:
+        while True:  # a fixed-size rollout may grow while it settles (replaced groups)
             async with self.changed:
-                await self.changed.wait_for(self._may_admit)
+                await self.changed.wait_for(lambda: self._may_admit() or self._settled())
+                if self._settled():
+                    break
             await self._admit_group(self.admitted)
-        if self.total_groups is not None:
-            async with self.changed:
-                await self.changed.wait_for(lambda: self.groups_settled >= self.total_groups)
-            self.all_done.set()
+        self.all_done.set()
 
     async def _admit_group(self, g: int) -> None:
         r = self.rollout
@@ -165,14 +196,27 @@ class RolloutScheduler(Actor):
                 group_index=g,
                 eval=self.eval, greedy=self.greedy, created_at=time.time(),
                 wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
-            await self.publish("rollout.requested", req, msg_id=f"req:{self.run}:{tid}")
-        await self.kv.put(self._kv_key, str(self.admitted).encode())
+            await self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{tid}")
+        await self._put_admitted()
+
+    async def _put_admitted(self) -> None:
+        from rollart.bus import BusError
+
+        for attempt in range(1, 8):
+            try:
+                await self.kv.put(self._kv_key, str(self.admitted).encode())
+                return
+            except BusError as e:
+                log.warning("%s: storing the admission count failed (%s); retry %d",
+                            self.name, e, attempt)
+                await asyncio.sleep(0.1 * 2 ** attempt)
+        log.error("%s: admission count not stored; a resume may re-admit a few groups", self.name)
 
     # -- outcomes ------------------------------------------------------------------
     async def _record(self, traj_id: str, group_id: str, outcome: str) -> None:
         g = self.groups.get(group_id)
-        if g is None or traj_id in self.outcome_of:
-            return
+        if g is None or traj_id not in g.members or traj_id in self.outcome_of:
+            return  # not a trajectory this scheduler admitted, or already counted
         self.outcome_of[traj_id] = outcome
         was_done = g.done
         if outcome == "completed" and len(g.completed) >= g.need:
@@ -182,19 +226,51 @@ class RolloutScheduler(Actor):
             g.done_at = time.monotonic()
             pending = [t for t in g.members if t not in self.outcome_of]
             if pending:
-                await self.bus.publish_core(self.subject("rollout.cancel"), encode(
-                    m.CancelGroup(group_id=group_id, keep=list(g.completed))))
+                await self._send_cancel(m.CancelGroup(group_id=group_id, keep=list(g.completed)))
             async with self.changed:
                 self.groups_done += 1
                 self.changed.notify_all()
         if g.outcomes == len(g.members):
             async with self.changed:
                 self.groups_settled += 1
+                if len(g.completed) < min(2, g.need):
+                    self._group_failed(group_id)
+                elif g.completed:
+                    self.failed_streak = 0
                 self.changed.notify_all()
+
+    def _group_failed(self, group_id: str) -> None:
+        """A fixed-size rollout replaces a failed group (``rollout.on_failed_group``) and
+        stops when ``fail_after_groups`` fail in a row; training leaves it to the ledger."""
+        self.failed_groups += 1
+        self.failed_streak += 1
+        if self.total_groups is None:
+            return
+        r = self.rollout
+        limit = r.fail_after_groups if r.fail_after_groups is not None else 2 * r.batch_groups
+        if limit and self.failed_streak >= limit:
+            self.failure = (f"the last {self.failed_streak} groups all failed "
+                            f"(rollout.fail_after_groups = {limit}); last: {group_id}")
+            log.error("%s: %s", self.name, self.failure)
+            self.total_groups = self.admitted  # admit nothing more; settle and stop
+        elif r.on_failed_group == "replace" and not self.bounded and r.mode != "batch":
+            self.total_groups += 1
+
+    async def _send_cancel(self, cmd: m.CancelGroup) -> None:
+        """Best effort (redundant members that are not cancelled just finish): a bus error
+        is logged, never raised, since the outcome that triggered it is already recorded."""
+        from rollart.bus import BusError
+
+        try:
+            await self.bus.publish_core(self.subject("rollout.cancel"), encode(cmd))
+        except BusError as e:
+            log.warning("%s: cancel of %s not sent: %s", self.name, cmd.group_id, e)
 
     @consume("rollout.completed", max_inflight=64)
     async def on_completed(self, msg: m.RolloutCompleted, delivery) -> None:
-        if self.keep_results and msg.group_id in self.groups and msg.traj_id not in self.outcome_of:
+        g = self.groups.get(msg.group_id)
+        if self.keep_results and g is not None and msg.traj_id in g.members \
+                and msg.traj_id not in self.outcome_of:
             self.results.append(msg)
         await self._record(msg.traj_id, msg.group_id, "completed")
 

@@ -14,66 +14,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, Retry, consume
-from rollart.actors.policy import set_policy, sha256_digest
+from rollart.actors.base import Actor, Reject, Retry, consume
+from rollart.actors.ledger import Group, GroupLedger
+from rollart.actors.policy import set_policy
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Group:
-    index: int
-    members: list[tuple[m.RolloutCompleted, asyncio.Future]] = field(default_factory=list)
-    dead: int = 0
-
-    @property
-    def min_version(self) -> int:
-        return min(t.min_version for t, _ in self.members)
-
-
-def select_batch(groups: dict[int, Group], *, next_index: int, version: int, alpha: int,
-                 stale: str, batch_groups: int, need: int, size: int
-                 ) -> tuple[list[Group], list[Group], list[Group]]:
-    """Pick the groups of the next step: ``(batch, stale, failed)``; batch is empty if not ready.
-
-    ``need`` completions make a group ready; a group that settled (``size`` outcomes) with
-    fewer than two completions is ``failed``. Under ``wait`` groups are taken strictly in
-    admission order from ``next_index``; otherwise the oldest ready in-bound groups.
-    """
-    def ready(g: Group) -> bool:
-        return len(g.members) >= need or len(g.members) + g.dead >= size
-
-    failed = [g for g in groups.values() if ready(g) and len(g.members) < min(2, need)]
-    live = {i: g for i, g in groups.items() if g not in failed}
-    stale_groups: list[Group] = []
-    if stale == "wait":
-        batch, i = [], next_index
-        while len(batch) < batch_groups:
-            g = live.get(i)
-            if g is None:
-                if any(f.index == i for f in failed):
-                    i += 1
-                    continue
-                return [], [], failed
-            if not ready(g):
-                return [], [], failed
-            batch.append(g)
-            i += 1
-        return batch, [], failed
-    in_bound = []
-    for i in sorted(live):
-        g = live[i]
-        if not ready(g):
-            continue
-        (in_bound if g.min_version >= version - alpha else stale_groups).append(g)
-    if len(in_bound) < batch_groups:
-        return [], stale_groups, failed
-    return in_bound[:batch_groups], stale_groups, failed
+class RunFailed(RuntimeError):
+    """The circuit breaker stopped the run: failures are systematic, not transient."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -90,12 +45,12 @@ class Trainer(Actor):
 
     @classmethod
     def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "Trainer":
+        from rollart.config.schema import trainer_buffer  # RunConfig checks checkpoint_every against it
         from rollart.engines.provision import model_dir
 
-        r = run_cfg.rollout
-        buf = max(256, 4 * (r.alpha + 2) * r.batch_groups * (r.group_size + r.redundancy))
-        settings = {"on_completed": {"max_inflight": buf, "max_ack_pending": 2 * buf},
-                    "on_dead": {}}
+        buf = trainer_buffer(run_cfg.rollout)
+        held = {"max_inflight": buf, "max_ack_pending": 2 * buf}
+        settings = {"on_completed": dict(held), "on_dead": dict(held), "on_cancelled": dict(held)}
         for h, hc in actor_cfg.handlers.items():
             settings.setdefault(h, {}).update(hc.overrides())
         return cls(run=run_cfg.run, pool=pool, settings=settings, cfg=run_cfg,
@@ -106,28 +61,47 @@ class Trainer(Actor):
     async def setup(self) -> None:
         from rollart.engines.torch_trainer import TorchTrainBackend
 
-        t = self.cfg.trainer
+        t, r = self.cfg.trainer, self.cfg.rollout
         self.backend = await asyncio.to_thread(
             TorchTrainBackend, self.model_dir, lr=t.lr, weight_decay=t.weight_decay,
             grad_clip=t.grad_clip, warmup_steps=t.warmup_steps, total_steps=t.steps,
             schedule=t.schedule, threads=self.cfg.model.threads, seed=t.seed,
             micro_batch_tokens=t.micro_batch_tokens)
-        self.groups: dict[int, Group] = {}
-        self.closed: set[int] = set()
-        """Groups already trained on or released."""
-        self.trained: set[str] = set()
-        self.next_index = 0
-        self.counts = dict.fromkeys(("extra", "stale_dropped", "stale_restarted",
-                                     "groups_failed", "duplicates", "late", "eval_skipped"), 0)
+        breaker = r.fail_after_groups if r.fail_after_groups is not None else 2 * r.batch_groups
+        self.ledger = GroupLedger(group_size=r.group_size, redundancy=r.redundancy,
+                                  batch_groups=r.batch_groups, alpha=r.alpha, stale=r.stale,
+                                  breaker=breaker)
+        self.counts = {"eval_skipped": 0}
         self.unacked: list[asyncio.Future] = []
         self.changed = asyncio.Condition()
         self.finished = asyncio.Event()
-        self.history: list[dict] = []
+        """Set when the trainer is done: its steps taken, or stopped by :attr:`failure`."""
+        self.failure: str | None = None
+        self.waiting = ""
+        self.history: deque[dict] = deque(maxlen=64)
+        """The latest steps' metrics (the whole record is ``metrics.jsonl``)."""
+        self.wall_s = 0.0
+        """Training wall time before this process (a resumed run continues the clock)."""
+        self.nodes: dict[str, m.NodeHeartbeat] = {}
         self.path = Path(self.run_path)
         (self.path / "weights").mkdir(parents=True, exist_ok=True)
         (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
         if self.resume:
             await asyncio.to_thread(self._load_checkpoint)
+        self._hb_sub = await self.bus.subscribe(self.subject("node.heartbeat"), self._on_heartbeat)
+
+    async def teardown(self) -> None:
+        await self._hb_sub.unsubscribe()
+
+    async def _on_heartbeat(self, req) -> None:
+        from rollart.actors.runtime import decode_core
+
+        hb = decode_core(m.NodeHeartbeat, req)
+        if hb is None:  # junk on a core subject: counted and dropped
+            return
+        self.nodes[hb.node_id] = hb
+        if len(self.nodes) > 1024:  # forget the longest silent
+            del self.nodes[min(self.nodes, key=lambda k: self.nodes[k].ts)]
 
     @property
     def version(self) -> int:
@@ -139,109 +113,221 @@ class Trainer(Actor):
         p = self.path / "checkpoints" / "latest.pt"
         if not p.exists():
             log.warning("no checkpoint at %s: starting from scratch", p)
+            self._rewrite_metrics()  # rows of steps no checkpoint holds are trained again
             return
         state = torch.load(p, weights_only=False)
         self.backend.load_checkpoint_state(state["backend"])
-        self.trained = set(state["trained"])
-        self.next_index = state["next_index"]
-        self.counts.update(state["counts"])
-        self.history = list(state.get("history", []))
+        if "ledger" in state:
+            self.ledger.load(state["ledger"])
+        elif "next_index" in state:  # a checkpoint from before the ledger: groups below are done
+            self.ledger.load({"closed": {"low": state["next_index"]}, "next_index": state["next_index"],
+                              "lost": 0, "trained": state["next_index"], "streak": 0})
+        self.counts.update(state.get("counts", {}))
+        self.wall_s = state.get("wall_s", (state.get("history") or [{}])[-1].get("wall_s", 0.0))
         self._rewrite_metrics()
-        log.info("resumed at version %d with %d trained trajectories", self.version, len(self.trained))
+        log.info("resumed at version %d with %d trained groups", self.version, self.ledger.trained)
 
     def _save_checkpoint(self) -> None:
         import torch
 
         p = self.path / "checkpoints" / "latest.pt"
         tmp = p.with_suffix(".tmp")
-        torch.save({"backend": self.backend.state_dict_for_checkpoint(), "trained": sorted(self.trained),
-                    "next_index": self.next_index, "counts": dict(self.counts),
-                    "history": self.history}, tmp)
+        torch.save({"backend": self.backend.state_dict_for_checkpoint(),
+                    "ledger": self.ledger.state(), "counts": dict(self.counts),
+                    "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s}, tmp)
         tmp.replace(p)
 
     # -- input -------------------------------------------------------------------
+    async def _hold(self, fut: asyncio.Future) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+        await fut  # resolved once a checkpoint covers the group's fate (or handed back)
+
     @consume("rollout.completed", durable="trainer", ack_wait=30.0, max_deliver=-1)
     async def on_completed(self, msg: m.RolloutCompleted, delivery) -> None:
-        if self.finished.is_set():  # keep it for a later run that trains further
-            raise Retry(30.0, "trainer finished its steps")
         if msg.eval or msg.group_index < 0:
             self.counts["eval_skipped"] += 1
             return
-        if msg.traj_id in self.trained or msg.group_index in self.closed or \
-                (self.cfg.rollout.stale == "wait" and msg.group_index < self.next_index):
-            self.counts["late" if msg.traj_id not in self.trained else "duplicates"] += 1
-            return
-        g = self.groups.setdefault(msg.group_index, Group(msg.group_index))
-        if any(t.traj_id == msg.traj_id for t, _ in g.members):
-            self.counts["duplicates"] += 1  # redelivered while still buffered
-            return
-        if len(g.members) >= self.cfg.rollout.group_size:
-            self.counts["extra"] += 1
-            return
+        if self.finished.is_set():  # keep it for a later run that trains further
+            raise Retry(30.0, "trainer finished its steps")
         fut = asyncio.get_running_loop().create_future()
-        g.members.append((msg, fut))
-        async with self.changed:
-            self.changed.notify_all()
-        await fut  # resolved once trained and checkpointed (or dropped)
+        if self.ledger.add_completed(msg, fut) is None:
+            await self._hold(fut)
 
     @consume("dead", durable="trainer-dead", max_deliver=-1)
     async def on_dead(self, msg: m.DeadLetter, delivery) -> None:
         req = m.dead_request(msg)
-        if req is None:
+        if req is None or req.eval or req.group_index < 0:
             return
-        if req.group_index >= self.next_index and req.group_index not in self.closed and not req.eval:
-            self.groups.setdefault(req.group_index, Group(req.group_index)).dead += 1
-            async with self.changed:
-                self.changed.notify_all()
+        if self.finished.is_set():
+            raise Retry(30.0, "trainer finished its steps")
+        fut = asyncio.get_running_loop().create_future()
+        if self.ledger.add_dead(req.traj_id, req.group_index, msg.reason, fut):
+            await self._hold(fut)
+
+    @consume("rollout.cancelled", durable="trainer-cancelled", max_deliver=-1)
+    async def on_cancelled(self, msg: m.RolloutCancelled, delivery) -> None:
+        if msg.group_index < 0:
+            return
+        if self.finished.is_set():
+            raise Retry(30.0, "trainer finished its steps")
+        fut = asyncio.get_running_loop().create_future()
+        if self.ledger.add_cancelled(msg.traj_id, msg.group_index, fut):
+            await self._hold(fut)
+
+    # Only the trainer announces policy versions (DESIGN.md §5b); nothing else consumes these
+    # durably, so the trainer checks them: the runtime dead-letters what does not decode or
+    # validate, and these handlers what no trainer of this run can have produced.
+    @consume("policy.published", max_inflight=4)
+    async def on_policy_published(self, msg: m.PolicyPublished, delivery) -> None:
+        self._check_policy_version("policy.published", msg.version)
+
+    @consume("policy.loaded", max_inflight=4)
+    async def on_policy_loaded(self, msg: m.PolicyLoaded, delivery) -> None:
+        self._check_policy_version("policy.loaded", msg.version)
+
+    def _check_policy_version(self, what: str, version: int) -> None:
+        steps = self.cfg.trainer.steps
+        if version > steps:
+            raise Reject(f"invalid: {what} v{version} is beyond any version of this run "
+                         f"(trainer.steps = {steps})")
 
     # -- the loop ----------------------------------------------------------------
     async def main(self) -> None:
+        try:
+            await self._train()
+        finally:
+            self._finish()
+
+    async def _train(self) -> None:
+        if self.version >= self.cfg.trainer.steps:
+            log.info("%s: version %d already reached trainer.steps = %d", self.name, self.version,
+                     self.cfg.trainer.steps)
+            return
+        self.started_at = time.time() - self.wall_s  # for `rollart top`: step, ETA, totals
         if self.version > 0:
             await self._publish()  # a resumed run re-announces its weights
-        t_start = time.perf_counter() - (self.history[-1]["wall_s"] if self.history else 0.0)
+        await self._publish_ledger()
+        t_start = time.perf_counter() - self.wall_s
         while self.version < self.cfg.trainer.steps:
             t0 = time.perf_counter()
             batch = await self._next_batch()
+            if batch is None:
+                return
             metrics = await self._step(batch, wait_s=time.perf_counter() - t0, t_start=t_start)
             if self.on_step is not None:
                 self.on_step(metrics)
-        for fut in self.unacked:
-            fut.done() or fut.set_result(None)
-        self.finished.set()
-        for g in list(self.groups.values()):  # buffered, never trained: back to the stream
-            for _, fut in g.members:
-                fut.done() or fut.set_exception(Retry(30.0, "trainer finished its steps"))
-        self.groups.clear()
 
-    async def _next_batch(self) -> list[Group]:
+    def _finish(self) -> None:
+        self.finished.set()
+        self.draining()
+
+    def draining(self) -> None:
+        """Hand back what no checkpoint holds (redelivered to a later run: buffered groups,
+        steps after the last checkpoint); the last checkpoint already acked the rest."""
+        for fut in self.unacked:
+            fut.done() or fut.set_exception(Retry(30.0, "trainer stopped before a checkpoint"))
+        self.unacked = []
+        for g in list(self.ledger.open.values()):
+            for fut in g.futures():
+                fut.done() or fut.set_exception(Retry(30.0, "trainer stopped"))
+        self.ledger.open.clear()
+
+    async def _next_batch(self) -> list[Group] | None:
+        """The next step's groups, or None when the circuit breaker stopped the run."""
         r = self.cfg.rollout
+        t0 = time.monotonic()
+        next_report = t0 + self.cfg.trainer.stall_after
         async with self.changed:
             while True:
-                batch, stale, failed = select_batch(
-                    self.groups, next_index=self.next_index, version=self.version, alpha=r.alpha,
-                    stale=r.stale, batch_groups=r.batch_groups, need=r.group_size,
-                    size=r.group_size + r.redundancy)
-                for g in failed:
-                    self._release(g)
-                    self.counts["groups_failed"] += 1
-                for g in stale:
-                    self._release(g)
-                    await self._restart(g) if r.stale == "restart" else None
-                    self.counts["stale_restarted" if r.stale == "restart" else "stale_dropped"] += 1
-                if batch:
-                    for g in batch:
-                        del self.groups[g.index]
-                        self.closed.add(g.index)
-                    if r.stale == "wait":
-                        self.next_index = batch[-1].index + 1
-                    return batch
-                await self.changed.wait()
+                sel = self.ledger.select(self.version)
+                changed = bool(sel.failed or sel.stale)
+                for g in sel.failed:
+                    self.unacked += self.ledger.close(g, "failed")
+                    log.warning("group %d failed: %s", g.index,
+                                "; ".join(sorted({x for _, x in g.dead})) or "every member cancelled")
+                for g in sel.stale:
+                    self.unacked += self.ledger.close(g, "restarted" if r.stale == "restart" else "dropped")
+                    if r.stale == "restart":
+                        await self._restart(g)
+                if changed:
+                    await self._publish_ledger()
+                reason = self.ledger.tripped()
+                if reason:
+                    await self._stop_run(reason)
+                    return None
+                if sel.batch:
+                    for g in sel.batch:
+                        self.unacked += self.ledger.close(g, "trained")
+                    if self.waiting:
+                        log.info("trainer: no longer waiting after %.0fs", time.monotonic() - t0)
+                        self.waiting = ""
+                    return sel.batch
+                left = next_report - time.monotonic()
+                if left <= 0:
+                    await self._report_wait(time.monotonic() - t0)
+                    next_report = time.monotonic() + max(60.0, self.cfg.trainer.stall_after)
+                    continue
+                try:
+                    await asyncio.wait_for(self.changed.wait(), left)
+                except TimeoutError:
+                    pass
 
-    def _release(self, g: Group) -> None:
-        self.groups.pop(g.index, None)
-        self.closed.add(g.index)
-        for _, fut in g.members:
+    async def _stop_run(self, reason: str) -> None:
+        self.failure = reason
+        await asyncio.to_thread(self._save_checkpoint)  # the ledger knows the failed groups
+        for fut in self.unacked:
             fut.done() or fut.set_result(None)
+        self.unacked = []
+        kinds = ", ".join(f"{k}: {n}" for k, n in self.ledger.failure_kinds.most_common())
+        log.error("run stopped: %s (dead letters by kind: %s)", reason, kinds or "none")
+        await self._publish_ledger(stopped=reason)
+
+    async def _report_wait(self, waited: float) -> None:
+        """Say what the trainer waits for: groups, queued work, pools without a live node."""
+        parts = [f"trainer waited {waited:.0f}s: {self.ledger.describe_wait(self.version)}"]
+        try:
+            info = await self.bus.stream_info(m.stream_name(self.run, "work"))
+            parts.append(f"work queue holds {info.get('messages', '?')} requests")
+        except Exception as e:  # noqa: BLE001 - a report must not stop training
+            parts.append(f"work queue unknown ({type(e).__name__})")
+        horizon = 3 * max(1.0, self.cfg.node.heartbeat_every)
+        alive = [hb for hb in self.nodes.values() if time.time() - hb.ts < horizon]
+        missing = [role for role in ("env", "generate") if not any(role in hb.roles for hb in alive)]
+        if self.nodes:
+            parts.append("live nodes: " + (", ".join(
+                f"{hb.pool}[{','.join(hb.roles)}]" for hb in alive) or "none"))
+            if missing:
+                parts.append("no live node serves " + " or ".join(missing))
+        self.waiting = "; ".join(parts)
+        log.warning("%s", self.waiting)
+        await self._publish_ledger(waiting=self.waiting)
+
+    async def _publish_ledger(self, **extra: Any) -> None:
+        """The ledger summary in KV (admission frees lost groups' headroom from it), with the
+        run's progress (`rollart top`); once the steps are taken or the circuit breaker
+        stopped the run, the end of training (:mod:`rollart.actors.run_end`)."""
+        from rollart.actors.ledger import put_summary
+        from rollart.actors.run_end import put_run_end
+
+        hist = list(self.history)[-10:]
+        step_s = last_s = 0.0
+        if hist:
+            last_s = hist[-1]["wall_s"] - (hist[-2]["wall_s"] if len(hist) > 1 else self.wall_s)
+            n = hist[-1]["step"] - (hist[0]["step"] if len(hist) > 1 else self.version - 1)
+            span = hist[-1]["wall_s"] - (hist[0]["wall_s"] if len(hist) > 1 else self.wall_s)
+            step_s = span / max(1, n)
+        steps = self.cfg.trainer.steps
+        await put_summary(self.bus, self.run, self.ledger.summary(
+            version=self.version, steps_total=steps, started_at=getattr(self, "started_at", 0.0),
+            last_step_s=max(0.0, last_s), step_s=max(0.0, step_s),
+            trajectories=self.ledger.trained * self.cfg.rollout.group_size,
+            dead=sum(self.ledger.failure_kinds.values()), **extra))
+        stopped = extra.get("stopped", "")
+        if (stopped or self.version >= steps) and not getattr(self, "_end_published", False):
+            self._end_published = True
+            await put_run_end(self.bus, self.run, m.RunEnd(
+                stage="trained", version=self.version, steps=steps, stopped=stopped, ts=time.time()))
 
     async def _restart(self, g: Group) -> None:
         """Roll a stale group's task out again under a fresh group index."""
@@ -250,7 +336,7 @@ class Trainer(Actor):
         idx = 10**9 + g.index * 100 + t.attempt
         gid = f"{t.group_id}-r{t.attempt}"
         for i in range(n):
-            await self.publish("rollout.requested", m.RolloutRequested(
+            await self.publish_patiently("rollout.requested", m.RolloutRequested(
                 traj_id=f"{gid}-{i}", group_id=gid, env=t.env, seed=t.seed, index_in_group=i,
                 admitted_version=self.version, min_version=self.version, group_index=idx,
                 created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}")
@@ -258,19 +344,20 @@ class Trainer(Actor):
     async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict:
         from rollart.actors.train_batch import build_samples, loss_config, trajectory_stats
 
-        trajs = [t for g in batch for t, _ in g.members[: self.cfg.rollout.group_size]]
+        k = self.cfg.rollout.group_size
+        trajs = [t for g in batch for t, _ in g.members[:k]]
         v = self.version
-        samples = build_samples(trajs, [g.index for g in batch for _ in g.members[: self.cfg.rollout.group_size]],
+        samples = build_samples(trajs, [g.index for g in batch for _ in g.members[:k]],
                                 self.cfg.trainer.advantage)
         t0 = time.perf_counter()
         tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))
         train_s = time.perf_counter() - t0
-        for t in trajs:
-            self.trained.add(t.traj_id)
+        counts = {**self.ledger.counts, **self.counts}
         out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
                **trajectory_stats(trajs, v),
                **{k: float(x) for k, x in tm.items() if isinstance(x, (int, float))},
-               **{f"count_{k}": x for k, x in self.counts.items()},
+               **{f"count_{k}": x for k, x in counts.items()},
+               "groups_lost": self.ledger.lost,
                "traj_ids": [t.traj_id for t in trajs],
                "traj_min_versions": [t.min_version for t in trajs]}
         t1 = time.perf_counter()
@@ -278,12 +365,13 @@ class Trainer(Actor):
         self.history.append(out)
         checkpointed = (self.version % self.cfg.trainer.checkpoint_every == 0
                         or self.version >= self.cfg.trainer.steps)
-        if checkpointed:  # the checkpoint holds the metrics, so the record matches the model
+        # the record first: a resume keeps exactly the rows of the steps its checkpoint holds
+        await asyncio.to_thread(self._write_metrics, out)
+        if checkpointed:
             await asyncio.to_thread(self._save_checkpoint)
-        self._write_metrics(out)
         await self._publish()
+        await self._publish_ledger()
         out["publish_s"] = time.perf_counter() - t1
-        self.unacked += [f for g in batch for _, f in g.members]
         if checkpointed:
             for fut in self.unacked:
                 fut.done() or fut.set_result(None)
@@ -291,29 +379,97 @@ class Trainer(Actor):
         return out
 
     async def _publish(self) -> None:
+        """Announce the current weights: ``policy.published`` and KV ``policy.version``.
+
+        Weights by content (DESIGN.md §5): the digest names the tensors, and a version's
+        file is written once, never rewritten. A resume announces the existing file again
+        (same content digest, so a replica that loaded it before keeps it). A file that holds
+        other tensors than the model is left alone and the model goes to a new file name.
+        """
+        from rollart.actors.policy import content_digest, file_content_digest
+        from rollart.bus import BusError
+
         v = self.version
         t = self.cfg.trainer
-        path = self.path / "weights" / f"v{v:06d}.safetensors"
-        digest = await asyncio.to_thread(self.backend.save_weights, path)
+        wdir = self.path / "weights"
+
+        def existing(p: Path) -> str | None:
+            try:
+                return file_content_digest(p) if p.exists() else None
+            except (OSError, ValueError) as e:  # torn or foreign: never overwrite it either
+                return f"unreadable ({e})"
+
+        path = wdir / f"v{v:06d}.safetensors"
+        digest = await asyncio.to_thread(existing, path)
+        if digest is not None:
+            current = await asyncio.to_thread(self.backend.weights_digest)
+            n = 0
+            while digest is not None and digest != current:
+                retrained = v % max(1, t.checkpoint_every) != 0 and v < t.steps
+                (log.warning if retrained and n == 0 else log.error)(
+                    "%s: %s holds other tensors (%s) than version %d of the model (%s)%s; "
+                    "it is left as it is and the model is published under a new name",
+                    self.name, path.name, digest, v, current,
+                    ": this version was trained again after a resume from an earlier checkpoint"
+                    if retrained else "")
+                n += 1
+                path = wdir / f"v{v:06d}-{current.rsplit(':', 1)[-1][:16]}" \
+                              f"{'' if n == 1 else f'-{n}'}.safetensors"
+                digest = await asyncio.to_thread(existing, path)
+        reused = digest is not None
+        if reused:
+            log.info("%s: announcing the existing %s again (%s)", self.name, path.name, digest)
+        else:
+            digest = await asyncio.to_thread(self.backend.save_weights, path)
         uri = path.resolve().as_uri()
         if t.weights == "object":
-            data = path.read_bytes()
+            name = path.name.removesuffix(".safetensors")
             store = await self.bus.object_store(m.object_bucket(self.run))
-            await store.put(f"v{v:06d}", data)
-            uri, digest = f"obj://{m.object_bucket(self.run)}/v{v:06d}", sha256_digest(data)
+            same = False
+            if reused:  # put only what the store does not hold yet: no rewrite under a reader
+                try:
+                    same = await asyncio.to_thread(content_digest, await store.get(name)) == digest
+                except (KeyError, ValueError):
+                    same = False
+            if not same:
+                await store.put(name, await asyncio.to_thread(path.read_bytes))
+            uri = f"obj://{m.object_bucket(self.run)}/{name}"
         pub = m.PolicyPublished(version=v, uri=uri, digest=digest, created_at=time.time())
-        await self.publish("policy.published", pub, msg_id=f"policy:{self.run}:{v}:{digest[7:23]}")
-        await set_policy(self.bus, self.run, pub)
-        for old in sorted((self.path / "weights").glob("v*.safetensors"))[: -max(1, t.keep_weights)]:
-            old.unlink(missing_ok=True)
+        await self.publish_patiently("policy.published", pub,
+                                     msg_id=f"policy:{self.run}:{v}:{digest.rsplit(':', 1)[-1][:16]}")
+        for attempt in range(1, 1000):
+            try:
+                await set_policy(self.bus, self.run, pub)
+                break
+            except BusError as e:
+                if attempt >= 60:
+                    raise
+                if attempt == 1:
+                    log.warning("%s: setting policy v%d failed (%s); retrying", self.name, v, e)
+                await asyncio.sleep(min(5.0, 0.1 * 2 ** attempt))
+        keep = max(1, t.keep_weights)
+        for old in wdir.glob("v*.safetensors"):  # by version, never what was just announced
+            ver = old.name[1:7]
+            if old != path and ver.isdigit() and int(ver) <= v - keep:
+                old.unlink(missing_ok=True)
 
     def _rewrite_metrics(self) -> None:
-        """After a resume: the record is what the checkpoint holds, nothing after it."""
+        """After a resume: the record is the steps the checkpoint holds, nothing after."""
         import json
 
         p = self.path / "metrics.jsonl"
+        if not p.exists():
+            return
+        keep = []
+        for line in p.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut by the kill
+                continue
+            if row.get("step", 0) <= self.version:
+                keep.append(line + "\n")
         tmp = p.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        tmp.write_text("".join(keep))
         tmp.replace(p)
 
     def _write_metrics(self, metrics: dict) -> None:

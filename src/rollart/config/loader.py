@@ -97,6 +97,15 @@ def _explain(msg: str, root: type, prefix: str = "") -> str:
         allowed = _literal_values(root, path)
         if allowed:
             text += f"; allowed: {', '.join(map(repr, allowed))}"
+    # a Struct's own check (__post_init__) names its key: either in full ("rollout.alpha must
+    # be ...") or, in a Struct that sits under a user-chosen name (envs.<name>), relative to it
+    # ("max_turns must be ..."), which gets the path in front here
+    head = re.match(r"[a-z_][a-z0-9_]*", text)
+    where = _resolve(root, path)
+    if head and _is_struct(where) and head.group(0) in where.__struct_fields__:
+        return f"{key}.{text}" if (path or prefix) else text
+    if text.startswith(key + "."):
+        return text
     return f"{key}: {text}"
 
 

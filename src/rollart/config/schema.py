@@ -2,13 +2,48 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any, Literal
 
 import msgspec
 
+from rollart.messages import check_token
+
 
 class Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     pass
+
+
+def _in_range(struct: Any, prefix: str, names: str, *, ge: float | None = None,
+              gt: float | None = None, le: float | None = None, lt: float | None = None) -> None:
+    """Raise ``ValueError("<prefix><name> must be <range> (it is <value>)")`` unless every
+    field in ``names`` (space-separated; ``None`` means unset and passes) is a finite number
+    in the range. ``prefix`` is the section's key (``trainer.``), or empty in Structs that sit
+    under a name chosen by the user (``envs.<name>``): the loader then puts the path in front."""
+    lo = f">= {ge:g}" if ge is not None else f"> {gt:g}" if gt is not None else ""
+    hi = f"<= {le:g}" if le is not None else f"< {lt:g}" if lt is not None else ""
+    if lo and hi:
+        allowed = f"in {'[' if ge is not None else '('}{ge if ge is not None else gt:g}, " \
+                  f"{le if le is not None else lt:g}{']' if le is not None else ')'}"
+    else:
+        allowed = lo or hi or "a finite number"
+    for name in names.split():
+        v = getattr(struct, name)
+        if v is None:
+            continue
+        if not (math.isfinite(v) and (ge is None or v >= ge) and (gt is None or v > gt)
+                and (le is None or v <= le) and (lt is None or v < lt)):
+            raise ValueError(f"{prefix}{name} must be {allowed} (it is {v!r})")
+
+
+def _token(prefix: str, name: str, value: str | None) -> None:
+    """A name that becomes a subject token (or consumer name): letters, digits, _ or -."""
+    if value is not None:
+        try:
+            check_token(name, value)
+        except ValueError as e:
+            raise ValueError(f"{prefix}{name}: {e}") from None
 
 
 class HandlerConfig(Base):
@@ -19,7 +54,7 @@ class HandlerConfig(Base):
     ack_wait: float | None = None
     """Seconds before an un-acked delivery is redelivered."""
     max_deliver: int | None = None
-    """Deliveries before a failing message is dead-lettered."""
+    """Deliveries before a failing message is dead-lettered (-1: no limit)."""
     max_inflight: int | None = None
     """Messages handled concurrently by one replica."""
     max_ack_pending: int | None = None
@@ -30,6 +65,17 @@ class HandlerConfig(Base):
     """Queue group of a request/reply service."""
     pool: str | None = None
     """Pool token for pooled subjects (default: the node's pool)."""
+
+    def __post_init__(self) -> None:
+        _in_range(self, "", "ack_wait heartbeat", gt=0)
+        _in_range(self, "", "max_inflight max_ack_pending", ge=1)
+        if self.max_deliver is not None and not (self.max_deliver == -1 or self.max_deliver >= 1):
+            raise ValueError(f"max_deliver must be -1 (no limit) or >= 1 (it is {self.max_deliver})")
+        if self.heartbeat is not None and self.ack_wait is not None and self.heartbeat >= self.ack_wait:
+            raise ValueError(f"heartbeat must be < ack_wait ({self.ack_wait:g}), or a live handler's "
+                             f"delivery is redelivered (it is {self.heartbeat:g})")
+        for name in ("durable", "queue", "pool"):
+            _token("", name, getattr(self, name))
 
     def overrides(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
@@ -47,12 +93,20 @@ class ActorConfig(Base):
     replicas: int = 1
     """Instances of this actor per node."""
 
+    def __post_init__(self) -> None:
+        _in_range(self, "", "replicas", ge=1)
+        if self.type is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.type):
+            raise ValueError(f"type must be an import path 'pkg.module:Class' (it is {self.type!r})")
+
 
 class NodeConfig(Base):
     grace: float = 10.0
     """Seconds in-flight handlers may take to finish when the node drains."""
     heartbeat_every: float = 5.0
     """Seconds between node heartbeats (0 disables)."""
+
+    def __post_init__(self) -> None:
+        _in_range(self, "node.", "grace heartbeat_every", ge=0)
 
 
 # -- the RL pipeline -------------------------------------------------------------
@@ -76,6 +130,26 @@ class TinyModelConfig(Base):
     seed: int = 0
     """Seed of the random initialisation."""
 
+    def __post_init__(self) -> None:
+        k = "model.tiny."
+        _in_range(self, k, "vocab_size", ge=TINY_MIN_VOCAB)
+        _in_range(self, k, "hidden_size num_layers num_heads num_kv_heads intermediate_size", ge=1)
+        _in_range(self, k, "seed", ge=0)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"{k}hidden_size ({self.hidden_size}) must be divisible by "
+                             f"{k}num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{k}num_heads ({self.num_heads}) must be divisible by "
+                             f"{k}num_kv_heads ({self.num_kv_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"{k}hidden_size / {k}num_heads (the head size, "
+                             f"{self.hidden_size // self.num_heads}) must be even (rotary embeddings)")
+
+
+TINY_MIN_VOCAB = 267
+"""Smallest ``model.tiny.vocab_size``: 256 bytes, 3 special tokens and a few merges
+(:func:`rollart.engines.tiny.build_tiny_model` checks the same)."""
+
 
 class ModelConfig(Base):
     path: str | None = None
@@ -84,6 +158,9 @@ class ModelConfig(Base):
     """The tiny model to build when ``path`` is empty."""
     threads: int = 1
     """Torch threads per process."""
+
+    def __post_init__(self) -> None:
+        _in_range(self, "model.", "threads", ge=1)
 
 
 class SamplingConfig(Base):
@@ -94,12 +171,18 @@ class SamplingConfig(Base):
     top_p: float = 1.0
     """Nucleus sampling mass."""
 
+    def __post_init__(self) -> None:
+        _in_range(self, "", "max_new_tokens", ge=1)
+        _in_range(self, "", "temperature", ge=0)
+        _in_range(self, "", "top_p", gt=0, le=1)
+
 
 class EnvConfig(Base):
     """One environment kind that trajectories run in."""
 
     type: str = "frozenlake"
-    """Built-in name (frozenlake, sokoban, reasoning_gym) or ``pkg.module:Class``."""
+    """Built-in name (frozenlake, sokoban, reasoning_gym), ``gym:<id>`` (any registered
+    gymnasium environment) or ``pkg.module:Class``."""
     args: dict[str, Any] = {}
     """Keyword arguments of the env class."""
     executor: Literal["thread", "process"] = "thread"
@@ -115,7 +198,7 @@ class EnvConfig(Base):
     step_timeout: float = 30.0
     """Seconds a step may take; then the trajectory stops with ``env_timeout``."""
     instruction: str | None = None
-    """System prompt; default: the env's own instruction."""
+    """System prompt; default: the env's own ``instruction`` attribute, else empty."""
     turn_template: str = "{observation}"
     """User message of each turn; ``{observation}`` and ``{turn}`` are filled in."""
     action_pattern: str | None = None
@@ -128,6 +211,28 @@ class EnvConfig(Base):
     """Score the trajectory with this RewardService scorer instead of the env's rewards."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling of free-text turns."""
+    check: bool = True
+    """Before a run starts (and in ``rollart config``) construct one env, reset it and take
+    one legal step, so a broken env fails at once; ``false`` (for envs expensive to build)
+    only imports ``type`` and checks ``args`` against its constructor."""
+
+    def __post_init__(self) -> None:
+        from rollart.envs.actions import compile_pattern
+
+        _in_range(self, "", "max_turns max_context_tokens", ge=1)
+        _in_range(self, "", "reset_timeout step_timeout", gt=0)
+        _in_range(self, "", "reset_retries", ge=0)
+        _in_range(self, "", "format_penalty")
+        try:
+            self.turn_template.format(observation="", turn=1)
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise ValueError(f"turn_template {self.turn_template!r} is not a format string with "
+                             f"only {{observation}} and {{turn}}: {type(e).__name__}: {e}") from None
+        if self.action_pattern is not None:
+            try:
+                compile_pattern(self.action_pattern)
+            except ValueError as e:
+                raise ValueError(f"action_pattern: {e}") from None
 
 
 class RolloutConfig(Base):
@@ -150,15 +255,33 @@ class RolloutConfig(Base):
     concurrency: int = 64
     """Trajectories one EnvManager runs at once."""
     generate_timeout: float = 60.0
-    """Seconds per generate request."""
+    """Seconds one generate or reward request may take on a live replica; then it is sent
+    again (a replica that dies or drains is noticed sooner: ``replica_timeout``)."""
     generate_retries: int = 3
-    """Retries of a failed generate request."""
+    """Retries of a generate or reward request that a replica answered with an error; then
+    the trajectory is dead-lettered (``service_error``). A missing, lost or stopping replica
+    is not an error but a wait (``service_wait``)."""
+    service_wait: float = 300.0
+    """Seconds one generate or reward request keeps trying while no replica answers (no
+    responders, timeouts, lost replicas or connection); then the trajectory is
+    dead-lettered (``service_unavailable``)."""
+    replica_timeout: float = 3.0
+    """Seconds without a progress report from the replica holding a request (or with no live
+    replica claiming it) before the request is sent again elsewhere; 0 turns this off."""
     ack_wait: float = 30.0
     """Seconds before an abandoned trajectory is redelivered (heartbeats hold live ones)."""
     seed: int = 0
     """Base seed of the task seeds."""
     same_seed_per_group: bool = True
     """All trajectories of a group share the task seed."""
+    fail_after_groups: int | None = None
+    """Circuit breaker: the run stops (non-zero exit, reason in ``summary.json``) when this
+    many groups fail in a row; default ``2 * batch_groups``; 0 never stops."""
+    on_failed_group: Literal["replace", "skip"] = "replace"
+    """A failed group (fewer than 2 completions) in a rollout of a fixed number of groups
+    (``rollart rollout``, evaluation): ``replace`` admits a fresh group (new task seed) so that
+    the number asked for complete, ``skip`` reports it as failed. Training always frees a lost
+    group's admission headroom, so a fresh group takes its place."""
 
     def __post_init__(self) -> None:
         wave = (self.group_size + self.redundancy) * self.batch_groups
@@ -172,6 +295,20 @@ class RolloutConfig(Base):
                 raise ValueError(f"rollout.{name} must be >= 1")
         if self.alpha < 0 or self.redundancy < 0:
             raise ValueError("rollout.alpha and rollout.redundancy must be >= 0")
+        for name in ("generate_timeout", "service_wait"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be > 0 seconds")
+        if self.generate_retries < 0 or self.replica_timeout < 0:
+            raise ValueError("rollout.generate_retries and rollout.replica_timeout must be >= 0")
+        if self.fail_after_groups is not None and self.fail_after_groups < 0:
+            raise ValueError("rollout.fail_after_groups must be >= 0 (0: never stop)")
+        # every numeric key, finite (the checks above let NaN through); a concurrency below
+        # one group or batch only runs slower in trajectory mode (each trajectory advances
+        # on its own), so it is allowed; batch mode's lock step needs the wave (above)
+        _in_range(self, "rollout.", "group_size batch_groups concurrency", ge=1)
+        _in_range(self, "rollout.", "alpha redundancy generate_retries fail_after_groups seed", ge=0)
+        _in_range(self, "rollout.", "generate_timeout service_wait ack_wait", gt=0)
+        _in_range(self, "rollout.", "replica_timeout", ge=0)
 
 
 class ProxyConfig(Base):
@@ -184,14 +321,25 @@ class ProxyConfig(Base):
     replicas: int = 1
     """LLMProxy replicas started by ``rollart run``."""
 
+    def __post_init__(self) -> None:
+        if self.engine != "torch":
+            raise ValueError(f"proxy.engine must be 'torch' (sglang is not built in yet; "
+                             f"it is {self.engine!r})")
+        _in_range(self, "proxy.", "gather_ms", ge=0)
+        _in_range(self, "proxy.", "max_batch replicas", ge=1)
+
 
 class RewardConfig(Base):
     replicas: int = 1
-    """RewardService replicas started by ``rollart run``."""
+    """RewardService replicas started by ``rollart run`` (0: none; only envs with a
+    ``scorer`` need one)."""
     model_path: str | None = None
     """Local causal LM folder for the ``model_logprob`` scorer."""
     gather_ms: float = 2.0
     """Milliseconds to gather requests into one model forward pass."""
+
+    def __post_init__(self) -> None:
+        _in_range(self, "reward.", "replicas gather_ms", ge=0)
 
 
 class TrainerConfig(Base):
@@ -237,6 +385,18 @@ class TrainerConfig(Base):
     """Seed of the trainer."""
     eval_groups: int = 4
     """Groups of the greedy evaluation at the end of ``rollart run`` (held-out seeds)."""
+    stall_after: float = 120.0
+    """Seconds the trainer waits for a batch before it says what it waits for (groups,
+    queued work, pools without a live node), then again every minute or so."""
+
+    def __post_init__(self) -> None:
+        if self.stall_after <= 0:
+            raise ValueError("trainer.stall_after must be > 0 seconds")
+        k = "trainer."
+        _in_range(self, k, "steps micro_batch_tokens checkpoint_every keep_weights eval_groups", ge=1)
+        _in_range(self, k, "lr grad_clip is_cap stall_after", gt=0)
+        _in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed", ge=0)
+        _in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
 
 
 class RunConfig(Base):
@@ -264,3 +424,51 @@ class RunConfig(Base):
     """Reward service."""
     trainer: TrainerConfig = TrainerConfig()
     """Training."""
+
+    def __post_init__(self) -> None:
+        if not self.envs:
+            raise ValueError("envs: no environment is configured; define at least one under envs:")
+        if self.rollout.env not in self.envs:
+            raise ValueError(f"rollout.env: {self.rollout.env!r} is not a key of envs; "
+                             f"allowed: {', '.join(repr(k) for k in self.envs)}")
+        _token("", "run", self.run)
+        r, t = self.rollout, self.trainer
+        if r.group_size < 2:  # every estimator here subtracts a baseline taken from the group
+            why = {"grpo": "the advantage is the reward minus the group mean, over the group std",
+                   "drgrpo": "the advantage is the reward minus the group mean",
+                   "rloo": "the baseline is the mean reward of the other members of the group",
+                   "reinforce_pp": "the group mean is subtracted before whitening over the batch"}
+            raise ValueError(
+                f"rollout.group_size must be >= 2 with trainer.advantage {t.advantage!r}: "
+                f"{why.get(t.advantage, 'it needs a group baseline')}, so in a group of "
+                f"{r.group_size} every advantage is 0 and nothing is learned (it is {r.group_size})")
+        self._check_trainer_holds()
+
+    def _check_trainer_holds(self) -> None:
+        """The trainer acks a trajectory only once a checkpoint covers it, so it holds the
+        deliveries of every step since the last checkpoint plus those of the groups admitted
+        ahead; if its input handler cannot hold that many, it waits forever for a batch."""
+        r, t = self.rollout, self.trainer
+        per_step = r.batch_groups * (r.group_size + r.redundancy)
+        need = (t.checkpoint_every + r.alpha) * per_step
+        buf = trainer_buffer(r)
+        hc = self.actors.get("trainer", ActorConfig()).handlers.get("on_completed", HandlerConfig())
+        room = min(hc.max_inflight or buf, hc.max_ack_pending or 2 * buf)
+        if need <= room:
+            return
+        most = room // per_step - r.alpha
+        fix = f"Set trainer.checkpoint_every <= {most}, or raise" if most >= 1 else "Raise"
+        raise ValueError(
+            f"trainer.checkpoint_every: the trainer acks trajectories only once a checkpoint covers "
+            f"them, so it holds up to (trainer.checkpoint_every + rollout.alpha) * "
+            f"rollout.batch_groups * (rollout.group_size + rollout.redundancy) = {need} deliveries, "
+            f"but its on_completed handler takes {room} at once (max_inflight / max_ack_pending): "
+            f"training would stop waiting for a batch. {fix} "
+            f"actors.trainer.handlers.on_completed.max_inflight and max_ack_pending to >= {need}")
+
+
+def trainer_buffer(rollout: RolloutConfig) -> int:
+    """The trainer's default ``max_inflight`` on its input handlers (``max_ack_pending`` is
+    twice this): deliveries held at once, un-acked until a checkpoint covers them."""
+    r = rollout
+    return max(256, 4 * (r.alpha + 2) * r.batch_groups * (r.group_size + r.redundancy))

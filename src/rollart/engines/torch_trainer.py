@@ -303,10 +303,9 @@ class TorchTrainBackend:
                        seconds=time.perf_counter() - t0)
         return metrics
 
-    def save_weights(self, path: str | os.PathLike) -> str:
-        """Write the model's state dict as one safetensors file (atomically: temp file +
-        rename) and return ``"sha256:<hex>"`` of the file's bytes. Tensors sharing storage
-        (tied embeddings) are written once per name, as copies."""
+    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The state dict on CPU, contiguous; tensors sharing storage (tied embeddings)
+        appear once per name, as copies."""
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in self.model.state_dict().items():
@@ -314,11 +313,28 @@ class TorchTrainBackend:
             ptr = t.untyped_storage().data_ptr()
             tensors[name] = t.clone().contiguous() if ptr in seen else t.contiguous()
             seen.add(ptr)
+        return tensors
+
+    def weights_digest(self) -> str:
+        """The content digest (``"tensors-sha256:<hex>"``, see
+        :func:`rollart.actors.policy.file_content_digest`) of the current weights, without
+        writing them: equal to what :meth:`save_weights` would return now."""
+        return tensors_digest(self._weight_tensors())
+
+    def save_weights(self, path: str | os.PathLike) -> str:
+        """Write the model's state dict as one safetensors file (atomically: temp file,
+        fsync, rename) and return the file's content digest ``"tensors-sha256:<hex>"``
+        (tensor names, dtypes, shapes and data; independent of the header's byte order)."""
+        from rollart.actors.policy import file_content_digest
+
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
-        save_file(tensors, tmp, metadata={"format": "pt", "rollart_version": str(self.version)})
+        save_file(self._weight_tensors(), tmp,
+                  metadata={"format": "pt", "rollart_version": str(self.version)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-        return file_digest(path)
+        return file_content_digest(path)
 
     def state_dict_for_checkpoint(self) -> dict:
         """Model, optimizer, scheduler, RNG states and version, ready for ``torch.save``.
@@ -341,6 +357,31 @@ class TorchTrainBackend:
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.version = int(state["version"])
+
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                       torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                       torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The content digest of ``tensors`` as a safetensors file of them would have it
+    (:func:`rollart.actors.policy.file_content_digest`), computed from memory."""
+    from rollart.actors.policy import TensorDigest
+
+    d = TensorDigest()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        dtype = _SAFETENSORS_DTYPES.get(t.dtype)
+        if dtype is None:
+            from safetensors.torch import _TYPES
+
+            dtype = next((k for k, v in _TYPES.items() if v == t.dtype), None)
+            if dtype is None:
+                raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name")
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        d.add(name, dtype, t.shape, t.numel() * t.element_size(), [memoryview(raw).cast("B")])
+    return d.hexdigest()
 
 
 def file_digest(path: str | os.PathLike) -> str:

@@ -10,7 +10,8 @@ runs plain ones off the event loop and awaits async ones directly.
 
 Conventions every built-in env follows and the EnvManager relies on:
 
-- ``instruction`` is the task description and answer format, placed in the system prompt.
+- ``instruction`` (optional) is the task description and answer format, placed in the system
+  prompt; the env config's ``instruction:`` wins over it, and without either it is empty.
 - ``info["success"]`` (bool) is present in the info of the final step (built-ins put it in
   every step's info, False until the episode is won).
 - An action the env cannot interpret never raises: the env returns a no-op (or a small
@@ -19,6 +20,16 @@ Conventions every built-in env follows and the EnvManager relies on:
 - ``legal_actions()`` (optional) returns the actions constrained decoding may choose from
   in the current state, or None for free text. ``close()`` (optional) releases resources.
 - Calling ``step`` before ``reset`` or after the episode ended raises ``RuntimeError``.
+
+What a failure costs a trajectory (see :mod:`rollart.envs.runner`):
+
+- the env cannot be built (the type does not import, bad args, the constructor raises
+  anything but ``ConnectionError``/``TimeoutError``): *permanent*, ``env_setup`` — the
+  trajectory is dead-lettered at once, never retried;
+- ``reset``/``step`` return the wrong shape or types (not ``(str, dict)`` /
+  ``(str, number, bool, bool, dict)``): *permanent*, ``env_contract``;
+- ``reset`` raises or times out: *transient*, a fresh env is tried ``reset_retries``
+  times; ``step`` times out: the trajectory ends with ``stop_reason="env_timeout"``.
 """
 
 from __future__ import annotations
@@ -34,10 +45,8 @@ StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
 @runtime_checkable
 class Env(Protocol):
-    """A text environment. ``legal_actions`` and ``close`` are optional extras."""
-
-    instruction: str
-    """System/instruction text: what the task is and how to format the answer."""
+    """A text environment. ``instruction`` (a str attribute: what the task is and how to format
+    the answer), ``legal_actions`` and ``close`` are optional extras."""
 
     def reset(self, seed: int) -> ResetResult | Awaitable[ResetResult]:
         """Start a new episode, deterministically from ``seed``."""

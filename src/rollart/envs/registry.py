@@ -15,18 +15,27 @@ BUILTIN_ENVS: dict[str, str] = {
 }
 """Short name -> import path. Modules are imported only when their env is made."""
 
+GYM_PREFIX = "gym:"
+"""``"gym:<id>"``: any registered gymnasium environment, through :mod:`rollart.envs.gym`."""
+
 
 def resolve_env_class(type: str) -> Callable[..., Env]:
     """The class behind a built-in name or a ``"pkg.module:ClassName"`` import path.
 
     Raises ``ValueError`` naming ``type`` (and listing the built-ins) when it is neither.
     ``ImportError`` from the module itself (e.g. a missing optional dependency) propagates.
+    ``"gym:<id>"`` is the gymnasium adapter bound to that id (``ValueError`` for an id that
+    gymnasium does not know).
     """
+    if type.startswith(GYM_PREFIX):
+        from rollart.envs.gym import factory
+
+        return factory(type[len(GYM_PREFIX):])
     path = BUILTIN_ENVS.get(type, type)
     mod_name, sep, attr = path.partition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"unknown env type {type!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}) "
-                         f"or an import path 'pkg.module:ClassName'")
+        raise ValueError(f"unknown env type {type!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), "
+                         f"a gymnasium id 'gym:<id>' or an import path 'pkg.module:ClassName'")
     try:
         module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
@@ -46,7 +55,8 @@ def make_env(type: str, args: dict[str, Any] | None = None) -> Env:
     """Construct an environment.
 
     Args:
-        type: ``"frozenlake"``, ``"sokoban"``, ``"reasoning_gym"`` or ``"pkg.module:ClassName"``.
+        type: ``"frozenlake"``, ``"sokoban"``, ``"reasoning_gym"``, ``"gym:<gymnasium id>"`` or
+            ``"pkg.module:ClassName"``.
         args: keyword arguments for the env class (from config).
 
     Raises ``ValueError`` naming the type when it is unknown, and naming the argument when
@@ -75,6 +85,8 @@ def make_env(type: str, args: dict[str, Any] | None = None) -> Env:
         raise ValueError(f"env {type!r}: bad args: {e}") from e
     if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         raise ValueError(f"env type {type!r}: {cls!r} does not have reset() and step()")
-    if not isinstance(getattr(env, "instruction", None), str):
-        raise ValueError(f"env type {type!r}: {cls!r} has no 'instruction' string attribute")
+    instruction = getattr(env, "instruction", None)  # optional: config, then env, then ""
+    if instruction is not None and not isinstance(instruction, str):
+        raise ValueError(f"env type {type!r}: {cls!r} has an 'instruction' that is not a string "
+                         f"({instruction!r:.80})")
     return env

@@ -19,6 +19,12 @@
 
 A broken runner raises :class:`EnvError` on every later call; make a new one. Errors
 raised by the env surface as :class:`EnvError` with the original type and message.
+
+Two subclasses are *permanent*: trying again fails the same way, so callers should not.
+:class:`EnvSetupError`: the env cannot be built (its type does not import, its args are
+wrong, its constructor raised anything but a ``ConnectionError``/``TimeoutError``).
+:class:`EnvContractError`: reset/step returned the wrong shape or types. Anything else
+(an exception inside reset/step, a timeout, a dead worker) may be transient.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import sys
 import threading
 import traceback
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Literal
 
 from rollart.envs.base import ResetResult, StepResult, legal_actions_of
@@ -50,25 +57,56 @@ class EnvTimeout(EnvError, TimeoutError):
     """An env call ran past its deadline; the runner is now broken."""
 
 
+class EnvSetupError(EnvError):
+    """The env cannot be built: unknown or unimportable type, bad args, or its constructor
+    raised. Permanent: building it again fails the same way."""
+
+
+class EnvContractError(EnvError):
+    """The env broke the protocol: reset/step returned the wrong shape or types. Permanent."""
+
+
 class _RemoteError(Exception):
     """An exception inside a worker process, as ``"Type: message"``."""
+
+    def __init__(self, text: str, transient: bool = True) -> None:
+        super().__init__(text)
+        self.transient = transient
+
+
+def _transient_setup(e: BaseException) -> bool:
+    """A constructor failing this way (a sandbox it connects to is away) may succeed later."""
+    return isinstance(e, (ConnectionError, TimeoutError))
 
 
 def _describe(e: BaseException) -> str:
     return str(e) if isinstance(e, _RemoteError) else f"{type(e).__name__}: {e}"
 
 
+def _check_info(what: str, info: Any) -> dict[str, Any]:
+    if info is None:
+        return {}
+    if not isinstance(info, Mapping):
+        raise EnvContractError(f"{what}() info must be a dict, got {type(info).__name__}: {info!r:.200}")
+    return dict(info)
+
+
 def _check_reset(res: Any) -> ResetResult:
     if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], str)):
-        raise EnvError(f"reset() must return (observation: str, info: dict), got {res!r:.200}")
-    return res[0], dict(res[1] or {})
+        raise EnvContractError(f"reset() must return (observation: str, info: dict), got {res!r:.200}")
+    return res[0], _check_info("reset", res[1])
 
 
 def _check_step(res: Any) -> StepResult:
     if not (isinstance(res, tuple) and len(res) == 5 and isinstance(res[0], str)):
-        raise EnvError(f"step() must return (obs: str, reward, terminated, truncated, info), got {res!r:.200}")
+        raise EnvContractError(
+            f"step() must return (obs: str, reward, terminated, truncated, info), got {res!r:.200}")
     obs, reward, terminated, truncated, info = res
-    return obs, float(reward), bool(terminated), bool(truncated), dict(info or {})
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        raise EnvContractError(f"step() reward must be a number, got {reward!r:.200}") from None
+    return obs, reward, bool(terminated), bool(truncated), _check_info("step", info)
 
 
 class _DaemonThread:
@@ -115,7 +153,7 @@ class _ThreadBackend:
 
     async def start(self) -> str:
         self.env = await self._sync(self._factory)
-        return self.env.instruction
+        return getattr(self.env, "instruction", None) or ""  # optional attribute
 
     async def call(self, method: str, arg: Any) -> tuple[Any, list[str] | None]:
         fn = getattr(self.env, method)
@@ -163,9 +201,9 @@ def _worker_main(conn: Any, env_type: str, env_args: dict, sys_path: list[str]) 
     try:
         env = make_env(env_type, env_args)
     except BaseException as e:
-        reply(0, False, _describe(e))
+        reply(0, False, (_describe(e), _transient_setup(e)))
         return
-    reply(0, True, env.instruction)
+    reply(0, True, getattr(env, "instruction", None) or "")  # optional attribute
     while True:
         try:
             seq, method, arg = conn.recv()
@@ -226,6 +264,8 @@ class _ProcessBackend:
             if msg[0] == seq:  # older seqs are replies to cancelled calls: drop them
                 _, ok, payload = msg
                 if not ok:
+                    if isinstance(payload, tuple):  # (text, transient): a construction error
+                        raise _RemoteError(*payload)
                     raise _RemoteError(payload)
                 return payload
 
@@ -334,6 +374,9 @@ class EnvRunner:
                 self.broken = f"worker process gone after {what}"
             if isinstance(e, EnvError):
                 raise
+            if what == "construction" and not (e.transient if isinstance(e, _RemoteError)
+                                               else _transient_setup(e)):
+                raise EnvSetupError(f"env {self.type!r} {what} failed: {_describe(e)}") from e
             raise EnvError(f"env {self.type!r} {what} failed: {_describe(e)}") from e
 
     def _check_usable(self) -> None:
@@ -343,7 +386,7 @@ class EnvRunner:
             raise EnvError(f"env {self.type!r} runner is broken ({self.broken}); make a new one")
 
     async def start(self, timeout: float | None = None) -> None:
-        """Construct the env (idempotent). Raises EnvError / EnvTimeout."""
+        """Construct the env (idempotent). Raises EnvSetupError / EnvError / EnvTimeout."""
         async with self._lock:
             await self._start(timeout)
 

@@ -2,7 +2,9 @@
 
 Subscribes to ``rollart.<run>.>`` and decodes each message by the subject table of
 :mod:`rollart.messages`: message rates per subject, node heartbeats, the policy version
-and which replicas loaded it, trajectory outcomes with reward and time split.
+and which replicas loaded it, trajectory outcomes with reward and time split (those since
+top started). Step, ETA and totals since the run started come from the run's state: the
+trainer's ledger summary and the end of the run in KV, and the streams' info.
 """
 
 from __future__ import annotations
@@ -40,6 +42,57 @@ class RunMonitor:
         self.successes: deque = deque(maxlen=256)
         self.dead_reasons: deque = deque(maxlen=5)
         self.undecodable = 0
+        self.ledger: m.LedgerSummary | None = None
+        """The trainer's group ledger (KV), with what it waits for when it stalls, and the
+        run's progress since it started: step, pace, totals."""
+        self.run_end: m.RunEnd | None = None
+        """The end of the run (KV), once its training is over."""
+        self.streams: dict[str, dict] = {}
+        """Stream info of the run's ``events`` and ``work`` streams (what they hold)."""
+
+    def progress(self, now: float | None = None) -> str:
+        """Step, ETA and elapsed time of the run, from the trainer's published progress
+        (so since the run started, whenever top was started)."""
+        from rollart.telemetry.progress import fmt_duration
+
+        lg = self.ledger
+        if lg is None or not lg.steps_total:
+            return "no progress published by the trainer yet"
+        now = time.time() if now is None else now
+        parts = [f"step {lg.version}/{lg.steps_total}"]
+        end = self.run_end
+        if end is not None and end.ts >= lg.started_at:  # not an earlier process's end
+            if end.stage != "ended":
+                parts.append("training done, final evaluation")
+            elif end.stopped:
+                parts.append(f"run stopped: {end.stopped}")
+            else:
+                res = end.result.get("greedy_success")
+                parts.append("run ended" + (f", greedy success {res:.2f}" if res is not None else ""))
+        elif lg.version >= lg.steps_total:
+            parts.append("training done")
+        else:
+            eta = (lg.steps_total - lg.version) * lg.step_s if lg.step_s > 0 else None
+            parts.append(f"ETA {fmt_duration(eta)}")
+        if lg.started_at:
+            parts.append(f"elapsed {fmt_duration(now - lg.started_at)}")
+        if lg.last_step_s:
+            parts.append(f"last step {lg.last_step_s:.2f}s")
+        return ", ".join(parts)
+
+    def totals(self) -> str:
+        """What the run did since it started: from the trainer's ledger and the streams."""
+        parts = []
+        lg = self.ledger
+        if lg is not None:
+            parts.append(f"trained {lg.trajectories} trajectories in {lg.trained} groups, "
+                         f"{lg.lost} groups lost, {lg.dead} dead letters")
+        ev, work = self.streams.get("events"), self.streams.get("work")
+        if ev is not None:
+            parts.append(f"{ev.get('last_seq', ev.get('messages', 0))} events")
+        if work is not None:
+            parts.append(f"{work.get('messages', 0)} requests queued")
+        return "; ".join(parts) or "-"
 
     def observe(self, subject: str, data: bytes, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -52,7 +105,8 @@ class RunMonitor:
             return
         try:
             msg = decode(d.type, data)
-        except DecodeError:
+            m.validate(msg)
+        except (DecodeError, m.Invalid):  # junk (invalid values too): counted, never kept
             self.undecodable += 1
             return
         if isinstance(msg, m.NodeHeartbeat):
@@ -77,14 +131,15 @@ class RunMonitor:
     def render(self):
         """A rich renderable of the current state."""
         from rich.console import Group
+        from rich.markup import escape  # every string from the bus: junk must not break markup
         from rich.table import Table
 
         now = time.monotonic()
-        subj = Table(title=f"run {self.run}: subjects", expand=True)
+        subj = Table(title=f"run {self.run}: subjects (since top started)", expand=True)
         for col in ("subject", "msgs", "msgs/s (5s)", "KiB"):
             subj.add_column(col, justify="left" if col == "subject" else "right")
         for name, st in sorted(self.subjects.items()):
-            subj.add_row(name.removeprefix(f"{m.PREFIX}.{self.run}."), str(st.count),
+            subj.add_row(escape(name.removeprefix(f"{m.PREFIX}.{self.run}.")), str(st.count),
                          f"{st.rate(now):.1f}", f"{st.bytes / 1024:.1f}")
         nodes = Table(title="nodes", expand=True)
         for col in ("node", "pool", "roles", "age s", "in flight"):
@@ -92,21 +147,31 @@ class RunMonitor:
         wall = time.time()
         for hb in self.nodes.values():
             inflight = sum(v for k, v in hb.stats.items() if k.endswith(".inflight"))
-            nodes.add_row(hb.node_id, hb.pool, ",".join(hb.roles), f"{wall - hb.ts:.1f}", f"{inflight:.0f}")
+            nodes.add_row(escape(hb.node_id), escape(hb.pool), escape(",".join(hb.roles)),
+                          f"{wall - hb.ts:.1f}", f"{inflight:.0f}")
         n = max(1, len(self.rewards))
         total = sum(self.stage_s.values()) or 1.0
         split = "  ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(self.stage_s.items()))
         ver = self.policy.version if self.policy else 0
         lagging = [r for r, x in self.loaded.items() if x.version < ver]
         summary = Table.grid(padding=(0, 2))
+        summary.add_row("progress", escape(self.progress()), "run totals", self.totals())
         summary.add_row("policy", f"v{ver}", "replicas", f"{len(self.loaded)} ({len(lagging)} behind)")
-        summary.add_row("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())) or "-",
+        summary.add_row("outcomes seen", ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())) or "-",
                         "recent reward / success",
                         f"{sum(self.rewards) / n:.3f} / {sum(self.successes) / n:.2f}")
         summary.add_row("trajectory time", split or "-", "undecodable", str(self.undecodable))
+        if self.ledger is not None:
+            lg = self.ledger
+            summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",
+                            "failed in a row", str(lg.failed_streak))
         parts = [summary, subj, nodes]
+        if self.ledger is not None and self.ledger.stopped:
+            parts.append(f"[bold red]run stopped: {escape(self.ledger.stopped)}")
+        elif self.ledger is not None and self.ledger.waiting:
+            parts.append(f"[yellow]{escape(self.ledger.waiting)}")
         if self.dead_reasons:
-            parts.append("last dead letters: " + " | ".join(self.dead_reasons))
+            parts.append("last dead letters: " + escape(" | ".join(self.dead_reasons)))
         return Group(*parts)
 
 
@@ -121,13 +186,50 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
     async def on_msg(req) -> None:
         mon.observe(req.subject, req.data)
 
-    sub = await bus.subscribe(f"{m.PREFIX}.{m.check_token('run', run)}.>", on_msg)
-    end = None if duration is None else time.monotonic() + duration
-    try:
+    async def watch_ledger() -> None:
+        from rollart.actors.ledger import watch_summary
+
+        async for summary in watch_summary(bus, run):
+            mon.ledger = summary
+
+    async def watch_end() -> None:
+        from rollart.bus.codec import DecodeError, decode
+
+        kv = await bus.key_value(m.kv_bucket(run))
+        async for e in kv.watch(m.RUN_END_KEY):
+            if e.deleted or not e.value:
+                continue
+            try:
+                mon.run_end = decode(m.RunEnd, e.value)
+            except DecodeError:
+                pass
+
+    async def poll_streams() -> None:
+        from rollart.bus import BusError
+
+        while True:
+            for kind in ("events", "work"):
+                try:
+                    mon.streams[kind] = await bus.stream_info(m.stream_name(run, kind))
+                except BusError:
+                    pass  # not created yet, or the server is away: shown when it answers
+            await asyncio.sleep(max(1.0, refresh))
+
+    async def show() -> None:
+        end = None if duration is None else time.monotonic() + duration
         with Live(mon.render(), refresh_per_second=4) as live:
             while end is None or time.monotonic() < end:
                 await asyncio.sleep(refresh)
                 live.update(mon.render())
+
+    sub = await bus.subscribe(f"{m.PREFIX}.{m.check_token('run', run)}.>", on_msg)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            watchers = [tg.create_task(watch_ledger()), tg.create_task(watch_end()),
+                        tg.create_task(poll_streams())]
+            await show()
+            for w in watchers:
+                w.cancel()
     finally:
         await sub.unsubscribe()
     return mon

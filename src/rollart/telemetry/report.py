@@ -1,24 +1,55 @@
-"""Plots and tables from a run folder's ``metrics.jsonl``."""
+"""Plots and tables from a run folder's ``metrics.jsonl`` (and ``summary.json``).
+
+:func:`plot` draws reward and success (distinct line styles and markers, so equal curves stay
+visible) with the final greedy evaluation marked; :func:`table` is a summary (first, best, last
+and every 10th step); :func:`report` writes both under a folder of its own choosing, so that
+``rollart report`` never touches the ``learning.png`` a live run keeps rewriting. All of them
+read a run that is still being written (a half-written last line is skipped).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
+
+
+def read_summary(run_path: str | Path) -> dict:
+    """``summary.json`` of a finished run, or ``{}`` (running, or not readable yet)."""
+    try:
+        data = json.loads((Path(run_path) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def read_metrics(run_path: str | Path) -> list[dict]:
     p = Path(run_path) / "metrics.jsonl"
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist: is {run_path} a rollart run folder?")
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in p.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # the line a live run is writing right now
+            continue
+    rows = [r for r in rows if isinstance(r, dict) and "step" in r]
     last: dict[int, dict] = {}
     for r in rows:  # a resumed run may repeat a step: keep the latest record
         last[int(r["step"])] = r
     return [last[k] for k in sorted(last)]
 
 
-def plot(run_path: str | Path, out: str | Path | None = None) -> Path:
-    """Reward and success against steps and against wall time, as one PNG."""
+def plot(run_path: str | Path, out: str | Path | None = None, *,
+         summary: dict | None = None) -> Path:
+    """Reward and success against steps and against wall time, plus the time split, as one PNG.
+
+    ``out`` defaults to ``<run>/learning.png``. ``summary`` is the run's final summary (default:
+    its ``summary.json`` when there is one): its greedy evaluation is marked at the last step.
+    The file is replaced atomically (a reader never sees half a PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,15 +57,26 @@ def plot(run_path: str | Path, out: str | Path | None = None) -> Path:
 
     rows = read_metrics(run_path)
     out = Path(out or Path(run_path) / "learning.png")
+    summary = read_summary(run_path) if summary is None else summary
     steps = [r["step"] for r in rows]
     wall = [r.get("wall_s", 0.0) for r in rows]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4))
+    every = max(1, len(rows) // 25)  # markers on about 25 points, so curves stay readable
     for ax, x, label in ((axes[0], steps, "step"), (axes[1], wall, "wall time (s)")):
-        ax.plot(x, [r["reward"] for r in rows], label="mean reward")
-        ax.plot(x, [r["success"] for r in rows], label="success (sampled)")
+        # reward and success are often equal (reward 1 exactly on success): a solid line with
+        # dots under a dashed line with crosses keeps both visible
+        ax.plot(x, [r.get("reward", 0.0) for r in rows], label="mean reward", color="tab:blue",
+                linestyle="-", linewidth=2.2, marker="o", markersize=4, markevery=every, zorder=2)
+        ax.plot(x, [r.get("success", 0.0) for r in rows], label="success (sampled)",
+                color="tab:orange", linestyle="--", linewidth=1.6, marker="x", markersize=6,
+                markevery=(every // 2, every), zorder=3)  # markers between the reward's
+        _mark_greedy(ax, (x[-1] if x else 0), summary)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-        ax.legend()
+        leg = ax.legend(fontsize=8)
+        for h in getattr(leg, "legend_handles", getattr(leg, "legendHandles", [])):
+            if hasattr(h, "set_sizes"):  # the greedy markers at legend size
+                h.set_sizes([70])
     _stacked(axes[2], steps, rows, {"train_s": "train", "wait_s": "waiting for a batch",
                                     "publish_s": "checkpoint + publish"},
              "trainer: seconds per step")
@@ -42,11 +84,42 @@ def plot(run_path: str | Path, out: str | Path | None = None) -> Path:
                                     "traj_reset_s": "env reset", "traj_reward_s": "reward",
                                     "traj_wait_s": "lock-step wait"},
              "one trajectory: seconds by stage (mean)")
-    fig.suptitle(Path(run_path).name)
+    title = Path(run_path).resolve().name
+    g = _greedy(summary)
+    if g:
+        title += "   final greedy: " + ", ".join(f"{k} {v:.2f}" for k, v in g.items())
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=90, format="png")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
+
+
+def _greedy(summary: dict | None) -> dict[str, float]:
+    """``{"success": .., "reward": ..}`` of the final greedy evaluation in a summary."""
+    out = {}
+    for k in ("success", "reward"):
+        v = (summary or {}).get(f"greedy_{k}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[k] = float(v)
+    return out
+
+
+def _mark_greedy(ax, x: float, summary: dict | None) -> None:
+    g = _greedy(summary)
+    if "success" in g:
+        ax.scatter([x], [g["success"]], marker="*", s=220, color="tab:red", edgecolor="black",
+                   zorder=5, label=f"greedy success (final eval) {g['success']:.2f}")
+    if "reward" in g:
+        # a hollow diamond around the star: both stay visible when they are equal
+        ax.scatter([x], [g["reward"]], marker="D", s=420, facecolor="none", edgecolor="tab:green",
+                   linewidth=2, zorder=6, label=f"greedy reward (final eval) {g['reward']:.2f}")
 
 
 def _stacked(ax, steps, rows, series: dict[str, str], title: str) -> None:
@@ -62,11 +135,75 @@ def _stacked(ax, steps, rows, series: dict[str, str], title: str) -> None:
     ax.legend(fontsize=7)
 
 
-def table(run_path: str | Path, every: int = 1) -> str:
+def stride(n: int) -> int:
+    """Steps between rows of the summary table of ``n`` steps: 10, or more (20, 50, 100, 200,
+    500, ...) so that it stays at about 20 rows at most."""
+    s = 10
+    while n > 20 * s:
+        s = s * 5 // 2 if str(s)[0] == "2" else s * 2  # 10, 20, 50, 100, 200, 500, ...
+    return s
+
+
+def _best(rows: list[dict]) -> dict | None:
+    """The step with the highest sampled success, ties broken by reward, then the earliest."""
+    if not rows:
+        return None
+    return max(rows, key=lambda r: (r.get("success", 0.0), r.get("reward", 0.0), -r["step"]))
+
+
+def table(run_path: str | Path, every: int | None = None, *, summary: dict | None = None) -> str:
+    """A summary of a run: the first, best and last steps and every ``every``-th (default
+    :func:`stride`: 10 for up to 200 steps), then the final greedy evaluation if there is one.
+    ``every=1`` lists every step."""
     rows = read_metrics(run_path)
-    head = f"{'step':>5} {'reward':>7} {'success':>7} {'stale':>5} {'loss':>8} {'train_s':>7} {'wait_s':>6} {'wall_s':>7}"
-    lines = [head]
-    for r in rows[::every]:
-        lines.append(f"{r['step']:>5} {r['reward']:>7.3f} {r['success']:>7.3f} {r['staleness']:>5.2f} "
-                     f"{r.get('loss', 0):>8.4f} {r['train_s']:>7.2f} {r['wait_s']:>6.2f} {r['wall_s']:>7.1f}")
+    summary = read_summary(run_path) if summary is None else summary
+    if not rows:
+        return f"{run_path}: no step recorded yet"
+    n = every if every and every > 0 else stride(len(rows))
+    best = _best(rows)
+    first, last = rows[0]["step"], rows[-1]["step"]
+    notes: dict[int, list[str]] = {}
+    notes.setdefault(first, []).append("first")
+    notes.setdefault(best["step"], []).append("best")
+    notes.setdefault(last, []).append("last")
+    keep = [r for r in rows if r["step"] in notes or r["step"] % n == 0]
+    head = (f"{'step':>5} {'version':>7} {'reward':>7} {'success':>7} {'stale':>5} {'loss':>8} "
+            f"{'train_s':>7} {'wait_s':>6} {'wall_s':>7}  ")
+    lines = [head.rstrip()]
+    for r in keep:
+        v = r.get("version", r["step"])
+        lines.append((f"{r['step']:>5} {int(v) if isinstance(v, (int, float)) else v!s:>7} "
+                      f"{r.get('reward', 0.0):>7.3f} {r.get('success', 0.0):>7.3f} "
+                      f"{r.get('staleness', 0.0):>5.2f} {r.get('loss', 0.0):>8.4f} "
+                      f"{r.get('train_s', 0.0):>7.2f} {r.get('wait_s', 0.0):>6.2f} "
+                      f"{r.get('wall_s', 0.0):>7.1f}  {', '.join(notes.get(r['step'], []))}").rstrip())
+    shown = "every step" if n == 1 else f"first, best, last and every {n}th"
+    lines.append(f"({len(rows)} steps; {shown}; all of them: --every 1)")
+    g = _greedy(summary)
+    if g:
+        extra = f" over {summary['trajectories']} trajectories" if summary.get("trajectories") else ""
+        at = f" of v{int(summary['version'])}" if isinstance(summary.get("version"), (int, float)) else ""
+        lines.append(f"final greedy evaluation{at}: " + ", ".join(f"{k} {v:.3f}" for k, v in g.items())
+                     + extra)
+    if summary.get("failed"):
+        lines.append(f"run stopped: {summary['failed']}")
+    elif summary.get("interrupted"):
+        lines.append("run interrupted before its last step")
     return "\n".join(lines)
+
+
+def report(run_path: str | Path, out_dir: str | Path | None = None, *,
+           every: int | None = None) -> tuple[str, Path, Path]:
+    """Write ``report.txt`` (the :func:`table`) and ``report.png`` (the :func:`plot`) into
+    ``out_dir`` (default: the run folder), never ``learning.png``; returns (table, txt, png)."""
+    run_path = Path(run_path)
+    out = Path(out_dir) if out_dir is not None else run_path
+    out.mkdir(parents=True, exist_ok=True)
+    summary = read_summary(run_path)
+    text = table(run_path, every, summary=summary)
+    txt = out / "report.txt"
+    tmp = txt.with_name(f".{txt.name}.{os.getpid()}.tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, txt)
+    png = plot(run_path, out / "report.png", summary=summary)
+    return text, txt, png

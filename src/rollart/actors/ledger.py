@@ -1,0 +1,333 @@
+"""The group ledger: the one owner of every training group's state.
+
+A group is ``group_size + redundancy`` trajectories of one task. Its life::
+
+    admitted ──► running ──► ready ──► trained
+                    │          └─────► dropped    (beyond the α bound, ``stale: drop|restart``)
+                    └────────────────► failed     (settled with fewer than 2 completions)
+
+The trainer owns the ledger and persists it with its checkpoint; admission reads its
+summary (``lost``) from KV (:data:`rollart.messages.LEDGER_KEY`).
+
+**The α guarantee** (DESIGN.md §4), stated once. Let ``B = batch_groups``. Admission lets a
+group in at policy version ``a`` only while ``live + 1 <= (a + α + 1) * B``, where
+``live = admitted - lost`` counts the groups that were admitted and are not failed or
+dropped (:func:`admissible`). Under ``stale: wait`` the group's turns use versions
+``>= a`` and the trainer takes live groups strictly in admission order, ``B`` per step, so
+the group with live ordinal ``n`` (1-based) is trained by the step that starts from
+version ``s = ceil(n / B) - 1 <= a + α``, i.e. ``a >= s - α``: never stale. A group lost
+*after* another was admitted only moves that one earlier (smaller ``n``), so losses never
+break the bound; they free headroom, and admission fills it with a fresh group (a new
+task seed), which is how a lost group is replaced. Under ``drop``/``restart`` the trainer
+checks ``min_version >= s - α`` per group instead and drops the rest (counted, and freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollart import messages as m
+
+log = logging.getLogger(__name__)
+
+
+def admissible(admitted: int, lost: int, version: int, alpha: int | None,
+               batch_groups: int) -> bool:
+    """May one more group be admitted at ``version``? (the bound above, in groups)"""
+    if alpha is None:
+        return True
+    return (admitted - lost) + 1 <= (version + alpha + 1) * batch_groups
+
+
+def reason_kind(reason: str) -> str:
+    """The stable leading token of a failure reason (``env_setup: ...`` → ``env_setup``)."""
+    head = reason.split(":", 1)[0].strip()
+    if head and len(head) <= 40 and " " not in head:
+        return head
+    return " ".join(reason.split()[:4])[:60] or "unknown"
+
+
+class IndexSet:
+    """A set of non-negative ints kept small: everything below ``low`` plus ``above``."""
+
+    def __init__(self, low: int = 0, above: set[int] | None = None):
+        self.low = low
+        self.above = set(above or ())
+
+    def add(self, i: int) -> None:
+        if i < self.low:
+            return
+        self.above.add(i)
+        while self.low in self.above:
+            self.above.remove(self.low)
+            self.low += 1
+
+    def __contains__(self, i: int) -> bool:
+        return i < self.low or i in self.above
+
+    def __len__(self) -> int:
+        return self.low + len(self.above)
+
+    def state(self) -> dict:
+        return {"low": self.low, "above": sorted(self.above)}
+
+    @classmethod
+    def from_state(cls, s: dict) -> "IndexSet":
+        return cls(s.get("low", 0), set(s.get("above", ())))
+
+
+@dataclass
+class Group:
+    """An open group: the outcomes received so far, each holding its delivery's future
+    (resolved, i.e. acked, once a checkpoint covers the group's fate)."""
+
+    index: int
+    members: list[tuple[m.RolloutCompleted, asyncio.Future]] = field(default_factory=list)
+    dead: list[tuple[str, str]] = field(default_factory=list)
+    """``(traj_id, reason)`` of dead-lettered members."""
+    cancelled: list[str] = field(default_factory=list)
+    held: list[asyncio.Future] = field(default_factory=list)
+    """Futures of the dead-letter and cancel deliveries."""
+    opened_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def min_version(self) -> int:
+        return min(t.min_version for t, _ in self.members)
+
+    @property
+    def outcomes(self) -> int:
+        return len(self.members) + len(self.dead) + len(self.cancelled)
+
+    def seen(self, traj_id: str) -> bool:
+        return (any(t.traj_id == traj_id for t, _ in self.members)
+                or any(t == traj_id for t, _ in self.dead) or traj_id in self.cancelled)
+
+    def futures(self) -> list[asyncio.Future]:
+        return [f for _, f in self.members] + self.held
+
+
+@dataclass
+class Selection:
+    batch: list[Group]
+    stale: list[Group]
+    failed: list[Group]
+
+
+class GroupLedger:
+    """Per-group state of a training run; see the module docstring for the rules."""
+
+    def __init__(self, *, group_size: int, redundancy: int, batch_groups: int, alpha: int,
+                 stale: str, breaker: int):
+        self.need = group_size
+        self.size = group_size + redundancy
+        self.batch_groups = batch_groups
+        self.alpha = alpha
+        self.stale = stale
+        self.breaker = breaker
+        """Failed groups in a row that stop the run (0: never)."""
+        self.open: dict[int, Group] = {}
+        self.closed = IndexSet()
+        self.next_index = 0
+        self.lost = 0
+        self.trained = 0
+        self.streak = 0
+        self.streak_reasons: Counter[str] = Counter()
+        self.failure_kinds: Counter[str] = Counter()
+        """Dead letters by reason kind, over the run."""
+        self.counts = dict.fromkeys(("groups_failed", "stale_dropped", "stale_restarted",
+                                     "extra", "late", "duplicates"), 0)
+
+    # -- outcomes ----------------------------------------------------------------
+    def _group(self, index: int) -> Group | None:
+        """The open group ``index`` (opened on first sight), None when it is closed."""
+        if index in self.closed or (self.stale == "wait" and index < self.next_index):
+            return None
+        return self.open.setdefault(index, Group(index))
+
+    def add_completed(self, msg: m.RolloutCompleted, fut: asyncio.Future) -> str | None:
+        """Record a completion; returns None if held, else why it is not (a count key)."""
+        g = self._group(msg.group_index)
+        key = None
+        if g is None:
+            key = "late"
+        elif g.seen(msg.traj_id):
+            key = "duplicates"
+        elif len(g.members) >= self.need:
+            key = "extra"
+        if key:
+            self.counts[key] += 1
+            return key
+        g.members.append((msg, fut))
+        if len(g.members) >= min(2, self.need):
+            self._reset_streak()
+        return None
+
+    def add_dead(self, traj_id: str, group_index: int, reason: str,
+                 fut: asyncio.Future) -> bool:
+        """Record a dead-lettered member; True if held (its ack waits for a checkpoint)."""
+        self.failure_kinds[reason_kind(reason)] += 1
+        g = self._group(group_index)
+        if g is None or g.seen(traj_id):
+            return False
+        g.dead.append((traj_id, reason))
+        g.held.append(fut)
+        return True
+
+    def add_cancelled(self, traj_id: str, group_index: int, fut: asyncio.Future) -> bool:
+        g = self._group(group_index)
+        if g is None or g.seen(traj_id):
+            return False
+        g.cancelled.append(traj_id)
+        g.held.append(fut)
+        return True
+
+    def _reset_streak(self) -> None:
+        self.streak = 0
+        self.streak_reasons.clear()
+
+    # -- selection ---------------------------------------------------------------
+    def _ready(self, g: Group) -> bool:
+        return len(g.members) >= self.need or g.outcomes >= self.size
+
+    def _failed(self, g: Group) -> bool:
+        return self._ready(g) and len(g.members) < min(2, self.need)
+
+    def select(self, version: int) -> Selection:
+        """The groups of the next step (empty batch: not ready), plus stale and failed ones
+        to close now. Pure: nothing changes until :meth:`close`."""
+        failed = [g for g in self.open.values() if self._failed(g)]
+        dead = {g.index for g in failed}
+        live = {i: g for i, g in self.open.items() if i not in dead}
+        if self.stale == "wait":
+            batch, i = [], self.next_index
+            while len(batch) < self.batch_groups:
+                if i in self.closed or i in dead:
+                    i += 1
+                    continue
+                g = live.get(i)
+                if g is None or not self._ready(g):
+                    return Selection([], [], failed)
+                batch.append(g)
+                i += 1
+            return Selection(batch, [], failed)
+        in_bound, stale = [], []
+        for i in sorted(live):
+            g = live[i]
+            if self._ready(g):
+                (in_bound if g.min_version >= version - self.alpha else stale).append(g)
+        if len(in_bound) < self.batch_groups:
+            return Selection([], stale, failed)
+        return Selection(in_bound[: self.batch_groups], stale, failed)
+
+    def close(self, g: Group, state: str) -> list[asyncio.Future]:
+        """Close ``g`` as ``trained``, ``failed``, ``dropped`` or ``restarted``; returns the
+        futures of its deliveries (to be resolved once a checkpoint holds this)."""
+        self.open.pop(g.index, None)
+        self.closed.add(g.index)
+        if state == "trained":
+            self.trained += 1
+        elif state == "failed":
+            self.lost += 1
+            self.counts["groups_failed"] += 1
+            self.streak += 1
+            self.streak_reasons.update(reason_kind(r) for _, r in g.dead)
+            if not g.dead:
+                self.streak_reasons["cancelled"] += 1
+        elif state in ("dropped", "restarted"):
+            self.lost += state == "dropped"
+            self.counts["stale_dropped" if state == "dropped" else "stale_restarted"] += 1
+        else:
+            raise ValueError(f"unknown group state {state!r}")
+        if self.stale == "wait":
+            while self.next_index in self.closed:
+                self.next_index += 1
+        return g.futures()
+
+    # -- health ------------------------------------------------------------------
+    def tripped(self) -> str | None:
+        """Why the run must stop, when the last ``breaker`` settled groups all failed."""
+        if self.breaker <= 0 or self.streak < self.breaker:
+            return None
+        top = ", ".join(f"{k} x{n}" for k, n in self.streak_reasons.most_common(3))
+        return (f"the last {self.streak} groups all failed (rollout.fail_after_groups = "
+                f"{self.breaker}); reasons: {top or 'unknown'}")
+
+    def describe_wait(self, version: int) -> str:
+        """What selection is waiting for, in one line."""
+        if self.stale == "wait":
+            i = self.next_index
+            while i in self.closed:
+                i += 1
+            want = [i + k for k in range(self.batch_groups)]
+        else:
+            want = sorted(self.open)[: self.batch_groups]
+        parts = []
+        for i in want:
+            g = self.open.get(i)
+            if g is None:
+                parts.append(f"group {i}: nothing received")
+            else:
+                parts.append(f"group {i}: {len(g.members)}/{self.need} completed, "
+                             f"{len(g.dead)} dead, {len(g.cancelled)} cancelled")
+        ready = sum(self._ready(g) and not self._failed(g) for g in self.open.values())
+        return (f"step to v{version + 1} needs {self.batch_groups} ready groups "
+                f"({ready} ready, {len(self.open)} open); " + "; ".join(parts[:4]))
+
+    def summary(self, **extra: Any) -> m.LedgerSummary:
+        return m.LedgerSummary(lost=self.lost, trained=self.trained, next_index=self.next_index,
+                               failed_streak=self.streak, ts=time.time(), **extra)
+
+    # -- persistence -------------------------------------------------------------
+    def state(self) -> dict:
+        """What a checkpoint keeps: closed groups and counters (open groups are not kept:
+        their deliveries are un-acked, so they come back after a restart)."""
+        return {"closed": self.closed.state(), "next_index": self.next_index, "lost": self.lost,
+                "trained": self.trained, "streak": self.streak,
+                "streak_reasons": dict(self.streak_reasons),
+                "failure_kinds": dict(self.failure_kinds), "counts": dict(self.counts)}
+
+    def load(self, s: dict) -> None:
+        self.closed = IndexSet.from_state(s["closed"])
+        self.next_index = s["next_index"]
+        self.lost, self.trained, self.streak = s["lost"], s["trained"], s["streak"]
+        self.streak_reasons = Counter(s.get("streak_reasons", {}))
+        self.failure_kinds = Counter(s.get("failure_kinds", {}))
+        self.counts.update(s.get("counts", {}))
+
+
+# -- the summary in KV -------------------------------------------------------------
+
+
+async def put_summary(bus: Any, run: str, summary: m.LedgerSummary) -> bool:
+    """Store the ledger summary; a failed put is logged, never raised (status, not state:
+    the next change writes it again)."""
+    from rollart.bus import BusError
+    from rollart.bus.codec import encode
+
+    try:
+        kv = await bus.key_value(m.kv_bucket(run))
+        await kv.put(m.LEDGER_KEY, encode(summary))
+        return True
+    except BusError as e:
+        log.warning("could not store the ledger summary: %s", e)
+        return False
+
+
+async def watch_summary(bus: Any, run: str) -> AsyncIterator[m.LedgerSummary]:
+    """The current ledger summary (if any), then each new one."""
+    from rollart.bus.codec import DecodeError, decode
+
+    kv = await bus.key_value(m.kv_bucket(run))
+    async for e in kv.watch(m.LEDGER_KEY):
+        if e.deleted or not e.value:
+            continue
+        try:
+            yield decode(m.LedgerSummary, e.value)
+        except DecodeError as err:
+            log.error("ignoring malformed ledger summary: %s", err)

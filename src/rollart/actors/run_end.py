@@ -1,0 +1,74 @@
+"""The end of a run, as a record in the run's KV bucket (:data:`rollart.messages.RUN_END_KEY`).
+
+The trainer writes ``stage="trained"`` after its last step (schedulers stop admitting); the
+host of the trainer writes ``stage="ended"`` once the final evaluation and ``summary.json``
+are done (nodes of the run drain and exit). A watcher acts only on records written after
+it started watching, so a record left by an earlier process of the same run (a resumed
+run, a restarted head) is never taken for the end of this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollart import messages as m
+
+log = logging.getLogger(__name__)
+
+
+async def put_run_end(bus: Any, run: str, rec: m.RunEnd, *, attempts: int = 8) -> bool:
+    """Store ``rec``; retried a few times, then logged (never raised)."""
+    from rollart.bus import BusError
+    from rollart.bus.codec import encode
+
+    for attempt in range(1, attempts + 1):
+        try:
+            kv = await bus.key_value(m.kv_bucket(run))
+            await kv.put(m.RUN_END_KEY, encode(rec))
+            return True
+        except BusError as e:
+            if attempt == attempts:
+                log.error("could not store the end of run %s (%s): its nodes keep running", run, e)
+                return False
+            await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt))
+    return False
+
+
+async def watch_run_end(bus: Any, run: str) -> AsyncIterator[m.RunEnd]:
+    """Each :class:`RunEnd` record written after this call (older ones are skipped)."""
+    from rollart.bus.codec import DecodeError, decode
+
+    kv = await bus.key_value(m.kv_bucket(run))
+    e = await kv.get(m.RUN_END_KEY)
+    seen = e.revision if e is not None else 0
+    async for e in kv.watch(m.RUN_END_KEY):
+        if e.deleted or not e.value or e.revision <= seen:
+            continue
+        seen = e.revision
+        try:
+            yield decode(m.RunEnd, e.value)
+        except DecodeError as err:
+            log.error("ignoring a malformed end-of-run record: %s", err)
+
+
+async def wait_run_end(bus: Any, run: str, stages: tuple[str, ...] = ("ended",)) -> m.RunEnd:
+    """The first new :class:`RunEnd` record whose stage is in ``stages``. A watch that
+    fails (the server is away) is started again, with one warning."""
+    from rollart.bus import BusError
+
+    warned, delay = False, 0.5
+    while True:
+        try:
+            async for rec in watch_run_end(bus, run):
+                if rec.stage in stages:
+                    return rec
+            await asyncio.Event().wait()  # the watch ended (the bus closed): never an end
+        except BusError as e:
+            if not warned:
+                log.warning("cannot watch for the end of run %s (%s); retrying", run, e)
+                warned = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)

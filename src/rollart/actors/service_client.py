@@ -1,0 +1,414 @@
+"""Calling stateless services (generate, reward) so that a run never stalls on one.
+
+Requester side, :class:`ServiceClient` (one per EnvManager):
+
+- Nobody answers (no responders, a timeout, a lost connection, a replica that dies or
+  stops): *transient*. The request is sent again, with jittered backoff capped at 2 s,
+  until ``wait`` seconds have passed; then the trajectory fails with
+  ``Reject("service_unavailable: ...")`` and is dead-lettered at once. A pool without
+  replicas is waited for: its waiters wake as soon as a replica of the pool reports, and
+  one rate-limited log line per pool (not one per retry) says what waits for what.
+- A replica answers with an error: retried ``retries`` times, then
+  ``Reject("service_error: ...")``. An error marked ``unavailable`` (the replica is
+  stopping) is transient and is sent elsewhere at once. A reply that does not decode is
+  ``Reject("decode: ...")`` at once.
+- Every attempt carries a fresh ``request_id``. Replicas list the ids they hold on
+  ``service.progress`` about once a second (:class:`ProgressReporter`); a request held by a
+  replica that went silent for ``replica_timeout`` seconds, or claimed by no replica while
+  the pool's replicas report, is sent again at once instead of waiting out its timeout.
+
+Replica side, :class:`ProgressReporter`: an actor that keeps one as its ``progress``
+attribute (for the subject it serves) and runs ``await self.progress.run()`` in its
+``main`` has every request listed by the runtime's ``Service`` from arrival (queued
+included) until the reply. One small message per replica per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from rollart import messages as m
+from rollart.actors.base import ERROR_HEADER, Actor, Reject
+from rollart.actors.runtime import ERROR_KIND_HEADER, backoff, decode_core
+from rollart.bus import BusError, BusTimeout, NoResponders
+from rollart.bus.codec import DecodeError, decode, encode
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE_AFTER = 1.0
+"""Seconds requests of a pool wait before a log line says so."""
+REMIND_EVERY = 30.0
+"""Seconds between reminders while they still wait."""
+FORGET_AFTER = 120.0
+"""Seconds after which a silent replica is forgotten."""
+
+
+def _svc(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclass(eq=False)
+class _Pending:
+    service: str
+    pool: str
+    sent: float
+    lost: asyncio.Future
+    claimed_by: str = ""
+
+
+@dataclass(eq=False)
+class _Replica:
+    service: str
+    pool: str
+    last: float
+    every: float
+    silent: bool = False
+
+
+@dataclass(eq=False)
+class _Outage:
+    """The requests of one (service, pool) that wait for a replica to answer."""
+
+    since: float
+    waiting: int = 0
+    why: str = ""
+    announced: float = 0.0
+
+
+class ServiceClient:
+    """Request/reply to generate and reward pools that waits out missing replicas.
+
+    Args:
+        actor: the requesting actor (its bus, run, pool and name).
+        timeout: seconds one attempt may take on a live replica.
+        wait: seconds a request keeps trying while no replica answers.
+        retries: error answers retried before the request fails.
+        replica_timeout: seconds of silence after which a held request is sent again;
+            0 turns progress tracking off.
+        count: ``count(key)`` is called for each notable event (stats).
+    """
+
+    def __init__(self, actor: Actor, *, timeout: float = 60.0, wait: float = 300.0,
+                 retries: int = 3, replica_timeout: float = 3.0,
+                 count: Callable[[str], None] | None = None) -> None:
+        self.actor = actor
+        self.timeout, self.wait, self.retries = timeout, wait, retries
+        self.replica_timeout = replica_timeout
+        self._count = count or (lambda key: None)
+        self._prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count(1)
+        self._pending: dict[str, _Pending] = {}
+        self._replicas: dict[tuple[str, str], _Replica] = {}
+        self._outages: dict[tuple[str, str], _Outage] = {}
+        self._appeared: dict[tuple[str, str], asyncio.Event] = {}
+        self._unclaimed_logged = 0.0
+        self._sub: Any = None
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen to replicas' progress reports (call once the actor has a bus)."""
+        if self.replica_timeout > 0 and self._sub is None:
+            assert self.actor.bus is not None
+            self._sub = await self.actor.bus.subscribe(self.actor.subject("service.progress"),
+                                                       self._on_progress)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+
+    async def run(self) -> None:
+        """Watch held requests and report waits; run it in the actor's ``main``."""
+        period = min(0.5, max(0.05, self.replica_timeout / 4)) if self.replica_timeout > 0 else 0.5
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            # after a stall of this event loop, reports may still sit unread: judge next time
+            self.sweep(now, judge=now - last < period + 1.0)
+            last = now
+
+    def waits(self) -> dict[tuple[str, str], tuple[int, float]]:
+        """(service, pool) -> (requests waiting, seconds since the first began)."""
+        now = time.monotonic()
+        return {k: (o.waiting, now - o.since) for k, o in self._outages.items()}
+
+    # -- requests ----------------------------------------------------------------------
+    async def call(self, name: str, msg: Any, *, pool: str | None = None, what: str = "") -> Any:
+        """Send ``msg`` (a request with a ``request_id`` field) to service ``name``; return the
+        decoded reply. Raises :class:`Reject` with a ``service_unavailable``,
+        ``service_error`` or ``decode`` reason when it gives up.
+
+        One attempt is active at a time. An attempt given up as lost keeps listening for its
+        reply until its own timeout (a stalled replica may still answer); the first good
+        reply of any attempt wins.
+        """
+        pool = pool or self.actor.pool
+        key = (name, pool)
+        subject = self.actor.subject(name, pool)
+        lingering: dict[asyncio.Future, _Pending] = {}
+        active: asyncio.Future | None = None
+        started = 0.0
+        errors = tries = 0
+        ok = False
+        delay = 0.0
+        wake = True
+        try:
+            while True:
+                if delay > 0:
+                    await self._pause(key, delay, lingering, wake)
+                    if (out := self._harvest(name, lingering, what)) is not None:
+                        ok = True
+                        return out
+                rid = f"{self._prefix}-{next(self._ids)}"
+                p = _Pending(service=name, pool=pool, sent=time.monotonic(),
+                             lost=asyncio.get_running_loop().create_future())
+                self._pending[rid] = p
+                assert self.actor.bus is not None
+                active = asyncio.ensure_future(self.actor.bus.request(
+                    subject, encode(msgspec.structs.replace(msg, request_id=rid)),
+                    timeout=self.timeout))
+                while not (active.done() or p.lost.done()):
+                    await asyncio.wait({active, p.lost, *lingering},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if (out := self._harvest(name, lingering, what)) is not None:
+                        ok = True
+                        return out
+                del self._pending[rid]
+                if not active.done():  # lost: keep listening, send again at once
+                    self._count("requests_resent")
+                    lingering[active] = p
+                    active = None
+                    why, at_once = p.lost.result(), True
+                else:
+                    fut, active = active, None
+                    p.lost.cancel()
+                    try:
+                        rep = fut.result()
+                    except NoResponders:
+                        why, at_once = "no responders", False
+                    except BusTimeout:
+                        why, at_once = f"no reply within {self.timeout:g}s", True
+                    except BusError as e:
+                        why, at_once = f"{type(e).__name__}: {e}", False
+                    else:
+                        err = rep.headers.get(ERROR_HEADER)
+                        if err is None:
+                            out = self._decode(name, rep, what)
+                            ok = True
+                            return out
+                        if rep.headers.get(ERROR_KIND_HEADER) != "unavailable":
+                            errors += 1
+                            self._count("service_errors")
+                            if errors > self.retries:
+                                raise Reject(f"service_error: {name}{what} failed {errors} times;"
+                                             f" last error: {err}")
+                            log.warning("%s: %s%s answered an error (%s); retry %d of %d",
+                                        self.actor.name, name, what, err, errors, self.retries)
+                            delay, wake = backoff(errors), False
+                            continue
+                        why, at_once = f"replica unavailable ({err})", True
+                now = time.monotonic()
+                if not started:
+                    started = now
+                    self._begin(key, now)
+                self._outages[key].why = why
+                tries += 1
+                left = started + self.wait - now
+                if left <= 0:
+                    raise Reject(f"service_unavailable: no {_svc(name)} replica in pool {pool!r} "
+                                 f"answered{what} for {now - started:.0f}s (rollout.service_wait);"
+                                 f" last: {why}")
+                delay = 0.0 if at_once and tries == 1 else min(left, backoff(tries, base=0.1, cap=2.0))
+                wake = True
+        finally:
+            for fut in [*lingering, *([active] if active is not None else [])]:
+                if not fut.done():
+                    fut.cancel()
+                fut.add_done_callback(_retrieve)
+            for p in lingering.values():
+                p.lost.cancel()
+            if started:
+                self._end(key, ok=ok)
+
+    def _decode(self, name: str, rep: Any, what: str) -> Any:
+        try:
+            out = decode(m.REPLY_TYPES[name], rep.data)
+            m.validate(out)
+            return out
+        except (DecodeError, m.Invalid) as e:
+            raise Reject(f"decode: reply to {name}{what}: {e}") from e
+
+    def _harvest(self, name: str, lingering: dict[asyncio.Future, _Pending], what: str) -> Any:
+        """The decoded good reply of a lost attempt that answered after all, or None."""
+        for fut in [f for f in lingering if f.done()]:
+            del lingering[fut]
+            if fut.cancelled() or fut.exception() is not None:
+                continue
+            rep = fut.result()
+            if ERROR_HEADER not in rep.headers:
+                return self._decode(name, rep, what)
+        return None
+
+    async def _pause(self, key: tuple[str, str], delay: float,
+                     lingering: dict[asyncio.Future, _Pending], wake: bool) -> None:
+        """Sleep ``delay`` seconds, or until a lost attempt answers, or (``wake``) until a
+        replica of the pool reports."""
+        waits: set[asyncio.Future] = set(lingering)
+        if wake:
+            waits.add(asyncio.ensure_future(self._appeared.setdefault(key, asyncio.Event()).wait()))
+        try:
+            if waits:
+                await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(delay)
+        finally:
+            for w in waits - set(lingering):
+                w.cancel()
+
+    def _begin(self, key: tuple[str, str], now: float) -> None:
+        o = self._outages.get(key)
+        if o is None:
+            o = self._outages[key] = _Outage(since=now)
+        o.waiting += 1
+        self._count("service_waits")
+
+    def _end(self, key: tuple[str, str], ok: bool) -> None:
+        o = self._outages.get(key)
+        if o is None:
+            return
+        o.waiting -= 1
+        if o.waiting <= 0:
+            del self._outages[key]
+            if o.announced and ok:
+                log.info("%s: %s replicas in pool %r answer again (waited %.1fs)",
+                         self.actor.name, _svc(key[0]), key[1], time.monotonic() - o.since)
+
+    # -- progress ------------------------------------------------------------------
+    async def _on_progress(self, req) -> None:
+        pr = decode_core(m.ServiceProgress, req)
+        if pr is None:  # junk on a core subject: counted and dropped
+            return
+        now = time.monotonic()
+        r = self._replicas.get((pr.service, pr.replica))
+        if r is None:
+            r = self._replicas[(pr.service, pr.replica)] = _Replica(
+                service=pr.service, pool=pr.pool, last=now, every=pr.every)
+        elif r.silent:
+            log.info("%s: %s replica %s reports again", self.actor.name, _svc(pr.service),
+                     pr.replica)
+        r.last, r.every, r.pool, r.silent = now, pr.every, pr.pool, False
+        for rid in pr.request_ids:
+            p = self._pending.get(rid)
+            if p is not None:
+                p.claimed_by = pr.replica
+        ev = self._appeared.pop((pr.service, pr.pool), None)
+        if ev is not None:
+            ev.set()
+
+    def _limit(self, every: float) -> float:
+        return max(self.replica_timeout, 2.0 * every)
+
+    def sweep(self, now: float, judge: bool = True) -> None:
+        """Send again requests held by silent replicas or claimed by none (``judge``); log
+        waits."""
+        if self.replica_timeout > 0 and judge:
+            live: dict[tuple[str, str], float] = {}  # (service, pool) -> silence limit
+            for r in self._replicas.values():
+                if now - r.last <= self._limit(r.every):
+                    k = (r.service, r.pool)
+                    live[k] = max(live.get(k, 0.0), self._limit(r.every))
+            silent: dict[tuple[str, str], int] = {}
+            unclaimed = 0
+            for p in self._pending.values():
+                if p.lost.done():
+                    continue
+                if p.claimed_by:
+                    r = self._replicas.get((p.service, p.claimed_by))
+                    if r is not None and now - r.last > self._limit(r.every):
+                        p.lost.set_result(f"replica {p.claimed_by} went silent")
+                        silent[(p.service, p.claimed_by)] = silent.get((p.service, p.claimed_by), 0) + 1
+                elif (p.service, p.pool) in live and now - p.sent > live[(p.service, p.pool)]:
+                    p.lost.set_result(f"no replica claimed it within {now - p.sent:.1f}s")
+                    unclaimed += 1
+            for (service, name), n in silent.items():
+                r = self._replicas[(service, name)]
+                self._count("replicas_lost")
+                if not r.silent:
+                    r.silent = True
+                    log.warning("%s: %s replica %s (pool %r) silent for %.1fs: sending the %d "
+                                "request(s) it held elsewhere", self.actor.name, _svc(service),
+                                name, r.pool, now - r.last, n)
+            if unclaimed and now - self._unclaimed_logged > 10.0:
+                self._unclaimed_logged = now
+                log.warning("%s: %d request(s) claimed by no live replica; sending them again",
+                            self.actor.name, unclaimed)
+            for k in [k for k, r in self._replicas.items() if now - r.last > FORGET_AFTER]:
+                del self._replicas[k]
+        for (name, pool), o in self._outages.items():
+            if o.announced and now - o.announced < REMIND_EVERY:
+                continue
+            if now - o.since < ANNOUNCE_AFTER:
+                continue
+            log.warning("%s: %d request(s) %s for a %s replica in pool %r for %.0fs (%s); "
+                        "each gives up after %.0fs (rollout.service_wait)", self.actor.name,
+                        o.waiting, "still wait" if o.announced else "wait", _svc(name), pool,
+                        now - o.since, o.why, self.wait)
+            o.announced = now
+
+
+class ProgressReporter:
+    """Replica side: publish the request ids this replica holds, every ``every`` seconds.
+
+    The replica's id in reports is its actor name plus a random suffix, so that two
+    processes with the same actor name are told apart.
+    """
+
+    def __init__(self, actor: Actor, service: str, *, pool: str | None = None,
+                 every: float = 1.0) -> None:
+        self.actor, self.service, self.every = actor, service, every
+        self.pool = pool or actor.pool
+        self.replica = f"{actor.name}@{uuid.uuid4().hex[:6]}"
+        self.held: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, request_id: str) -> Iterator[None]:
+        """List ``request_id`` in reports while the block runs."""
+        if not request_id:
+            yield
+            return
+        self.held[request_id] = self.held.get(request_id, 0) + 1
+        try:
+            yield
+        finally:
+            n = self.held.pop(request_id, 1) - 1
+            if n > 0:
+                self.held[request_id] = n
+
+    async def run(self) -> None:
+        while True:
+            await self.report()
+            await asyncio.sleep(self.every)
+
+    async def report(self) -> None:
+        msg = m.ServiceProgress(service=self.service, replica=self.replica, pool=self.pool,
+                                request_ids=list(self.held), every=self.every)
+        try:
+            await self.actor.publish("service.progress", msg)
+        except BusError as e:
+            log.debug("%s: progress report failed: %s", self.actor.name, e)

@@ -1,0 +1,358 @@
+"""Check a run's environments before anything starts, so a broken env fails the run at once.
+
+A systematic env error (a type that cannot be imported, a misspelt argument, a constructor
+that raises, a ``reset``/``step`` with the wrong shape) otherwise surfaces only as every
+trajectory being retried and dead-lettered while the run waits at step 0. ``rollart config``,
+``rollart run``, ``rollart rollout`` and ``python -m rollart.node --roles env`` call
+:func:`check_envs` / :func:`check_envs_async` first.
+
+For every env of ``cfg.envs`` (or the ones named):
+
+1. static, always: ``action_pattern`` compiles, ``turn_template`` has only ``{observation}``
+   and ``{turn}``, the ``type`` imports, and ``args`` fit the class's constructor (unknown
+   and missing keyword arguments are named);
+2. unless the env says ``check: false``: one env is constructed with its configured
+   ``executor`` (thread or process, exactly as an EnvManager builds it), ``reset`` once with
+   ``rollout.seed`` under ``reset_timeout`` and its result's shape checked; when the env then
+   offers ``legal_actions()``, one step with the first legal action is taken under
+   ``step_timeout`` and its 5-tuple checked.
+
+A ``reset`` that *raises* (or a constructor failing with ``ConnectionError``/``TimeoutError``)
+is retried on fresh envs up to ``reset_retries`` times (transient, as in a run); a wrong shape,
+any other construction error or a timeout fails at once. All of it runs on an event loop of
+its own in a daemon thread, under an overall deadline, so neither a sync env nor an async env
+that blocks its loop can hang the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import difflib
+import importlib
+import inspect
+import random
+import string
+import threading
+from typing import Any, Iterable
+
+from rollart.config.loader import ConfigError
+from rollart.envs.actions import compile_pattern
+from rollart.envs.registry import BUILTIN_ENVS, GYM_PREFIX
+from rollart.envs.runner import EnvError, EnvRunner, EnvTimeout, _describe
+
+try:  # the runner's permanent kinds of EnvError
+    from rollart.envs.runner import EnvContractError, EnvSetupError
+except ImportError:  # an older runner: tell them apart by what they wrap
+    EnvContractError = EnvSetupError = None  # type: ignore[assignment,misc]
+
+START_TIMEOUT = 60.0
+"""Seconds one env may take to construct (what an EnvManager's runner allows too)."""
+
+
+class EnvCheckError(ConfigError):
+    """One or more envs failed their check; ``problems`` holds one line per problem, each
+    starting with the config key (``envs.<name>`` ...)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            msg = self.problems[0]
+        else:
+            msg = f"{len(self.problems)} env problems:\n  " + "\n  ".join(self.problems)
+        super().__init__(msg)
+
+
+class _Fail(Exception):
+    """One env's problem (internal)."""
+
+
+# -- static part -------------------------------------------------------------------------
+
+
+def import_env_class(type: str) -> Any:
+    """The class behind a built-in name, ``gym:<id>`` or ``pkg.module:Class``; raises ``_Fail``."""
+    if type.startswith(GYM_PREFIX):  # the gymnasium adapter: gymnasium imports, the id exists
+        from rollart.envs.gym import factory
+
+        try:
+            return factory(type[len(GYM_PREFIX):])
+        except (ImportError, ValueError) as e:
+            raise _Fail(str(e)) from e
+    path = BUILTIN_ENVS.get(type, type)
+    mod_name, sep, attr = path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise _Fail(f"unknown env type {type!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), "
+                    f"a gymnasium id 'gym:<id>' or an import path 'pkg.module:ClassName'")
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:  # ModuleNotFoundError, a missing dependency, an error at import time
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and e.name and (
+                mod_name == e.name or mod_name.startswith(e.name + ".")):
+            hint = f"; built-ins are {', '.join(sorted(BUILTIN_ENVS))}"
+        msg = str(e) if isinstance(e, ImportError) else _describe(e)
+        raise _Fail(f"cannot import {path!r}: {msg}{hint}") from e
+    cls = getattr(module, attr, None)
+    if cls is None:
+        near = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], 1)
+        raise _Fail(f"cannot import {path!r}: module {mod_name!r} has no attribute {attr!r}"
+                    + (f"; did you mean {near[0]!r}?" if near else ""))
+    if not callable(cls):
+        raise _Fail(f"{path!r} is not a class (not callable)")
+    return cls
+
+
+def _render_signature(cls: Any, sig: inspect.Signature, limit: int = 4) -> str:
+    parts = []
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        elif p.default is p.empty:
+            parts.append(p.name)
+        else:
+            parts.append(f"{p.name}={p.default!r:.20}")
+    if len(parts) > limit:
+        parts = parts[:limit] + ["..."]
+    return f"{getattr(cls, '__name__', cls)}({', '.join(parts)})"
+
+
+def check_args(cls: Any, args: dict[str, Any]) -> None:
+    """Raise ``_Fail`` naming an argument of ``args`` the constructor does not take, or a
+    required one that ``args`` lacks. Classes without an introspectable signature pass."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    shown = _render_signature(cls, sig)
+    if not takes_any:
+        for key in args:
+            if key not in named:
+                near = difflib.get_close_matches(str(key), named, 1)
+                raise _Fail(f"unknown argument {key!r} for {shown}"
+                            + (f"; did you mean {near[0]!r}?" if near else "")
+                            + f" (allowed: {', '.join(named) or 'none'})")
+    for n in named:
+        if params[n].default is params[n].empty and n not in args:
+            raise _Fail(f"missing required argument {n!r} of {shown}")
+    for n, p in params.items():
+        if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+            raise _Fail(f"{shown} needs positional argument {n!r}: config args are keyword arguments")
+
+
+def _check_template(template: str) -> None:
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        if field.split(".")[0].split("[")[0] not in ("observation", "turn"):
+            raise _Fail(f"unknown placeholder {{{field}}}; allowed: {{observation}}, {{turn}}")
+    try:
+        template.format(observation="", turn=1)
+    except Exception as e:
+        raise _Fail(_describe(e)) from e
+
+
+def static_problems(name: str, ec: Any) -> list[str]:
+    """Problems of env ``name`` (an EnvConfig) found without constructing it."""
+    where = f"envs.{name}"
+    out = []
+    if ec.action_pattern is not None:
+        try:
+            compile_pattern(ec.action_pattern)
+        except ValueError as e:
+            out.append(f"{where}.action_pattern: {e}")
+    try:
+        _check_template(ec.turn_template)
+    except _Fail as e:
+        out.append(f"{where}.turn_template: {e}")
+    try:
+        cls = import_env_class(ec.type)
+    except _Fail as e:
+        out.append(f"{where}.type: {e}")
+        return out
+    try:
+        check_args(cls, dict(ec.args))
+    except _Fail as e:
+        out.append(f"{where}.args: {e}")
+    return out
+
+
+# -- dynamic part ------------------------------------------------------------------------
+
+
+def _cause(e: BaseException) -> str:
+    """What the env itself raised (the runner wraps it), else the runner's message (e.g. that
+    its worker process died)."""
+    c = e.__cause__
+    return _describe(c) if c is not None and not isinstance(c, (EOFError, OSError)) else str(e)
+
+
+def _is_contract(e: EnvError) -> bool:
+    """reset/step returned the wrong shape (the runner's verdict, wrapping nothing)."""
+    return isinstance(e, EnvContractError) if EnvContractError is not None else e.__cause__ is None
+
+
+def _is_setup(e: EnvError) -> bool:
+    """The env cannot be built, and building it again would fail the same way."""
+    if EnvSetupError is not None:
+        return isinstance(e, EnvSetupError)
+    return not isinstance(e.__cause__, (ConnectionError, TimeoutError))
+
+
+async def _exercise(name: str, ec: Any, seed: int) -> None:
+    """Construct, reset and (with legal actions) step one env of ``ec``; raise ``_Fail``."""
+    where = f"envs.{name}"
+    attempts = ec.reset_retries + 1
+    last = ""
+    runner: EnvRunner | None = None
+    try:
+        for attempt in range(1, attempts + 1):
+            runner = EnvRunner(ec.type, dict(ec.args), executor=ec.executor,
+                               timeout=ec.step_timeout, start_timeout=START_TIMEOUT)
+            try:
+                await runner.start()
+            except EnvTimeout as e:
+                raise _Fail(f"{where}: constructing {ec.type!r} ({ec.executor}) did not finish "
+                            f"within {START_TIMEOUT:g}s") from e
+            except EnvError as e:
+                if _is_setup(e):  # a bad type, bad args, a constructor that raised
+                    raise _Fail(f"{where}: cannot construct {ec.type!r} with args "
+                                f"{dict(ec.args)!r:.200}: {_cause(e)}") from e
+                last = f"construction failed: {_cause(e)}"
+            else:
+                try:
+                    obs, info = await runner.reset(seed, timeout=ec.reset_timeout)
+                    break
+                except EnvTimeout as e:
+                    raise _Fail(f"{where}: reset({seed}) did not return within {ec.reset_timeout:g}s "
+                                f"(envs.{name}.reset_timeout; or set envs.{name}.check: false)") from e
+                except EnvError as e:
+                    if _is_contract(e):  # a wrong shape: the same every time
+                        raise _Fail(f"{where}: {e}") from e
+                    last = _cause(e)  # the env raised: maybe flaky, try a fresh one
+                except Exception as e:  # normalising the result failed (e.g. info not a dict)
+                    raise _Fail(f"{where}: reset() must return (observation: str, info: dict): "
+                                f"{_describe(e)}") from e
+            await runner.close()
+            runner = None
+            if attempt < attempts:
+                await asyncio.sleep(min(2.0, 0.05 * 2 ** (attempt - 1)) * (0.5 + random.random() / 2))
+        else:
+            raise _Fail(f"{where}: reset({seed}) failed {attempts} times "
+                        f"(1 + envs.{name}.reset_retries): {last}")
+        assert runner is not None
+        legal = runner.legal_actions()
+        if legal:
+            action = legal[0]
+            try:
+                await runner.step(action, timeout=ec.step_timeout)
+            except EnvTimeout as e:
+                raise _Fail(f"{where}: step({action!r}) did not return within {ec.step_timeout:g}s "
+                            f"(envs.{name}.step_timeout; or set envs.{name}.check: false)") from e
+            except EnvError as e:
+                raise _Fail(f"{where}: {e}" if _is_contract(e) else
+                            f"{where}: step({action!r}) after reset({seed}) failed: {_cause(e)}") from e
+            except Exception as e:
+                raise _Fail(f"{where}: step() must return (observation: str, reward: float, "
+                            f"terminated, truncated, info: dict): {_describe(e)}") from e
+    finally:
+        if runner is not None:
+            await runner.close()
+
+
+def _deadline(ec: Any) -> float:
+    """A generous bound on one env's check (a safety net, never reached by a healthy check)."""
+    per_attempt = START_TIMEOUT + ec.reset_timeout + 2.0 + 5.0  # + backoff + close
+    return per_attempt * (ec.reset_retries + 1) + ec.step_timeout + 30.0
+
+
+def _selected(cfg: Any, names: Iterable[str] | None) -> list[str]:
+    """The env names to check; problems with the selection itself raise EnvCheckError."""
+    if not cfg.envs:
+        raise EnvCheckError(["envs: no environment is configured; define at least one under envs:"])
+    wanted = list(cfg.envs) if names is None else list(dict.fromkeys(names))
+    missing = [n for n in wanted if n not in cfg.envs]
+    if cfg.rollout.env not in cfg.envs:
+        missing.insert(0, cfg.rollout.env)
+    if missing:
+        raise EnvCheckError([f"envs.{n}: no such env; configured envs: {', '.join(cfg.envs)}"
+                             + (" (rollout.env names it)" if n == cfg.rollout.env else "")
+                             for n in dict.fromkeys(missing)])
+    return wanted
+
+
+async def _check_all(cfg: Any, names: list[str]) -> list[str]:
+    problems: list[str] = []
+    dynamic = []
+    for n in names:
+        found = static_problems(n, cfg.envs[n])
+        problems += found
+        if not found and cfg.envs[n].check:
+            dynamic.append(n)
+
+    async def one(n: str) -> str | None:
+        try:
+            await _exercise(n, cfg.envs[n], cfg.rollout.seed)
+        except _Fail as e:
+            return str(e)
+        except Exception as e:  # a bug here must still name the env
+            return f"envs.{n}: check failed: {_describe(e)}"
+        return None
+
+    problems += [p for p in await asyncio.gather(*(one(n) for n in dynamic)) if p]
+    return problems
+
+
+def _start(cfg: Any, names: Iterable[str] | None) -> tuple[concurrent.futures.Future, float]:
+    selected = _selected(cfg, names)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def body() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(asyncio.run(_check_all(cfg, selected)))
+        except BaseException as e:  # handed to the waiting caller
+            fut.set_exception(e)
+
+    threading.Thread(target=body, name="rollart-env-check", daemon=True).start()
+    return fut, max([_deadline(cfg.envs[n]) for n in selected] or [0.0])
+
+
+def _finish(fut: concurrent.futures.Future, deadline: float) -> None:
+    if not fut.done():
+        raise EnvCheckError([f"envs: the env check did not finish within {deadline:g}s (an async env "
+                             f"blocking its event loop?); set check: false on the env to skip it"])
+    problems = fut.result()
+    if problems:
+        raise EnvCheckError(problems)
+
+
+def check_envs(cfg: Any, names: Iterable[str] | None = None) -> None:
+    """Check the envs of a RunConfig (all of ``cfg.envs``, or ``names``); blocking.
+
+    Raises :class:`EnvCheckError` (a ``ConfigError``, so a ``ValueError``) whose message
+    names every failing env key and its problem, e.g.
+    ``envs.main.args: unknown argument 'sizee' for FrozenLakeEnv(size=4, ...)``.
+    """
+    fut, deadline = _start(cfg, names)
+    try:
+        fut.result(timeout=deadline)
+    except concurrent.futures.TimeoutError:
+        pass
+    _finish(fut, deadline)
+
+
+async def check_envs_async(cfg: Any, names: Iterable[str] | None = None) -> None:
+    """:func:`check_envs` for a coroutine: the event loop stays free while envs are checked."""
+    fut, deadline = _start(cfg, names)
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), deadline)
+    except TimeoutError:
+        pass
+    _finish(fut, deadline)

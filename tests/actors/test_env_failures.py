@@ -1,0 +1,144 @@
+"""EnvManager failure kinds: a permanent failure is dead-lettered at its first delivery with
+a kind token; a missing generate or reward pool is waited for, however long it stays away
+(up to rollout.service_wait)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollart import messages as m
+from rollart.actors.env_manager import EnvManager
+from rollart.actors.llm_proxy import LLMProxy
+from rollart.actors.reward import RewardService
+from rollart.bus.codec import encode
+from rollart.config import ActorConfig, RunConfig, convert
+from rollart.node import Node
+from tests.actors.sample_actors import collect, new_run
+
+BROKEN = "tests.actors.broken_envs"
+
+
+def make_cfg(tiny_model, envs: dict | None = None, **rollout) -> RunConfig:
+    envs = {"main": {"type": "frozenlake", "max_turns": 3}, **(envs or {})}
+    return convert({"run": new_run(), "model": {"path": str(tiny_model)}, "envs": envs,
+                    "rollout": {"group_size": 2, "batch_groups": 1, **rollout}}, RunConfig)
+
+
+def build(cfg: RunConfig, role: str):
+    cls = {"env": EnvManager, "generate": LLMProxy, "reward": RewardService}[role]
+    return cls.from_config(cfg, ActorConfig(), pool="default")
+
+
+async def submit(bus, run: str, envs: list[str]) -> list[str]:
+    ids = []
+    for i, env in enumerate(envs):
+        tid = f"t{i}-{env}"
+        msg = m.RolloutRequested(traj_id=tid, group_id=f"g{i}", env=env, seed=i)
+        await bus.publish(m.subject(run, "rollout.requested", "default"), encode(msg), msg_id=tid)
+        ids.append(tid)
+    return ids
+
+
+async def wait_until(cond, deadline: float, what: str) -> None:
+    end = time.monotonic() + deadline
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+PERMANENT = {
+    "ctor": ({"type": f"{BROKEN}:CtorFails"}, "env_setup: ", "no licence"),
+    "ctor_process": ({"type": f"{BROKEN}:CtorFails", "executor": "process"}, "env_setup: ", "no licence"),
+    "no_import": ({"type": "tests.actors.broken_import_env:Env"}, "env_setup: ",
+                  "rollart_test_package_that_is_not_installed"),
+    "no_module": ({"type": "tests.actors.no_such_module:Env"}, "env_setup: ", "not found"),
+    "bad_args": ({"type": "frozenlake", "args": {"nope": 1}}, "env_setup: ", "'nope'"),
+    "step_shape": ({"type": f"{BROKEN}:ShortStep"}, "env_contract: ", "step() must return"),
+    "reset_shape": ({"type": f"{BROKEN}:ObsOnlyReset"}, "env_contract: ", "reset() must return"),
+    "reward_type": ({"type": f"{BROKEN}:WordReward"}, "env_contract: ", "reward must be a number"),
+}
+
+
+async def test_permanent_env_failures_are_dead_lettered_at_the_first_delivery(nats_bus, tiny_model):
+    cfg = make_cfg(tiny_model, {k: v[0] for k, v in PERMANENT.items()})
+    env, gen = build(cfg, "env"), build(cfg, "generate")
+    async with Node(nats_bus, [env, gen], heartbeat_every=0, grace=1):
+        await submit(nats_bus, cfg.run, [*PERMANENT, "main"])
+        dead = await collect(nats_bus, cfg.run, "dead", len(PERMANENT), deadline=60)
+        done = await collect(nats_bus, cfg.run, "rollout.completed", 1, deadline=60)
+    by_env = {m.dead_request(d).env: d for d in dead}
+    assert sorted(by_env) == sorted(PERMANENT), [d.reason for d in dead]
+    for name, (_, token, detail) in PERMANENT.items():
+        d = by_env[name]
+        assert d.reason.startswith(token) and detail in d.reason, (name, d.reason)
+        assert d.num_delivered == 1, f"{name} was retried: {d.reason}"
+    assert env.stats.get("reset_failures", 0) == 0, "a permanent failure was retried"
+    assert [d.env for d in done] == ["main"] and done[0].attempt == 1
+
+
+async def test_a_generate_pool_that_appears_late_is_waited_for(nats_bus, tiny_model):
+    cfg = make_cfg(tiny_model, generate_timeout=60.0, service_wait=120.0)
+    env = build(cfg, "env")
+    async with Node(nats_bus, [env], heartbeat_every=0, grace=1):
+        ids = await submit(nats_bus, cfg.run, ["main", "main"])
+        # far beyond the old budget (3 retries 0.2-0.8 s, then ~5 redeliveries)
+        await wait_until(lambda: env.services.waits().get(("generate.request", "default"), (0, 0.0))[1] >= 10,
+                         deadline=30, what="trajectories waiting 10 s for a generate replica")
+        assert env.services.waits()[("generate.request", "default")][0] == 2
+        async with Node(nats_bus, [build(cfg, "generate")], heartbeat_every=0, grace=1):
+            done = await collect(nats_bus, cfg.run, "rollout.completed", 2, deadline=60)
+        dead = await collect(nats_bus, cfg.run, "dead", 1, deadline=0.5)
+    assert sorted(d.traj_id for d in done) == sorted(ids) and not dead
+    assert all(d.attempt == 1 for d in done), "the trajectory waited; it was not re-run"
+    assert env.stats.get("service_waits", 0) == 2
+
+
+async def test_a_reward_pool_that_appears_late_is_waited_for(memory_bus_only, tiny_model):
+    bus = memory_bus_only
+    cfg = make_cfg(tiny_model, {"main": {"type": "frozenlake", "max_turns": 2,
+                                         "scorer": "answer_match"}})
+    env = build(cfg, "env")
+    async with Node(bus, [env, build(cfg, "generate")], heartbeat_every=0, grace=1):
+        ids = await submit(bus, cfg.run, ["main"])
+        await wait_until(lambda: env.services.waits().get(("reward.request", "default"), (0, 0.0))[1] >= 3,
+                         deadline=30, what="a trajectory waiting for a reward replica")
+        async with Node(bus, [build(cfg, "reward")], heartbeat_every=0, grace=1):
+            done = await collect(bus, cfg.run, "rollout.completed", 1, deadline=30)
+    assert [d.traj_id for d in done] == ids and done[0].attempt == 1
+
+
+async def test_no_generate_pool_until_service_wait_is_dead_lettered_once(memory_bus_only, tiny_model):
+    bus = memory_bus_only
+    cfg = make_cfg(tiny_model, service_wait=1.5)
+    async with Node(bus, [build(cfg, "env")], heartbeat_every=0, grace=1):
+        t0 = time.monotonic()
+        await submit(bus, cfg.run, ["main"])
+        dead = await collect(bus, cfg.run, "dead", 1, deadline=20)
+        took = time.monotonic() - t0
+    assert len(dead) == 1 and dead[0].num_delivered == 1
+    assert dead[0].reason.startswith("service_unavailable: no generate replica in pool 'default'")
+    assert took < 10
+
+
+@pytest.mark.parametrize("value", [0, -1.0])
+def test_service_wait_must_be_positive(value):
+    with pytest.raises(Exception, match="service_wait"):
+        convert({"rollout": {"service_wait": value}}, RunConfig)
+
+
+async def test_a_trajectory_waiting_for_a_replica_still_obeys_cancel(memory_bus_only, tiny_model):
+    bus = memory_bus_only
+    cfg = make_cfg(tiny_model)
+    env = build(cfg, "env")
+    async with Node(bus, [env], heartbeat_every=0, grace=1):
+        ids = await submit(bus, cfg.run, ["main"])
+        await wait_until(lambda: env.services.waits().get(("generate.request", "default"), (0, 0.0))[0] == 1,
+                         deadline=30, what="the trajectory waiting for a generate replica")
+        await bus.publish_core(m.subject(cfg.run, "rollout.cancel"), encode(m.CancelGroup(group_id="g0")))
+        cancelled = await collect(bus, cfg.run, "rollout.cancelled", 1, deadline=10)
+    assert [c.traj_id for c in cancelled] == ids
+    assert env.services.waits() == {}

@@ -1,0 +1,252 @@
+"""The group ledger: progress whatever fails, the α bound for every trained group, no group
+trained twice, across trainer restarts (a model of admission, envs and the trainer)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from rollart import messages as m
+from rollart.actors.ledger import GroupLedger, IndexSet, admissible, reason_kind
+
+LOOP = asyncio.new_event_loop()
+
+
+def completed(g: int, i: int, min_version: int) -> m.RolloutCompleted:
+    return m.RolloutCompleted(traj_id=f"g{g}-{i}", group_id=f"g{g}", env="main", seed=g,
+                              token_ids=[], response_mask=[], logprobs=[], group_index=g,
+                              min_version=min_version)
+
+
+def ledger(**kw) -> GroupLedger:
+    args = dict(group_size=2, redundancy=0, batch_groups=3, alpha=0, stale="wait", breaker=0)
+    args.update(kw)
+    return GroupLedger(**args)
+
+
+def test_a_failed_group_does_not_block_later_ones():
+    """The reported stall: group 0 fails with groups 1-3 ready → the batch is 1-3, and the
+    call after that is not stuck on the closed index 0."""
+    led = ledger()
+    for i in range(2):
+        led.add_dead(f"g0-{i}", 0, "env_setup: boom", LOOP.create_future())
+    for g in (1, 2, 3):
+        for i in range(2):
+            assert led.add_completed(completed(g, i, 0), LOOP.create_future()) is None
+    sel = led.select(0)
+    assert [g.index for g in sel.failed] == [0]
+    assert [g.index for g in sel.batch] == [1, 2, 3]
+    for g in sel.failed:
+        led.close(g, "failed")
+    for g in sel.batch:
+        led.close(g, "trained")
+    assert led.lost == 1 and led.next_index == 4
+    for g in (4, 5, 6):
+        for i in range(2):
+            led.add_completed(completed(g, i, 1), LOOP.create_future())
+    assert [g.index for g in led.select(1).batch] == [4, 5, 6]
+
+
+def test_cancelled_members_settle_a_group():
+    """A CancelGroup for an in-flight group: its members' cancellations close it as failed."""
+    led = ledger(batch_groups=1)
+    led.add_completed(completed(0, 0, 0), LOOP.create_future())
+    led.add_cancelled("g0-1", 0, LOOP.create_future())
+    sel = led.select(0)
+    assert [g.index for g in sel.failed] == [0] and not sel.batch
+
+
+def test_breaker_trips_on_consecutive_failures_and_names_the_reason():
+    led = ledger(batch_groups=1, breaker=3)
+    for g in range(3):
+        assert led.tripped() is None
+        for i in range(2):
+            led.add_dead(f"g{g}-{i}", g, "env_contract: step() returned 3 values", LOOP.create_future())
+        for grp in led.select(0).failed:
+            led.close(grp, "failed")
+    reason = led.tripped()
+    assert reason and "env_contract x6" in reason
+    led.add_completed(completed(3, 0, 0), LOOP.create_future())
+    led.add_completed(completed(3, 1, 0), LOOP.create_future())
+    assert led.tripped() is None, "a group that can be trained resets the streak"
+
+
+def test_index_set_stays_small():
+    s = IndexSet()
+    for i in [3, 1, 0, 2, 10]:
+        s.add(i)
+    assert s.low == 4 and s.above == {10} and 10 in s and 5 not in s and len(s) == 5
+    assert IndexSet.from_state(s.state()).state() == s.state()
+
+
+def test_reason_kind():
+    assert reason_kind("env_setup: cannot import x") == "env_setup"
+    assert reason_kind("failed 5 times; last error NoResponders") == "failed 5 times; last"
+
+
+class LedgerModel(RuleBasedStateMachine):
+    """Admission + envs + trainer over one ledger; trainer restarts replay un-acked events."""
+
+    @initialize(alpha=st.sampled_from([0, 1, 2, 4]), group_size=st.integers(2, 3),
+                redundancy=st.integers(0, 1), batch_groups=st.integers(1, 3),
+                stale=st.sampled_from(["wait", "drop"]))
+    def setup(self, alpha, group_size, redundancy, batch_groups, stale):
+        self.kw = dict(group_size=group_size, redundancy=redundancy, batch_groups=batch_groups,
+                       alpha=alpha, stale=stale, breaker=0)
+        self.alpha, self.stale, self.B = alpha, stale, batch_groups
+        self.n = group_size + redundancy
+        self.led = GroupLedger(**self.kw)
+        self.checkpoint = self.led.state()
+        self.version = 0
+        self.admitted = 0
+        self.sched_lost = 0
+        self.pending: list[tuple[int, int, int]] = []  # (group, member, admission version)
+        self.events: list[list] = []  # [kind, args, future]
+        self.unacked: list[asyncio.Future] = []
+        self.trained_groups: set[int] = set()
+        self.successes = 0
+
+    def _sync(self):
+        self.sched_lost = max(self.sched_lost, self.led.lost)
+
+    def _feed(self, ev) -> None:
+        kind, args, fut = ev
+        if kind == "completed":
+            held = self.led.add_completed(args, fut) is None
+        elif kind == "dead":
+            held = self.led.add_dead(*args, fut)
+        else:
+            held = self.led.add_cancelled(*args, fut)
+        if not held:
+            fut.set_result(None)  # acked at once
+
+    # -- admission ---------------------------------------------------------------
+    def _may_admit(self) -> bool:
+        return admissible(self.admitted, self.sched_lost, self.version, self.alpha, self.B)
+
+    @precondition(lambda self: self._may_admit())
+    @rule()
+    def admit(self):
+        g = self.admitted
+        self.admitted += 1
+        self.pending += [(g, i, self.version) for i in range(self.n)]
+
+    # -- envs --------------------------------------------------------------------
+    def _outcome(self, kind: str, k: int, spread: int) -> None:
+        g, i, a = self.pending.pop(k % len(self.pending))
+        if kind == "completed":
+            low = a if self.stale == "wait" else max(0, a - self.alpha)
+            mv = min(self.version, low + spread)
+            ev = ["completed", completed(g, i, mv), LOOP.create_future()]
+        elif kind == "dead":
+            ev = ["dead", (f"g{g}-{i}", g, "env_contract: bad tuple"), LOOP.create_future()]
+        else:
+            ev = ["cancelled", (f"g{g}-{i}", g), LOOP.create_future()]
+        self.events.append(ev)
+        self._feed(ev)
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 1000), spread=st.integers(0, 3))
+    def complete(self, k, spread):
+        self._outcome("completed", k, spread)
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 1000))
+    def fail(self, k):
+        self._outcome("dead", k, 0)
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 1000))
+    def cancel(self, k):
+        self._outcome("cancelled", k, 0)
+
+    # -- trainer -----------------------------------------------------------------
+    @rule()
+    def train(self):
+        sel = self.led.select(self.version)
+        for g in sel.failed:
+            self.unacked += self.led.close(g, "failed")
+        for g in sel.stale:
+            assert g.min_version < self.version - self.alpha
+            self.unacked += self.led.close(g, "dropped")
+        self._sync()
+        if not sel.batch:
+            return
+        for g in sel.batch:
+            assert g.index not in self.trained_groups, f"group {g.index} trained twice"
+            assert g.min_version >= self.version - self.alpha, \
+                f"group {g.index} min_version {g.min_version} at v{self.version} (α={self.alpha})"
+            self.trained_groups.add(g.index)
+            self.unacked += self.led.close(g, "trained")
+        self.version += 1
+        self.checkpoint = self.led.state()  # checkpoint_every = 1, then acks
+        for f in self.unacked:
+            f.done() or f.set_result(None)
+        self.unacked = []
+        self._sync()
+
+    @rule()
+    def restart_trainer(self):
+        """kill -9: what no checkpoint acked is redelivered to a trainer resumed from it."""
+        self.led = GroupLedger(**self.kw)
+        self.led.load(self.checkpoint)
+        self.unacked = []
+        replay = []
+        for ev in self.events:
+            if not ev[2].done():
+                ev[2].cancel()
+                replay.append([ev[0], ev[1], LOOP.create_future()])
+        self.events = [e for e in self.events if e[2].done() and not e[2].cancelled()] + replay
+        for ev in replay:
+            self._feed(ev)
+
+    # -- progress ----------------------------------------------------------------
+    @invariant()
+    def never_stuck(self):
+        """Something can always move: an env outcome, an admission, or a training step
+        (after the trainer closes failed and stale groups)."""
+        if not hasattr(self, "led") or self.pending or self._may_admit():
+            return
+        probe = GroupLedger(**self.kw)
+        probe.load(self.led.state())
+        probe.open = dict(self.led.open)
+        sel = probe.select(self.version)
+        lost_now = self.led.lost + len(sel.failed) + len(sel.stale)
+        assert sel.batch or admissible(self.admitted, max(self.sched_lost, lost_now),
+                                       self.version, self.alpha, self.B), (
+            f"stuck at v{self.version}: admitted {self.admitted}, lost {self.sched_lost}, "
+            f"open {sorted(self.led.open)}, next {self.led.next_index}")
+
+
+LedgerModel.TestCase.settings = settings(max_examples=150, stateful_step_count=80, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+test_ledger_model = LedgerModel.TestCase
+
+
+@pytest.mark.parametrize("alpha", [0, 1, 2, 4])
+def test_all_groups_trainable_reach_every_step(alpha):
+    """A deterministic run where every third group fails: steps keep coming."""
+    led = ledger(alpha=alpha, batch_groups=2)
+    v, admitted, lost = 0, 0, 0
+    for _ in range(200):
+        while admissible(admitted, lost, v, alpha, 2):
+            g = admitted
+            admitted += 1
+            for i in range(2):
+                if g % 3 == 0:
+                    led.add_dead(f"g{g}-{i}", g, "env_reset_failed: x", LOOP.create_future())
+                else:
+                    led.add_completed(completed(g, i, v), LOOP.create_future())
+        sel = led.select(v)
+        for g in sel.failed:
+            led.close(g, "failed")
+        lost = led.lost
+        if sel.batch:
+            assert all(g.min_version >= v - alpha for g in sel.batch)
+            for g in sel.batch:
+                led.close(g, "trained")
+            v += 1
+    assert v >= 50

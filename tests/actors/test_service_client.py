@@ -1,0 +1,247 @@
+"""ServiceClient and ProgressReporter: missing replicas are waited for, lost ones are
+noticed within seconds, stopping ones hand their queued requests back, errors are bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from rollart import messages as m
+from rollart.actors.base import Actor, Reject, serve
+from rollart.actors.runtime import ERROR_KIND_HEADER
+from rollart.actors.service_client import ProgressReporter, ServiceClient
+from rollart.bus.codec import encode
+from rollart.node import Node
+from tests.actors.sample_actors import new_run
+
+FOREVER = 3600.0
+
+
+@dataclass(kw_only=True, eq=False)
+class FakeGen(Actor):
+    """A generate replica without an engine. ``mode``: ``ok`` answers after ``delay``;
+    ``silent`` takes the request and stops reporting (as if killed); ``noclaim`` reports
+    but never lists (nor answers) what it takes (as if it died before its next report);
+    ``error`` answers an error."""
+
+    role = "generate"
+    mode: str = "ok"
+    delay: float = 0.0
+    got: int = 0
+
+    async def setup(self) -> None:
+        self.reporter = ProgressReporter(self, "generate.request", every=0.1)
+        if self.mode != "noclaim":
+            self.progress = self.reporter  # the runtime lists held requests in its reports
+        self.frozen = asyncio.Event()
+        self.released = asyncio.Event()
+
+    async def teardown(self) -> None:
+        self.released.set()  # let hanging handlers end with the node
+
+    async def main(self) -> None:
+        while not self.frozen.is_set():
+            await self.reporter.report()
+            try:
+                await asyncio.wait_for(self.frozen.wait(), self.reporter.every)
+            except TimeoutError:
+                pass
+        await asyncio.sleep(FOREVER)
+
+    @serve("generate.request", max_inflight=1)
+    async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
+        self.got += 1
+        if self.mode == "noclaim":
+            await self.released.wait()
+        if self.mode == "error":
+            raise ValueError("prompt too long")
+        if self.mode == "silent":
+            self.frozen.set()
+            await self.released.wait()
+        await asyncio.sleep(self.delay)
+        return m.GenerateResult(token_ids=[len(req.prompt_ids)], logprobs=[-0.5], version=0,
+                                replica=self.name)
+
+
+@dataclass(kw_only=True, eq=False)
+class Caller(Actor):
+    role = "caller"
+
+
+@asynccontextmanager
+async def client_on(bus, run: str, **kw):
+    actor = Caller(run=run, name="caller")
+    actor.bus = bus
+    client = ServiceClient(actor, **{"timeout": 30.0, "wait": 30.0, "retries": 2,
+                                     "replica_timeout": 0.5, **kw})
+    await client.start()
+    sweeper = asyncio.ensure_future(client.run())
+    try:
+        yield client
+    finally:
+        sweeper.cancel()
+        await client.stop()
+
+
+def gen_req(i: int = 0) -> m.GenerateRequest:
+    return m.GenerateRequest(traj_id=f"t{i}", prompt_ids=[1] * (i + 1))
+
+
+async def wait_until(cond, deadline: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + deadline
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_missing_pool_is_waited_for_and_wakes_when_a_replica_reports(bus):
+    run = new_run()
+    async with client_on(bus, run) as client:
+        call = asyncio.ensure_future(client.call("generate.request", gen_req(2)))
+        await wait_until(lambda: client.waits().get(("generate.request", "default"), (0, 0))[1] > 2.5,
+                         what="a wait longer than the old retry budget")
+        assert not call.done()
+        gen = FakeGen(run=run, name="late")
+        async with Node(bus, [gen], heartbeat_every=0, grace=0.5):
+            t0 = time.monotonic()
+            res = await asyncio.wait_for(call, 10)
+            woke = time.monotonic() - t0
+        assert res.token_ids == [3] and res.replica == "late"
+        assert woke < 1.5, f"waiters should wake when a replica reports, took {woke:.2f}s"
+        assert client.waits() == {}
+
+
+async def test_no_replica_until_the_deadline_is_a_service_unavailable_reject(memory_bus_only):
+    async with client_on(memory_bus_only, new_run(), wait=1.0) as client:
+        t0 = time.monotonic()
+        with pytest.raises(Reject, match=r"^service_unavailable: no generate replica in pool 'default'"):
+            await client.call("generate.request", gen_req(), what=" for t0")
+        assert 1.0 <= time.monotonic() - t0 < 4.0
+
+
+@pytest.mark.parametrize("mode", ["silent", "noclaim"])
+async def test_a_request_on_a_lost_replica_is_sent_again_within_the_replica_timeout(bus, mode):
+    run = new_run()
+    bad = FakeGen(run=run, name="bad", mode=mode)
+    good = FakeGen(run=run, name="good")
+    async with client_on(bus, run, timeout=30.0) as client:
+        async with Node(bus, [bad], heartbeat_every=0, grace=0.2):
+            async with Node(bus, [good], heartbeat_every=0, grace=0.2):
+                await wait_until(lambda: len(client._replicas) == 2, what="both replicas report")
+                t0 = time.monotonic()
+                results = await asyncio.wait_for(
+                    asyncio.gather(*(client.call("generate.request", gen_req(i)) for i in range(6))), 20)
+                took = time.monotonic() - t0
+    assert bad.got >= 1, "some request went to the bad replica"
+    assert {r.replica for r in results} == {"good"}
+    assert took < 5.0, f"lost requests should be re-sent within ~replica_timeout, took {took:.1f}s"
+
+
+async def test_a_stopping_replica_hands_queued_requests_back_at_once(bus):
+    run = new_run()
+    slow = FakeGen(run=run, name="slow", delay=3.0)
+    fast = FakeGen(run=run, name="fast")
+    async with client_on(bus, run) as client:
+        slow_node = Node(bus, [slow], heartbeat_every=0, grace=10.0)
+        await slow_node.start()
+        calls = [asyncio.ensure_future(client.call("generate.request", gen_req(i))) for i in range(3)]
+        await wait_until(lambda: slow.got >= 1, what="the slow replica to start one")
+        async with Node(bus, [fast], heartbeat_every=0, grace=0.2):
+            t0 = time.monotonic()
+            drain = asyncio.ensure_future(slow_node.stop_and_drain())
+            done, _ = await asyncio.wait(calls, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            first = time.monotonic() - t0
+            results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+            await asyncio.wait_for(drain, 15)
+    assert first < 0.4, f"queued requests should move at once, took {first:.2f}s"
+    assert sorted(r.replica for r in results)[:2] == ["fast", "fast"]
+    assert slow_node.services[0].stats.naked == 2, "both queued requests were handed back"
+
+
+async def test_a_stopping_service_answers_unavailable(memory_bus_only):
+    bus, run = memory_bus_only, new_run()
+    slow = FakeGen(run=run, name="slow", delay=1.0)
+    node = Node(bus, [slow], heartbeat_every=0, grace=5.0)
+    await node.start()
+    subject = m.subject(run, "generate.request", "default")
+    reqs = [asyncio.ensure_future(bus.request(subject, encode(gen_req(i)), timeout=10)) for i in range(3)]
+    await wait_until(lambda: slow.got >= 1)
+    await node.stop_and_drain()
+    reps = await asyncio.gather(*reqs)
+    kinds = sorted(r.headers.get(ERROR_KIND_HEADER, "ok") for r in reps)
+    assert kinds == ["ok", "unavailable", "unavailable"]
+
+
+async def test_error_answers_are_retried_then_rejected(memory_bus_only):
+    run = new_run()
+    bad = FakeGen(run=run, name="bad", mode="error")
+    async with client_on(memory_bus_only, run, retries=2) as client:
+        async with Node(memory_bus_only, [bad], heartbeat_every=0, grace=0.2):
+            with pytest.raises(Reject, match=r"^service_error: generate.request for t0 failed 3 times;"
+                                             r" last error: ValueError: prompt too long"):
+                await client.call("generate.request", gen_req(), what=" for t0")
+    assert bad.got == 3
+
+
+async def test_progress_reports_list_held_requests(memory_bus_only):
+    bus, run = memory_bus_only, new_run()
+    seen: list[m.ServiceProgress] = []
+
+    async def on(req):
+        from rollart.bus.codec import decode
+
+        seen.append(decode(m.ServiceProgress, req.data))
+
+    sub = await bus.subscribe(m.subject(run, "service.progress"), on)
+    a = Caller(run=run, name="gen-0")
+    a.bus = bus
+    rep = ProgressReporter(a, "generate.request", every=0.05)
+    with rep.hold("r1"), rep.hold("r2"):
+        await rep.report()
+    await rep.report()
+    await wait_until(lambda: len(seen) == 2)
+    await sub.unsubscribe()
+    assert seen[0].request_ids == ["r1", "r2"] and seen[1].request_ids == []
+    assert seen[0].replica.startswith("gen-0@") and seen[0].pool == "default"
+
+
+class SlowEngine:
+    """An engine whose batches take ``delay`` seconds (in the proxy's worker thread)."""
+
+    version = 0
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def generate(self, inputs):
+        from rollart.engines.base import GenOutput
+
+        time.sleep(self.delay)
+        return [GenOutput(token_ids=[7], logprobs=[-0.1], finish_reason="stop") for _ in inputs]
+
+
+async def test_a_stopping_llm_proxy_answers_every_request(memory_bus_only):
+    """Nothing it took is left to time out: each request gets a result or `unavailable`."""
+    from rollart.actors.llm_proxy import LLMProxy
+
+    bus, run = memory_bus_only, new_run()
+    proxy = LLMProxy(run=run, model_dir="unused", engine_obj=SlowEngine(0.5), max_batch=1,
+                     gather_ms=0.0)
+    node = Node(bus, [proxy], heartbeat_every=0, grace=5.0)
+    await node.start()
+    subject = m.subject(run, "generate.request", "default")
+    reqs = [asyncio.ensure_future(bus.request(subject, encode(gen_req(i)), timeout=30))
+            for i in range(3)]
+    await wait_until(lambda: proxy.batcher.busy_s > 0 or len(proxy.progress.held) == 3,
+                     what="the proxy to hold the requests")
+    t0 = time.monotonic()
+    await node.stop_and_drain()
+    reps = await asyncio.wait_for(asyncio.gather(*reqs), 10)
+    assert time.monotonic() - t0 < 8.0
+    for r in reps:
+        assert r.headers.get(ERROR_KIND_HEADER) == "unavailable" or not r.headers, r.headers

@@ -1,0 +1,114 @@
+"""A multi-process run ends on its own, like a one-process run.
+
+Four real ``python -m rollart.node`` processes: a head with the trainer and the scheduler
+(it starts the embedded nats-server and prints its URL), then an env node (before any
+generate replica is up: it waits quietly), a reward and a generate node. After the
+trainer's last step the head runs the final greedy evaluation, writes ``summary.json``,
+``config.yaml`` and the plot as ``rollart run`` does, and publishes the end of the run:
+every process exits 0 by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.actors.sample_actors import new_run
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Proc:
+    """A node process whose output is read by a thread (so its pipe never fills)."""
+
+    def __init__(self, cfg: Path, roles: str, *extra: str):
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.roles = roles
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", roles, *extra],
+            cwd=cfg.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    async def line_with(self, needle: str, deadline: float = 60.0) -> str:
+        end = time.monotonic() + deadline
+        while True:
+            for line in list(self.lines):
+                if needle in line:
+                    return line
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise AssertionError(f"{self.roles} node never printed {needle!r}:\n{self.output()}")
+            await asyncio.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
+    run = new_run()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"run: {run}\n"
+        f"run_dir: {tmp_path / 'runs'}\n"
+        "node: {grace: 3, heartbeat_every: 0.5}\n"
+        f"model: {{path: '{tiny_model}'}}\n"
+        "envs: {main: {type: frozenlake, max_turns: 4}}\n"
+        "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
+        "trainer: {steps: 2, eval_groups: 1}\n")
+    t0 = time.monotonic()
+    head = Proc(cfg, "trainer,scheduler")
+    procs = [head]
+    try:
+        url = (await head.line_with("embedded nats-server at")).rsplit(" ", 1)[-1].strip()
+        assert (await head.line_with("rollart top --nats")).strip().endswith(
+            f"rollart top --nats {url} --run {run}")
+        env = Proc(cfg, "env", "--nats", url)  # before any generate replica: it waits
+        procs.append(env)
+        await env.line_with("wait for a generate replica")
+        procs += [Proc(cfg, "reward", "--nats", url), Proc(cfg, "generate", "--nats", url)]
+        end = time.monotonic() + 80
+        while any(p.proc.poll() is None for p in procs) and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        for p in procs:
+            assert p.proc.poll() == 0, f"{p.roles} node: rc {p.proc.poll()}\n{p.output()}"
+    finally:
+        for p in procs:
+            p.kill()
+    for p in procs:
+        p.reader.join(5)
+    wall = time.monotonic() - t0
+
+    run_path = tmp_path / "runs" / run
+    summary = json.loads((run_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and not summary["interrupted"], summary
+    assert summary["version"] == 2 and "greedy_success" in summary and summary["trajectories"] >= 1
+    assert (run_path / "config.yaml").exists() and Path(summary["plot"]).exists()
+    assert f"run {run} ended at step 2" in head.output()
+    for p in procs[1:]:
+        assert f"run {run} ended at step 2; draining" in p.output(), p.output()
+    logs = "".join(p.output() for p in procs)
+    assert "trainer finished its steps" not in logs and "trainer stopped" not in logs
+    assert "it/s]" not in logs, "a third-party progress bar in the logs"
+    # the env node that started first says once that it waits, not once per request
+    assert env.output().count("wait for a generate replica") <= 2, env.output()
+    assert wall < 90, wall
