@@ -174,7 +174,8 @@ async def rollout_main(args) -> int:
                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       disable=args.quiet) as bar:
             task = bar.add_task("groups", total=args.groups, info="")
-            async with Node(bus, actors, heartbeat_every=0):
+            async with Node(bus, actors, heartbeat_every=0, events_max_age=cfg.node.events_max_age,
+                            events_max_bytes=cfg.node.events_max_bytes):
                 while not sched.all_done.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(sched.all_done.wait(), 0.25)
@@ -240,7 +241,9 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
             trainer.on_step = on_step
             t0 = time.perf_counter()
             async with Node(bus, actors, heartbeat_every=cfg.node.heartbeat_every,
-                            grace=cfg.node.grace, handle_signals=True) as node:
+                            grace=cfg.node.grace, handle_signals=True,
+                            events_max_age=cfg.node.events_max_age,
+                            events_max_bytes=cfg.node.events_max_bytes) as node:
                 return await drive_training(
                     bus, cfg, node, trainer, sched, t0=t0,
                     proxies=[a for a in actors if a.role == "generate"])

@@ -103,7 +103,8 @@ async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
     # the prefix names trajectories and their msg ids; a repeated evaluation of the same
     # version (a resumed run) would otherwise be dropped as duplicates and never finish
     sched.min_policy = version  # a replica elsewhere that has not loaded it yet waits for it
-    async with Node(bus, [sched], heartbeat_every=0):
+    async with Node(bus, [sched], heartbeat_every=0, events_max_age=cfg.node.events_max_age,
+                    events_max_bytes=cfg.node.events_max_bytes):
         await sched.all_done.wait()
     res = sched.results
     return {"version": version, "greedy_success": sum(r.success for r in res) / max(1, len(res)),
@@ -201,9 +202,9 @@ async def write_summary(cfg: RunConfig, trainer, *, wall: float, interrupted: bo
         summary.update(failed=trainer.failure, groups_failed=led.counts["groups_failed"],
                        groups_trained=led.trained,
                        dead_letters_by_kind=dict(led.failure_kinds.most_common()))
-    if trainer.history:
-        summary["plot"] = str(await asyncio.to_thread(plot, run_path))
-    (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+    if trainer.history:  # this run's summary marks the greedy result (not an old file's)
+        summary["plot"] = str(await asyncio.to_thread(plot, run_path, summary=summary))
+    await asyncio.to_thread((run_path / "summary.json").write_text, json.dumps(summary, indent=2))
     return summary
 
 

@@ -30,20 +30,34 @@ from rollart.bus.codec import encode
 log = logging.getLogger(__name__)
 
 
-async def ensure_run_streams(bus: Bus, run: str) -> None:
-    """Create the run's event stream and work-queue stream (idempotent)."""
+async def ensure_run_streams(bus: Bus, run: str, *, events_max_age: float | None = None,
+                             events_max_bytes: int | None = None) -> None:
+    """Create the run's event stream and work-queue stream, or update them (idempotent).
+
+    The events stream gets the age and size limits (``node.events_max_age`` /
+    ``node.events_max_bytes``; None: their defaults, 0: no limit). The work queue needs none:
+    an acked request leaves it, and admission bounds the rest."""
+    if events_max_age is None or events_max_bytes is None:
+        from rollart.config.schema import NodeConfig
+
+        d = NodeConfig()
+        events_max_age = d.events_max_age if events_max_age is None else events_max_age
+        events_max_bytes = d.events_max_bytes if events_max_bytes is None else events_max_bytes
     for kind in ("events", "work"):
+        limits = {"max_age": events_max_age, "max_bytes": events_max_bytes} if kind == "events" else {}
         await bus.ensure_stream(StreamSpec(
             name=m.stream_name(run, kind),
             subjects=m.stream_subjects(run, kind),
             retention=m.STREAM_RETENTION[kind],
+            **limits,
         ))
 
 
 class Node:
     def __init__(self, bus: Bus, actors: Sequence[Actor], *, grace: float = 10.0,
                  heartbeat_every: float = 5.0, node_id: str | None = None,
-                 pool: str = "default", handle_signals: bool = False):
+                 pool: str = "default", handle_signals: bool = False,
+                 events_max_age: float | None = None, events_max_bytes: int | None = None):
         if not actors:
             raise ValueError("a Node needs at least one actor")
         self.bus = bus
@@ -53,6 +67,8 @@ class Node:
         self.pool = pool
         self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.handle_signals = handle_signals
+        self.events_limits = {"events_max_age": events_max_age, "events_max_bytes": events_max_bytes}
+        """The events stream's limits (``node.events_*``; None: the defaults), set at start."""
         self.loops: list[ConsumerLoop] = []
         self.services: list[Service] = []
         self._tg: asyncio.TaskGroup | None = None
@@ -75,7 +91,7 @@ class Node:
         if not self.bus.connected:
             await self.bus.connect()
         for run in sorted({a.run for a in self.actors}):
-            await ensure_run_streams(self.bus, run)
+            await ensure_run_streams(self.bus, run, **self.events_limits)
         bound = [(a, a.handlers()) for a in self.actors]  # validates settings before binding
         for actor, handlers in bound:
             actor.bus = self.bus
@@ -294,7 +310,9 @@ async def _amain(args) -> int:
 
             write_config(cfg)
         async with Node(bus, actors, grace=cfg.node.grace, pool=args.pool,
-                        heartbeat_every=cfg.node.heartbeat_every, handle_signals=True) as node:
+                        heartbeat_every=cfg.node.heartbeat_every, handle_signals=True,
+                        events_max_age=cfg.node.events_max_age,
+                        events_max_bytes=cfg.node.events_max_bytes) as node:
             print(f"rollart node: {node.node_id} serving {', '.join(roles)} "
                   f"(run={cfg.run}, pool={args.pool})", flush=True)
             if server is not None:

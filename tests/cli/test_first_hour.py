@@ -126,7 +126,10 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
 def _make_n(*args: str) -> str:
-    r = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT,
+    env = {k: v for k, v in os.environ.items()  # not the variables of a `make test` around us
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTHON", "VENV",
+                        "TORCH", "TORCH_INDEX", "EXTRAS", "CONFIG", "ARGS")}
+    r = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout

@@ -94,6 +94,11 @@ BAD = [
     ("model.tiny", "seed", -1),
     ("node", "grace", -1),
     ("node", "heartbeat_every", -1),
+    ("node", "events_max_age", 5),  # 0 (no limit) or >= 60 s
+    ("node", "events_max_age", -1),
+    ("node", "events_max_bytes", 1000),  # 0 (no limit) or >= 1 MiB
+    ("node", "events_max_bytes", -1),
+    ("envs.main", "max_abandoned_threads", 0),
     ("proxy", "engine", "sglang"),
     ("proxy", "gather_ms", -1),
     ("proxy", "max_batch", 0),

@@ -197,3 +197,16 @@ class FlakyCtorEnv(EchoEnv):
         if _flaky_ctors["n"] % 2 == 1:
             raise ConnectionError("sandbox not reachable")
         super().__init__()
+
+
+HANG_RELEASE = threading.Event()
+"""Set it to let every :class:`ReleasableHangStepEnv` step return."""
+
+
+class ReleasableHangStepEnv(EchoEnv):
+    """step() blocks until ``HANG_RELEASE`` is set (at most a minute): a test can count the
+    threads of hung steps, then let them return and see them go."""
+
+    def step(self, action):
+        HANG_RELEASE.wait(60)
+        return "late", 0.0, True, False, {}

@@ -50,7 +50,8 @@ EXAMPLES: dict[str, m.Message] = {
     "policy.loaded": m.PolicyLoaded(version=0, replica="fuzz"),
     "node.heartbeat": m.NodeHeartbeat(node_id="fuzz", host="h", pid=1, pool="default",
                                       roles=["env"], ts=1.0),
-    "dead": m.DeadLetter(subject=f"rollart.{RUN}.policy.loaded", payload=b"x", reason="fuzz"),
+    "dead": m.DeadLetter(subject=f"rollart.{RUN}.policy.loaded", payload=b"x", reason="fuzz",
+                          ts=1.0),
 }
 
 # one impossible value per kind of check, each on a message that is otherwise valid
@@ -170,6 +171,45 @@ def test_any_payload_decodes_validates_or_is_rejected(case):
     anything else would turn junk into handler errors that are retried."""
     name, payload = case
     rejected(name, payload)  # raises only if a check itself crashes
+
+
+def test_core_junk_is_counted_with_one_log_line_per_subject_and_minute(caplog):
+    from types import SimpleNamespace
+
+    from rollart.actors.runtime import CoreJunk, decode_core
+
+    junk = CoreJunk(every=60.0)
+    caplog.set_level(logging.WARNING, logger="rollart.actors.runtime")
+    for i in range(50):
+        subj = f"rollart.{RUN}.{'rollout.cancel' if i % 2 else 'node.heartbeat'}"
+        typ = m.CancelGroup if i % 2 else m.NodeHeartbeat
+        assert decode_core(typ, SimpleNamespace(subject=subj, data=b"\xc1junk"), junk) is None
+    ok = SimpleNamespace(subject=f"rollart.{RUN}.rollout.cancel", data=encode(EXAMPLES["rollout.cancel"]))
+    assert decode_core(m.CancelGroup, ok, junk) == EXAMPLES["rollout.cancel"]
+    bad = SimpleNamespace(subject=ok.subject, data=encode(m.CancelGroup(group_id="no such id!")))
+    assert decode_core(m.CancelGroup, bad, junk) is None
+    assert junk.counts == {f"rollart.{RUN}.rollout.cancel": 26, f"rollart.{RUN}.node.heartbeat": 25}
+    lines = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 2 and not any(r.exc_info for r in lines)
+
+
+async def test_a_min_version_beyond_the_published_policy_is_rejected_at_once(memory_bus_only):
+    """The EnvManager's watch may lag KV: it reads KV again before it rejects."""
+    from types import SimpleNamespace
+
+    from rollart.actors.base import Reject
+    from rollart.actors.env_manager import EnvManager
+    from rollart.actors.policy import set_policy
+
+    bus, run = memory_bus_only, f"mv{uuid.uuid4().hex[:8]}"
+    em = EnvManager(run=run, envs={}, rollout=SimpleNamespace(alpha=1), model_dir="")
+    em.bus, em.version = bus, 0
+    await set_policy(bus, run, m.PolicyPublished(version=5, uri="file:///w", digest="sha256:00"))
+    req = EXAMPLES["rollout.requested"]
+    await em._check_min_version(msgspec.structs.replace(req, min_version=7))  # 5 + alpha + 1
+    assert em.version == 5
+    with pytest.raises(Reject, match="invalid: min_version 8 is beyond"):
+        await em._check_min_version(msgspec.structs.replace(req, min_version=8))
 
 
 # -- slow: junk on every subject of a live training run -------------------------------
@@ -294,5 +334,8 @@ async def test_junk_on_every_subject_during_a_training_run(bus, tiny_model, tmp_
         assert CORE_JUNK.counts.get(s, 0) - core_before.get(s, 0) >= n, f"core junk on {s} not counted"
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert not tracebacks, f"traceback logged: {tracebacks[0].getMessage()}"
+    import hashlib
+
+    print(hashlib.sha256(repr(cases).encode()).hexdigest()[:12], end=" ")
     print(f"{len(cases)} junk messages ({len(stream_sent)} on streams, {sum(core_sent.values())} "
           f"core); run took {took:.1f}s")

@@ -28,6 +28,8 @@ class Batcher(Generic[X, Y]):
         self.before_batch = before_batch
         self._queue: list[tuple[X, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self.stopped = False
+        """Set once :meth:`run` ended: nothing submitted will run any more."""
         self.batches = 0
         self.items = 0
         self.sizes: list[int] = []
@@ -47,7 +49,27 @@ class Batcher(Generic[X, Y]):
         try:
             await self._loop()
         except asyncio.CancelledError:  # stopping: nobody will run the queued requests
+            self.stopped = True  # before the waiters wake: they are told to go elsewhere
             self.fail_pending(RuntimeError("batcher stopped"))
+            raise
+        finally:
+            self.stopped = True
+
+    async def submit_or_unavailable(self, x: X, unavailable: Callable[[str], Exception]) -> Y:
+        """:meth:`submit`, but a request that a stopping batcher will never run (or dropped
+        mid-batch) raises ``unavailable(why)`` so that its requester retries elsewhere."""
+        if self.stopped:
+            raise unavailable("is stopping")
+        try:
+            return await self.submit(x)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.stopped and task is not None and not task.cancelling():
+                raise unavailable("stopped mid-batch") from None  # not this request's cancel
+            raise
+        except RuntimeError as e:
+            if self.stopped:
+                raise unavailable(f"is stopping: {e}") from e
             raise
 
     async def _loop(self) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.base import Actor, Reject, RemoteError, consume, replica_suffix, serve  # noqa: F401
 from rollart.actors.chat import ChatFormat
-from rollart.actors.lockstep import LockStep
+from rollart.actors.lockstep import LockStep, WaveIncomplete
 from rollart.actors.policy import watch_policy
 from rollart.actors.runtime import backoff
 from rollart.actors.service_client import ServiceClient
@@ -34,6 +34,10 @@ from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
 
 log = logging.getLogger(__name__)
+
+CANCELLED_GROUPS_KEPT = 8192
+"""Cancelled groups remembered (the newest), for their requests still to be delivered: far
+more than admission lets be in flight at once, so memory stays bounded in a long run."""
 
 
 class Cancelled(Exception):
@@ -75,6 +79,9 @@ class EnvManager(Actor):
     model_dir: str
     """Folder of the tokenizer (chat template)."""
     stats: dict[str, int] = field(default_factory=dict)
+    wave_fill_timeout: float = 30.0
+    """Batch mode: seconds a wave may take to gather all its trajectories here (while there
+    is room for them) before its members are dead-lettered as split between EnvManagers."""
 
     @classmethod
     def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "EnvManager":
@@ -94,9 +101,10 @@ class EnvManager(Actor):
         self._cancel_groups: dict[str, set[str]] = {}
         self._live: dict[str, asyncio.Event] = {}
         self._group_of: dict[str, str] = {}
-        self.lockstep = LockStep()
         self._in_wave: set[str] = set()
         self._max_inflight = self.settings_of("on_request").max_inflight
+        self.lockstep = LockStep(fill_timeout=self.wave_fill_timeout,
+                                 room=lambda: self._max_inflight - len(self._live))
         r = self.rollout
         self.services = ServiceClient(self, timeout=r.generate_timeout, wait=r.service_wait,
                                       retries=r.generate_retries,
@@ -127,7 +135,10 @@ class EnvManager(Actor):
         if cmd is None:  # junk on a core subject: counted and dropped
             return
         keep = set(cmd.keep)
+        self._cancel_groups.pop(cmd.group_id, None)  # re-inserted as the newest
         self._cancel_groups[cmd.group_id] = keep
+        while len(self._cancel_groups) > CANCELLED_GROUPS_KEPT:
+            del self._cancel_groups[next(iter(self._cancel_groups))]  # the oldest
         for tid, ev in self._live.items():
             if self._group_of.get(tid) == cmd.group_id and tid not in keep:
                 ev.set()
@@ -198,7 +209,7 @@ class EnvManager(Actor):
             if req.wave_size > self._max_inflight:
                 raise Reject(f"config: batch mode needs rollout.concurrency >= {req.wave_size} "
                              f"(the trajectories of one wave) on one EnvManager")
-            if self.lockstep.join(req.wave_id, req.wave_size):
+            if self.lockstep.join(req.wave_id, req.wave_size, redelivered=delivery.num_delivered > 1):
                 self._in_wave.add(req.traj_id)
         runner, obs, info = await self._reset(req, cfg, tr)
         reset_info = dict(info)
@@ -293,13 +304,17 @@ class EnvManager(Actor):
         if req.traj_id not in self._in_wave:
             return
         t0 = time.perf_counter()
-        await self.lockstep.arrive(req.wave_id)
+        try:
+            await self.lockstep.arrive(req.wave_id)
+        except WaveIncomplete as e:  # split between EnvManagers: it would wait for ever
+            raise Reject(f"config: batch mode: {e} ({self.name})") from None
         tr.timings["wait"] += time.perf_counter() - t0
 
     async def _reset(self, req: m.RolloutRequested, cfg: Any, tr: Trace):
         last = ""
         for attempt in range(1, cfg.reset_retries + 2):
-            runner = EnvRunner(cfg.type, cfg.args, executor=cfg.executor, timeout=cfg.step_timeout)
+            runner = EnvRunner(cfg.type, cfg.args, executor=cfg.executor, timeout=cfg.step_timeout,
+                               max_abandoned_threads=cfg.max_abandoned_threads)
             t0 = time.perf_counter()
             try:
                 obs, info = await runner.reset(req.seed, timeout=cfg.reset_timeout)

@@ -76,7 +76,6 @@ class LLMProxy(Actor):
         self.batcher: Batcher = Batcher(self._run_batch, gather_s=self.gather_ms / 1e3,
                                         max_batch=self.max_batch, before_batch=self._maybe_load)
         self.loads: list[tuple[int, float]] = []
-        self._stopping = False
         self.progress = ProgressReporter(self, "generate.request", every=self.progress_every,
                                          pool=self.settings_of("generate").pool or self.pool)
 
@@ -86,15 +85,9 @@ class LLMProxy(Actor):
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._batching())
+            tg.create_task(self.batcher.run())
             tg.create_task(self._watch())
             tg.create_task(self.progress.run())
-
-    async def _batching(self) -> None:
-        try:
-            await self.batcher.run()
-        finally:  # before the failed requests wake up: they are told to go elsewhere
-            self._stopping = True
 
     async def _watch(self) -> None:
         """Follow KV ``policy.version``; load each newer version (and a version already
@@ -200,24 +193,14 @@ class LLMProxy(Actor):
     @serve("generate.request", max_inflight=1024)
     async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
         # the runtime lists req.request_id in self.progress while it is queued or here
-        if self._stopping:
+        if self.batcher.stopped:
             raise ServiceUnavailable(f"{self.name} is stopping")
         self._check_tokens(req)
         if req.min_version > self.version:
             await self._check_reachable(req.min_version)
             await self._wait_for_version(req.min_version)
-        try:
-            return await self.batcher.submit(req)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self._stopping and task is not None and not task.cancelling():
-                # the batch was abandoned by a stopping batcher, not this handler
-                raise ServiceUnavailable(f"{self.name} stopped mid-batch") from None
-            raise
-        except RuntimeError as e:
-            if self._stopping:
-                raise ServiceUnavailable(f"{self.name} is stopping: {e}") from e
-            raise
+        return await self.batcher.submit_or_unavailable(
+            req, lambda why: ServiceUnavailable(f"{self.name} {why}"))
 
     def _check_tokens(self, req: m.GenerateRequest) -> None:
         """Token ids the engine cannot embed would fail the whole batch they share: refuse

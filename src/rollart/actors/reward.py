@@ -45,6 +45,8 @@ def reasoning_gym_score(response: str, answer: str, metadata: dict[str, str]) ->
     key = metadata["env_args"]
     env = _rg_envs.get(key)
     if env is None:
+        if len(_rg_envs) >= 64:  # bounded: the keys come from requests
+            _rg_envs.pop(next(iter(_rg_envs)))
         env = _rg_envs[key] = ReasoningGymEnv(**json.loads(key))
     env.reset(int(metadata["seed"]))
     _, reward, *_ = env.step(response)
@@ -80,42 +82,34 @@ class RewardService(Actor):
         self.batcher: Batcher = Batcher(self._score_batch, gather_s=self.gather_ms / 1e3,
                                         max_batch=self.max_batch)
         self.served = 0
-        self._stopping = False
         self.progress = ProgressReporter(self, "reward.request", every=self.progress_every,
                                          pool=self.settings_of("score").pool or self.pool)
+        from concurrent.futures import ThreadPoolExecutor
+
+        # rule scorers may build datasets or run user code: off the event loop, one at a
+        # time (their caches are not thread-safe)
+        self._rules = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-rules")
+
+    async def teardown(self) -> None:
+        self._rules.shutdown(wait=False, cancel_futures=True)
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._batching())
+            tg.create_task(self.batcher.run())
             tg.create_task(self.progress.run())
-
-    async def _batching(self) -> None:
-        try:
-            await self.batcher.run()
-        finally:  # before the failed requests wake up: they are told to go elsewhere
-            self._stopping = True
 
     @serve("reward.request", max_inflight=1024)
     async def score(self, req: m.RewardRequest) -> m.RewardResult:
         self.served += 1
         if req.scorer in RULES:
             fn = RULES[req.scorer]
-            return m.RewardResult(score=fn(req.response, req.answer, dict(req.metadata)),
-                                  replica=self.name)
+            score = await asyncio.get_running_loop().run_in_executor(
+                self._rules, fn, req.response, req.answer, dict(req.metadata))
+            return m.RewardResult(score=score, replica=self.name)
         if req.scorer == "model_logprob":
-            if self._stopping:
-                raise ServiceUnavailable(f"{self.name} is stopping")
-            try:
-                return m.RewardResult(score=await self.batcher.submit(req), replica=self.name)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self._stopping and task is not None and not task.cancelling():
-                    raise ServiceUnavailable(f"{self.name} stopped mid-batch") from None
-                raise
-            except RuntimeError as e:
-                if self._stopping:
-                    raise ServiceUnavailable(f"{self.name} is stopping: {e}") from e
-                raise
+            score = await self.batcher.submit_or_unavailable(
+                req, lambda why: ServiceUnavailable(f"{self.name} {why}"))
+            return m.RewardResult(score=score, replica=self.name)
         raise ValueError(f"unknown scorer {req.scorer!r}; built-in: "
                          f"{sorted([*RULES, 'model_logprob'])}")
 

@@ -452,6 +452,12 @@ class Trainer(Actor):
             ver = old.name[1:7]
             if old != path and ver.isdigit() and int(ver) <= v - keep:
                 old.unlink(missing_ok=True)
+                if t.weights == "object":  # the store keeps no more versions than the folder
+                    try:
+                        await store.delete(old.name.removesuffix(".safetensors"))
+                    except BusError as e:  # left behind, not fatal: the stream's data only
+                        log.warning("%s: deleting %s from the object store failed: %s",
+                                    self.name, old.name, e)
 
     def _rewrite_metrics(self) -> None:
         """After a resume: the record is the steps the checkpoint holds, nothing after."""

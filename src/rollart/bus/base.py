@@ -42,6 +42,9 @@ class StreamSpec:
     """Seconds during which a repeated ``msg_id`` is stored only once."""
     max_age: float = 0.0
     """Seconds a message is kept; 0 keeps it forever."""
+    max_bytes: int = 0
+    """Bytes the stream may hold; past it the oldest messages are discarded (a consumer's
+    pending deliveries of them included); 0 for no limit."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,39 @@ class ConsumerSpec:
     """Deliveries outstanding (not yet acked) at most: the backpressure knob."""
     deliver_all: bool = True
     """Start at the first stored message (True) or only new ones (False)."""
+
+
+UPDATABLE_CONSUMER_SETTINGS = ("ack_wait", "max_deliver", "max_ack_pending")
+"""What binding an existing durable with a different :class:`ConsumerSpec` changes in place
+(as JetStream does). ``filter_subject`` and ``deliver_all`` are fixed once it exists."""
+
+
+def _limit(n: int) -> int:
+    return n if n > 0 else -1  # 0 and -1 both mean "no limit"
+
+
+def consumer_changes(stream: str, have: ConsumerSpec, want: ConsumerSpec) -> dict[str, tuple]:
+    """``{setting: (old, new)}`` of the updatable settings in which ``want`` differs from the
+    existing durable ``have``; :class:`BusError` naming the durable and the setting when a
+    fixed one differs."""
+    for name in ("filter_subject", "deliver_all"):
+        old, new = getattr(have, name), getattr(want, name)
+        if old != new:
+            raise BusError(
+                f"durable consumer {want.durable!r} of stream {stream!r} exists with {name}={old!r}; "
+                f"{name} of an existing durable cannot change (to {new!r}): delete the consumer "
+                f"(or the run's stream) or use another durable name")
+    out: dict[str, tuple] = {}
+    for name in UPDATABLE_CONSUMER_SETTINGS:
+        old, new = getattr(have, name), getattr(want, name)
+        if name == "ack_wait":  # seconds (nanoseconds on the wire)
+            changed = abs(old - new) > 1e-6
+        else:
+            old, new = _limit(old), _limit(new)
+            changed = old != new
+        if changed:
+            out[name] = (old, new)
+    return out
 
 
 @dataclass(frozen=True)
@@ -132,7 +168,11 @@ class KeyValue(abc.ABC):
 
     @abc.abstractmethod
     def watch(self, key: str) -> AsyncIterator[KVEntry]:
-        """Current value first (if any), then every change, until the iterator is closed."""
+        """Current value first (if any), then every change, until the iterator is closed.
+
+        Revisions arrive in order, each once. NatsBus keeps the last ``KV_HISTORY`` (16)
+        revisions of a key: a watcher that lags by more changes than that skips the
+        overwritten ones and sees the latest, so treat a value as a state, not an event."""
 
 
 class ObjectStore(abc.ABC):

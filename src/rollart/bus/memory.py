@@ -51,6 +51,9 @@ _KV_KEY = re.compile(r"[-/_=.a-zA-Z0-9]+")
 _KV_WATCH = re.compile(r"[-/_=.a-zA-Z0-9*>]+")
 _BUCKET = re.compile(r"[-_a-zA-Z0-9]+")
 _OWNER_CACHE_MAX = 4096
+MAX_PAYLOAD = 1024 * 1024
+"""nats-server's default ``max_payload``: larger messages (data and headers) are refused;
+the object store chunks bigger blobs."""
 
 
 def _as_bytes(data) -> bytes:
@@ -60,9 +63,11 @@ def _as_bytes(data) -> bytes:
 class MemoryBus(Bus):
     """The whole bus protocol in one process. ``MemoryBus()``, then ``connect()``."""
 
-    def __init__(self, name: str = "memory", *, drain_timeout: float = 10.0) -> None:
+    def __init__(self, name: str = "memory", *, drain_timeout: float = 10.0,
+                 max_payload: int = MAX_PAYLOAD) -> None:
         self.url = f"memory://{name}"
         self.drain_timeout = drain_timeout
+        self.max_payload = max_payload
         self.loop: asyncio.AbstractEventLoop | None = None
         self._connected = False
         self._streams: dict[str, Stream] = {}
@@ -113,6 +118,18 @@ class MemoryBus(Bus):
     def check_connected(self) -> None:
         if not self._connected:
             raise BusError(f"{self.url} is not connected")
+
+    def _check_payload(self, what: str, subject: str, data: bytes,
+                       headers: dict[str, str] | None) -> None:
+        """As a NATS client does: refuse a message larger than the server's ``max_payload``."""
+        limit = self.max_payload
+        size = len(data)
+        if headers:
+            for k, v in headers.items():
+                size += len(k) + len(v) + 4
+        if 0 < limit < size:
+            raise BusError(f"{what} {subject}: MaxPayloadError: {size} bytes exceed max_payload "
+                           f"{limit} (put large blobs in the object store)")
 
     # -- durable ------------------------------------------------------------------------
     async def ensure_stream(self, spec: StreamSpec) -> None:
@@ -176,6 +193,7 @@ class MemoryBus(Bus):
         if msg_id is not None:
             stored["Nats-Msg-Id"] = msg_id
         data = _as_bytes(data)
+        self._check_payload("publish to", subject, data, stored)
         seq = stream.store(subject, data, stored, msg_id)
         if self._subs:  # as in NATS, a stored message is also a core message
             self.route_core(subject, data, stored)
@@ -247,6 +265,7 @@ class MemoryBus(Bus):
         self.check_connected()
         check_subject(subject)
         data = _as_bytes(data)
+        self._check_payload("publish to", subject, data, headers)
         self.route_core(subject, data, headers)
         stream = self._owner_of(subject)
         if stream is not None:  # as in NATS, a stream stores what lands on its subjects
@@ -279,6 +298,7 @@ class MemoryBus(Bus):
     ) -> Request:
         self.check_connected()
         check_subject(subject)
+        self._check_payload("request to", subject, _as_bytes(data), headers)
         inbox = f"{self._inbox}{next(self._inbox_ids)}"
         fut = self.loop.create_future()
         self._replies[inbox] = fut

@@ -18,7 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rollart.bus.base import BusError, ConsumerSpec, Delivery, PullConsumer, Retention, StreamSpec
+from rollart.bus.base import (
+    BusError, ConsumerSpec, Delivery, PullConsumer, Retention, StreamSpec, consumer_changes,
+)
 
 if TYPE_CHECKING:
     from rollart.bus.memory import MemoryBus
@@ -103,6 +105,12 @@ def subjects_overlap(a: str, b: str) -> bool:
 
 
 # -- stream ---------------------------------------------------------------------------
+def _stored_size(subject: str, data: bytes, headers: dict[str, str]) -> int:
+    """What a message counts against ``max_bytes``: subject, headers and data (JetStream
+    adds a few dozen bytes of record overhead per message on top)."""
+    return len(subject) + len(data) + sum(len(k) + len(v) for k, v in headers.items())
+
+
 class StoredMsg:
     __slots__ = ("subject", "data", "headers", "seq", "time")
 
@@ -131,6 +139,17 @@ class Stream:
         self._matchers = [compile_matcher(s) for s in spec.subjects]
         if spec.max_age > 0 and not self._aging:  # max_age newly set: age what is stored
             self._aging.extend((m.time, seq) for seq, m in self.messages.items())
+        self._trim()  # max_bytes newly set or lowered
+
+    def _trim(self) -> None:
+        """Discard the oldest messages while the stream holds more than ``max_bytes`` (as
+        JetStream's discard-old policy does: a message larger than the limit goes too)."""
+        limit = self.spec.max_bytes
+        while limit > 0 and self.bytes > limit and self.messages:
+            seq = next(iter(self.messages))  # stored in sequence order: the oldest
+            self.remove(seq)
+            for c in self.consumers.values():
+                c.forget(seq)
 
     def owns(self, subject: str) -> bool:
         return any(m(subject) for m in self._matchers)
@@ -164,7 +183,7 @@ class Stream:
         now = self.bus.loop.time()
         self.last_seq = seq = self.last_seq + 1
         self.messages[seq] = StoredMsg(subject, data, headers, seq, now)
-        self.bytes += len(data)
+        self.bytes += _stored_size(subject, data, headers)
         if msg_id is not None:
             window = self.spec.duplicate_window
             until = now + (window if window > 0 else 120.0)  # NATS: 0 means the 2 min default
@@ -172,6 +191,8 @@ class Stream:
             self._dedupe_q.append((until, msg_id))
         if self.spec.max_age > 0:
             self._aging.append((now, seq))
+        if self.spec.max_bytes > 0:
+            self._trim()
         for c in self.consumers.values():
             if c.matches(subject):
                 c.on_new_message()
@@ -181,7 +202,7 @@ class Stream:
         msg = self.messages.pop(seq, None)
         if msg is None:
             return False
-        self.bytes -= len(msg.data)
+        self.bytes -= _stored_size(msg.subject, msg.data, msg.headers)
         return True
 
     def info(self) -> dict:
@@ -209,12 +230,13 @@ class Stream:
                     f"filter {spec.filter_subject!r} is outside stream {self.spec.name!r} subjects"
                 )
         have = self.consumers.get(spec.durable)
-        if have is not None:
-            if have.spec.filter_subject != spec.filter_subject:
-                raise BusError(
-                    f"durable {spec.durable!r} exists with filter {have.spec.filter_subject!r}"
-                )
-            return have  # as in NATS, binding keeps the existing consumer's settings
+        if have is not None:  # as in NATS: updatable settings change, fixed ones must match
+            changes = consumer_changes(self.spec.name, have.spec, spec)
+            if changes:
+                log.info("consumer %s/%s: updating %s", self.spec.name, spec.durable,
+                         ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
+                have.update(spec)
+            return have
         if self.spec.retention is Retention.WORKQUEUE:
             if not spec.deliver_all:
                 raise BusError("a work-queue stream's consumers must deliver all messages")
@@ -241,13 +263,14 @@ _tokens = itertools.count(1)
 class _Pending:
     """A delivered, not yet acked message of one consumer."""
 
-    __slots__ = ("num_delivered", "token", "timer", "due")
+    __slots__ = ("num_delivered", "token", "timer", "due", "since")
 
     def __init__(self) -> None:
         self.num_delivered = 0
         self.token = 0  # identifies the latest delivery; nak/in_progress need it to match
         self.timer = None
         self.due = False  # queued for redelivery
+        self.since = None  # loop time of the delivery (or progress) its ack_wait timer runs from
 
 
 class ConsumerState:
@@ -261,6 +284,22 @@ class ConsumerState:
         self.pending: dict[int, _Pending] = {}
         self._due: list[int] = []  # heap of stream seqs to redeliver
         self.waiters: list = []  # futures of parked fetches
+
+    def update(self, spec: ConsumerSpec) -> None:
+        """New updatable settings (see :func:`consumer_changes`). As in NATS, a new
+        ``ack_wait`` also applies to deliveries outstanding now, counted from when each was
+        delivered (or last reported progress); a pending nak delay is kept."""
+        old, self.spec = self.spec, spec
+        if spec.ack_wait != old.ack_wait:
+            loop = self.stream.bus.loop
+            now = loop.time()
+            for seq, p in self.pending.items():
+                if p.timer is None or p.due or p.since is None:
+                    continue
+                p.timer.cancel()
+                p.timer = loop.call_later(max(0.0, p.since + spec.ack_wait - now),
+                                          self._timeout, seq, p.token)
+        self.wake()  # a larger max_ack_pending may let parked fetches take more
 
     # -- waking fetches
     def wake(self) -> None:
@@ -315,7 +354,9 @@ class ConsumerState:
         p.num_delivered += 1
         p.token = tok = next(_tokens)
         p.due = False
-        p.timer = self.stream.bus.loop.call_later(self.spec.ack_wait, self._timeout, msg.seq, tok)
+        loop = self.stream.bus.loop
+        p.since = loop.time()
+        p.timer = loop.call_later(self.spec.ack_wait, self._timeout, msg.seq, tok)
         out.append(MemoryDelivery(self, msg, p.num_delivered, tok))
 
     def _timeout(self, seq: int, tok: int) -> None:
@@ -375,6 +416,7 @@ class ConsumerState:
             p.timer = None
         p.token = tok = next(_tokens)  # this delivery may still ack, but not nak again
         if delay is not None and delay > 0:
+            p.since = None  # a nak delay, not an ack_wait: a new ack_wait leaves it alone
             p.timer = self.stream.bus.loop.call_later(delay, self._timeout, seq, tok)
         else:
             self._redeliver_or_drop(seq, p)
@@ -385,7 +427,9 @@ class ConsumerState:
             return
         if p.timer is not None:
             p.timer.cancel()
-        p.timer = self.stream.bus.loop.call_later(self.spec.ack_wait, self._timeout, seq, tok)
+        loop = self.stream.bus.loop
+        p.since = loop.time()
+        p.timer = loop.call_later(self.spec.ack_wait, self._timeout, seq, tok)
 
     def forget(self, seq: int) -> None:
         """The stream dropped ``seq`` (max_age): it is no longer pending here."""

@@ -104,9 +104,29 @@ class NodeConfig(Base):
     """Seconds in-flight handlers may take to finish when the node drains."""
     heartbeat_every: float = 5.0
     """Seconds between node heartbeats (0 disables)."""
+    events_max_age: float = 7 * 24 * 3600.0
+    """Seconds the run's events stream (``ROLLART_<run>``: completed trajectories with their
+    token lists, status and dead letters) keeps a message; older ones are discarded
+    (0: kept forever; else at least 60). Must outlast what the trainer has not yet covered by a checkpoint:
+    a ``rollout.completed`` it has read but not checkpointed is read again from the stream
+    on ``--resume``, so a run stopped for longer than this loses those trajectories. The
+    default (7 days) cannot drop them in a running job."""
+    events_max_bytes: int = 8 * 1024**3
+    """Bytes the events stream may hold; past it the oldest messages are discarded
+    (0: no limit; else at least 1 MiB). Must hold every trajectory not yet covered by a trainer checkpoint:
+    about ``checkpoint_every x batch_groups x group_size x`` the size of one
+    ``rollout.completed`` (~15 bytes per token: a 1,000-token trajectory is ~15 KB, so a
+    64-trajectory step ~1 MB). The default (8 GiB) holds thousands of such steps, and tens
+    of steps of 512 trajectories of 32k tokens; raise it for larger jobs."""
 
     def __post_init__(self) -> None:
         _in_range(self, "node.", "grace heartbeat_every", ge=0)
+        for name, low, unit in (("events_max_age", 60, "seconds"),
+                                ("events_max_bytes", 1024**2, "bytes (1048576: 1 MiB, one message)")):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and (v == 0 or v >= low)):
+                raise ValueError(f"node.{name} must be 0 (no limit) or >= {low} {unit} "
+                                 f"(it is {v!r})")
 
 
 # -- the RL pipeline -------------------------------------------------------------
@@ -186,7 +206,13 @@ class EnvConfig(Base):
     args: dict[str, Any] = {}
     """Keyword arguments of the env class."""
     executor: Literal["thread", "process"] = "thread"
-    """Where a sync env runs: ``thread`` or ``process``."""
+    """Where a sync env runs: ``thread`` or ``process``. A thread cannot be killed: a step
+    that times out leaves it running (abandoned); in ``process`` the worker is killed."""
+    max_abandoned_threads: int = 16
+    """With ``executor: thread``: once this many threads of timed-out steps (or resets) of
+    this env type are still running, its trajectories fail at once as ``env_contract``
+    ("steps hang; use executor: process") instead of leaking a thread per hung step. A thread
+    whose call returns late stops counting."""
     max_turns: int = 8
     """Turns at most; then the trajectory stops with ``max_turns``."""
     max_context_tokens: int = 1024
@@ -222,6 +248,7 @@ class EnvConfig(Base):
         _in_range(self, "", "max_turns max_context_tokens", ge=1)
         _in_range(self, "", "reset_timeout step_timeout", gt=0)
         _in_range(self, "", "reset_retries", ge=0)
+        _in_range(self, "", "max_abandoned_threads", ge=1)
         _in_range(self, "", "format_penalty")
         try:
             self.turn_template.format(observation="", turn=1)
@@ -442,6 +469,13 @@ class RunConfig(Base):
                 f"rollout.group_size must be >= 2 with trainer.advantage {t.advantage!r}: "
                 f"{why.get(t.advantage, 'it needs a group baseline')}, so in a group of "
                 f"{r.group_size} every advantage is 0 and nothing is learned (it is {r.group_size})")
+        env_replicas = self.actors.get("env", ActorConfig()).replicas
+        if r.mode == "batch" and env_replicas > 1:
+            raise ValueError(
+                f"actors.env.replicas: rollout.mode 'batch' runs each wave in lock step on one "
+                f"EnvManager; {env_replicas} replicas would split a wave between them, each waiting "
+                f"for members another one holds. Set actors.env.replicas to 1 (and run one env "
+                f"node), or use rollout.mode 'trajectory' (it is {env_replicas})")
         self._check_trainer_holds()
 
     def _check_trainer_holds(self) -> None:

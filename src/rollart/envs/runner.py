@@ -20,6 +20,13 @@
 A broken runner raises :class:`EnvError` on every later call; make a new one. Errors
 raised by the env surface as :class:`EnvError` with the original type and message.
 
+Abandoned threads are accounted for per env type (:func:`abandoned_threads`) until their
+call returns. Once ``max_abandoned_threads`` of one type are still running, thread-mode
+runners of that type fail fast with :class:`EnvContractError` ("... steps hang; use
+executor: process") instead of leaking a thread per hung step: the process executor is
+the one that can kill a hung step, and switching silently would change where (and with
+which pickled args) the env is built, so the runner says so and the config decides.
+
 Two subclasses are *permanent*: trying again fails the same way, so callers should not.
 :class:`EnvSetupError`: the env cannot be built (its type does not import, its args are
 wrong, its constructor raised anything but a ``ConnectionError``/``TimeoutError``).
@@ -116,7 +123,8 @@ class _DaemonThread:
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(self._q,), name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, args=(self._q,), name=name, daemon=True)
+        self.thread.start()
         weakref.finalize(self, self._q.put, None)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -139,17 +147,39 @@ class _DaemonThread:
             del item, fut, fn  # drop references to the env while idle
 
 
+_abandoned: dict[str, list[threading.Thread]] = {}
+"""Env type -> threads abandoned by a timed-out call that may still be running."""
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_threads(env_type: str | None = None) -> int:
+    """Threads abandoned by timed-out env calls that are still running (of ``env_type``, or
+    of every type). A thread is forgotten once its call returns (it then exits)."""
+    with _abandoned_lock:
+        n = 0
+        for t in [env_type] if env_type is not None else list(_abandoned):
+            live = [th for th in _abandoned.get(t, ()) if th.is_alive()]
+            if live:
+                _abandoned[t] = live
+            else:
+                _abandoned.pop(t, None)
+            n += len(live)
+        return n
+
+
 class _ThreadBackend:
     def __init__(self, factory: Callable[[], Any], name: str) -> None:
         self._factory, self._name = factory, name
         self._worker: _DaemonThread | None = None
+        self._last: concurrent.futures.Future | None = None  # the latest call on the thread
         self.env: Any = None
         self.dead = False  # a thread never dies under us
 
     async def _sync(self, fn: Callable[[], Any]) -> Any:
         if self._worker is None:
             self._worker = _DaemonThread(f"env-{self._name}")
-        return await asyncio.wrap_future(self._worker.submit(fn))
+        self._last = self._worker.submit(fn)
+        return await asyncio.wrap_future(self._last)
 
     async def start(self) -> str:
         self.env = await self._sync(self._factory)
@@ -174,6 +204,10 @@ class _ThreadBackend:
     def kill(self) -> None:
         if self._worker is not None:
             self._worker.stop()  # the thread exits once the env returns, if ever
+            if self._last is not None and not self._last.done():  # busy: abandoned, counted
+                with _abandoned_lock:
+                    _abandoned.setdefault(self._name, []).append(self._worker.thread)
+            self._worker = None
 
 
 def _worker_main(conn: Any, env_type: str, env_args: dict, sys_path: list[str]) -> None:
@@ -315,6 +349,8 @@ class EnvRunner:
         timeout: default deadline in seconds for reset/step/close; None = no deadline.
         start_timeout: deadline for constructing the env (and its worker process).
         mp_context: multiprocessing start method for process mode.
+        max_abandoned_threads: in thread mode, fail fast (``EnvContractError``) while this
+            many threads of timed-out calls of this env type are still running; None: no cap.
 
     The env is built on first use (or by ``await start()``); ``instruction`` is readable
     after that. Calls on one runner are serialized. Use ``async with`` or ``await close()``.
@@ -322,7 +358,8 @@ class EnvRunner:
 
     def __init__(self, type: str, args: dict[str, Any] | None = None, *,
                  executor: Literal["thread", "process"] = "thread", timeout: float | None = None,
-                 start_timeout: float | None = 60.0, mp_context: str = "forkserver") -> None:
+                 start_timeout: float | None = 60.0, mp_context: str = "forkserver",
+                 max_abandoned_threads: int | None = None) -> None:
         args = dict(args or {})
         if executor == "thread":
             from rollart.envs.registry import make_env
@@ -333,6 +370,7 @@ class EnvRunner:
             raise ValueError(f"EnvRunner executor must be 'thread' or 'process', got {executor!r}")
         self.type, self.executor = type, executor
         self.timeout, self.start_timeout = timeout, start_timeout
+        self.max_abandoned_threads = max_abandoned_threads
         self.broken: str | None = None
         """Why the runner is unusable (None while healthy)."""
         self._instruction: str | None = None
@@ -366,8 +404,11 @@ class EnvRunner:
             if not cm.expired():  # the env itself raised TimeoutError
                 raise EnvError(f"env {self.type!r} {what} failed: {_describe(e)}") from e
             self.broken = f"{what} timed out after {timeout}s"
-            log.warning("env %s: %s; abandoning it (%s executor)", self.type, self.broken, self.executor)
             self._backend.kill()
+            log.warning("env %s: %s; abandoning it (%s)", self.type, self.broken,
+                        "worker process killed" if self.executor == "process" else
+                        f"thread executor; {abandoned_threads(self.type)} abandoned threads "
+                        f"of this env type still running")
             raise EnvTimeout(f"env {self.type!r} {self.broken}") from None
         except Exception as e:
             if self._backend.dead and not self.broken:
@@ -384,6 +425,14 @@ class EnvRunner:
             raise EnvError(f"env {self.type!r} runner is closed")
         if self.broken:
             raise EnvError(f"env {self.type!r} runner is broken ({self.broken}); make a new one")
+        cap = self.max_abandoned_threads
+        if cap is not None and isinstance(self._backend, _ThreadBackend):
+            n = abandoned_threads(self.type)
+            if n >= cap:
+                raise EnvContractError(
+                    f"env {self.type!r}: {n} threads of calls that timed out are still running "
+                    f"(max_abandoned_threads {cap}): its steps hang; use executor: process, "
+                    f"where a hung step is killed")
 
     async def start(self, timeout: float | None = None) -> None:
         """Construct the env (idempotent). Raises EnvSetupError / EnvError / EnvTimeout."""
