@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -261,9 +260,11 @@ def warm_step(samples: list[dict], steps: int, seconds: float = 0.0) -> float:
     return warm
 
 
-def flatness(samples: list[dict], steps: int, key, *, settle_s: float = 0.0) -> dict:
+def flatness(samples: list[dict], steps: int, key, *, settle_s: float = 0.0,
+             abs_tol: float = 0.0) -> dict:
     """Median in the first window after warm-up vs in the last window (each 10% of the
-    steps); min and max after warm-up."""
+    steps); min and max after warm-up. Flat: within ``TOLERANCE``, or within ``abs_tol``
+    (thread counts are small integers: one env thread more is no leak)."""
     warm = warm_step(samples, steps, settle_s)
     w = WINDOW * steps
     if warm + w > steps - w:
@@ -277,7 +278,7 @@ def flatness(samples: list[dict], steps: int, key, *, settle_s: float = 0.0) -> 
     a, b = statistics.median(first), statistics.median(last)
     change = (b - a) / a if a else (0.0 if b == a else float("inf"))
     return {"first": a, "last": b, "change": round(change, 4), "min": min(v for _, v in vals),
-            "max": max(v for _, v in vals), "flat": abs(change) <= TOLERANCE,
+            "max": max(v for _, v in vals), "flat": abs(change) <= TOLERANCE or abs(b - a) <= abs_tol,
             "warmup_step": round(warm)}
 
 
@@ -306,7 +307,7 @@ def analyse(res: dict, steps: int, events_max_bytes: int) -> dict:
     settle = SERVER_SETTLE_S if server else 0.0
     out = {
         "rss_mib_total": flatness(s, steps, lambda x: x["rss_mib"], settle_s=settle),
-        "threads_total": flatness(s, steps, lambda x: x["threads"], settle_s=settle),
+        "threads_total": flatness(s, steps, lambda x: x["threads"], settle_s=settle, abs_tol=1),
     }
     for n in sorted({n for x in s for n in x["processes"]}):
         if n in ("rollart", "nats-server"):  # the long-lived ones (not per-task processes)
@@ -314,7 +315,8 @@ def analyse(res: dict, steps: int, events_max_bytes: int) -> dict:
             out[f"rss_mib[{n}]"] = flatness(
                 s, steps, lambda x, n=n: x["processes"].get(n, {}).get("rss_mib"), settle_s=st)
             out[f"threads[{n}]"] = flatness(
-                s, steps, lambda x, n=n: x["processes"].get(n, {}).get("threads"), settle_s=st)
+                s, steps, lambda x, n=n: x["processes"].get(n, {}).get("threads"), settle_s=st,
+                abs_tol=1)
     out |= {
         "events_stream_bytes": flatness(s, steps, _stream("events")),
         "kv_bytes": flatness(s, steps, _stream("kv")),
@@ -414,7 +416,7 @@ def run_table(r: dict) -> list[str]:
         f"({r['steps_per_s']:.2f} steps/s; setup {r['setup_s']:.0f} s, after the last step "
         f"{r['after_last_step_s']:.0f} s), {len(r['samples'])} samples (every {job['every']} "
         f"steps), warm-up until step {' / '.join(f'{w:,}' for w in warm) or '–'}, "
-        f"{r['stderr_lines']} lines on the run's stderr.",
+        f"{r['stderr_lines']} line(s) on the run's stderr.",
         "",
         "| Resource | first | last | change | range after warm-up | result |",
         "|---|---:|---:|---:|---:|---|",
@@ -441,13 +443,15 @@ def readme_section(runs: dict) -> str:
         "",
         f"*First* is the median of the samples in the {WINDOW:.0%} of the steps right after "
         f"the warm-up, *last* the median in the last {WINDOW:.0%}; *flat* means within "
-        f"{TOLERANCE:.0%}. The warm-up is the first {WINDOW:.0%} of the steps; for anything "
+        f"{TOLERANCE:.0%} (thread counts: or within one thread, as env steps run on "
+        f"short-lived threads). The warm-up is the first {WINDOW:.0%} of the steps; for anything "
         f"that includes nats-server it lasts at least {SERVER_SETTLE_S:g} s after the first "
         "step, because the server keeps the msg id of every publish for the streams' 2-minute "
         "duplicate window and its heap settles after that: a soak of fast steps shorter than "
         "that cannot judge it (n/a below). The events stream is capped by "
         f"`node.events_max_bytes`, set here to {job['events_max_bytes'] / 2**20:g} MiB (the "
-        "smallest allowed; the default is 8 GiB) so that the cap is reached during the warm-up. "
+        "smallest allowed; by default there is no byte cap, only `node.events_max_age`) so that the "
+        "cap is reached during the warm-up. "
         "On disk the server frees whole 4 MiB blocks, so the store is a sawtooth: it is judged "
         "against the ceiling the limits allow (events cap + one block, one block for the KV "
         "bucket, 1 MiB for the rest), and its peaks in the two halves are shown.",
@@ -492,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):
             return {}
 
-    if args.render:
-        replace_section("soak", readme_section(stored()))
+    if args.render:  # the analysis again, from the stored samples, with this version's rules
+        runs = stored()
+        for r in runs.values():
+            r["analysis"] = analyse(r, r["job"]["steps"], r["job"]["events_max_bytes"])
+        RESULTS.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+        replace_section("soak", readme_section(runs))
         return 0
     steps = 60 if args.quick else args.steps
     every = args.every or max(1, steps // 100)

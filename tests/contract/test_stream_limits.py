@@ -99,8 +99,19 @@ async def test_run_events_stream_gets_its_limits(bus):
         from rollart.config.schema import NodeConfig
 
         cfg = (await bus._js.stream_info(events)).config
-        assert (cfg.max_bytes, cfg.max_age) == (NodeConfig().events_max_bytes,
+        assert (cfg.max_bytes, cfg.max_age) == (NodeConfig().events_max_bytes or -1,
                                                NodeConfig().events_max_age)
+
+
+async def test_default_limits_reserve_no_store(nats_bus):
+    """nats-server reserves a stream's max_bytes up front (against max_file_store, 75% of the
+    free disk by default): a default byte cap of several GiB let a server take only a few
+    runs ("insufficient storage resources"). The default bounds by age and reserves nothing."""
+    for _ in range(12):
+        run = f"lim{uuid.uuid4().hex[:8]}"
+        await ensure_run_streams(nats_bus, run)
+        cfg = (await nats_bus._js.stream_info(m.stream_name(run, "events"))).config
+        assert cfg.max_bytes in (-1, None) and cfg.max_age > 0
 
 
 async def test_default_limits_keep_every_message_of_a_normal_run(bus):

@@ -106,18 +106,21 @@ class NodeConfig(Base):
     """Seconds between node heartbeats (0 disables)."""
     events_max_age: float = 7 * 24 * 3600.0
     """Seconds the run's events stream (``ROLLART_<run>``: completed trajectories with their
-    token lists, status and dead letters) keeps a message; older ones are discarded
-    (0: kept forever; else at least 60). Must outlast what the trainer has not yet covered by a checkpoint:
-    a ``rollout.completed`` it has read but not checkpointed is read again from the stream
-    on ``--resume``, so a run stopped for longer than this loses those trajectories. The
-    default (7 days) cannot drop them in a running job."""
-    events_max_bytes: int = 8 * 1024**3
+    token lists, status and dead letters) keeps a message; older ones are discarded (0: kept
+    forever; else at least 60). Must outlast what the trainer has not yet covered by a
+    checkpoint: a ``rollout.completed`` it has read but not checkpointed is read again from
+    the stream on ``--resume``, so a run stopped for longer than this loses those
+    trajectories. The default (7 days) cannot drop them in a running job."""
+    events_max_bytes: int = 0
     """Bytes the events stream may hold; past it the oldest messages are discarded
-    (0: no limit; else at least 1 MiB). Must hold every trajectory not yet covered by a trainer checkpoint:
-    about ``checkpoint_every x batch_groups x group_size x`` the size of one
-    ``rollout.completed`` (~15 bytes per token: a 1,000-token trajectory is ~15 KB, so a
-    64-trajectory step ~1 MB). The default (8 GiB) holds thousands of such steps, and tens
-    of steps of 512 trajectories of 32k tokens; raise it for larger jobs."""
+    (0: no byte limit, the default; else at least 1 MiB). nats-server reserves this much of
+    its store (``max_file_store``: by default 75% of the free disk) for the stream up front,
+    whatever it holds: with a default of several GiB every run would claim that much, and a
+    small disk or a server shared by a few runs would refuse the next run's stream
+    ("insufficient storage resources"). So by default ``events_max_age`` bounds the stream.
+    A value must hold every trajectory not yet covered by a trainer checkpoint: about
+    ``checkpoint_every x batch_groups x group_size x`` the size of one ``rollout.completed``
+    (~15 bytes per token: a 1,000-token trajectory is ~15 KB, a 64-trajectory step ~1 MB)."""
 
     def __post_init__(self) -> None:
         _in_range(self, "node.", "grace heartbeat_every", ge=0)
