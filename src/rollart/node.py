@@ -119,10 +119,18 @@ class Node:
         if self.handle_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self._on_signal, sig)
         self._started = True
         log.info("node %s started: %d consumers, %d services", self.node_id,
                  len(self.loops), len(self.services))
+
+    def _on_signal(self, sig: int) -> None:
+        """First SIGINT/SIGTERM: drain. A second one while draining: stop hard, at once."""
+        if self._stop.is_set():
+            log.warning("second %s while draining: exiting now", signal.Signals(sig).name)
+            os._exit(128 + sig)
+        log.info("%s: draining (send it again to stop at once)", signal.Signals(sig).name)
+        self.stop()
 
     def stop(self) -> None:
         """Ask the node to drain and return from :meth:`wait` (signal-safe)."""

@@ -112,3 +112,49 @@ async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
     # the env node that started first says once that it waits, not once per request
     assert env.output().count("wait for a generate replica") <= 2, env.output()
     assert wall < 90, wall
+
+
+async def test_generate_and_reward_away_for_20s_mid_run(tmp_path, tiny_model):
+    """Both stateless services are killed (SIGKILL) after the first step and come back 20 s
+    later: trajectories in flight wait for a replica instead of failing, and the run
+    reaches its last step with no group lost and no trajectory trained twice."""
+    run = new_run()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"run: {run}\n"
+        f"run_dir: {tmp_path / 'runs'}\n"
+        "node: {grace: 3, heartbeat_every: 0.5}\n"
+        f"model: {{path: '{tiny_model}'}}\n"
+        "envs: {main: {type: frozenlake, max_turns: 3, scorer: answer_match}}\n"
+        "rollout: {group_size: 2, batch_groups: 2, alpha: 1}\n"
+        "trainer: {steps: 3, eval_groups: 1}\n")
+    head = Proc(cfg, "trainer,scheduler")
+    procs = [head]
+    try:
+        url = (await head.line_with("embedded nats-server at")).rsplit(" ", 1)[-1].strip()
+        services = [Proc(cfg, "reward", "--nats", url), Proc(cfg, "generate", "--nats", url)]
+        procs += services + [Proc(cfg, "env", "--nats", url)]
+        metrics = tmp_path / "runs" / run / "metrics.jsonl"
+        end = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        assert metrics.exists(), head.output()
+        for p in services:
+            p.kill()
+        away = time.monotonic()
+        await asyncio.sleep(20)  # the outage itself is what this test is about
+        procs += [Proc(cfg, "reward", "--nats", url), Proc(cfg, "generate", "--nats", url)]
+        end = time.monotonic() + 120
+        while head.proc.poll() is None and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        assert head.proc.poll() == 0, head.output()
+        back = time.monotonic() - away
+    finally:
+        for p in procs:
+            p.kill()
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x]
+    assert [r["step"] for r in rows] == [1, 2, 3], "no step skipped"
+    ids = [t for r in rows for t in r["traj_ids"]]
+    assert len(ids) == len(set(ids)), "no trajectory trained twice"
+    assert rows[-1]["groups_lost"] == 0 and rows[-1]["count_groups_failed"] == 0, rows[-1]
+    assert back < 140, back

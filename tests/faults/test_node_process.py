@@ -112,3 +112,45 @@ def test_node_unknown_role_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", "wizard"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown role 'wizard'" in r.stdout
+
+
+async def test_second_signal_stops_a_draining_node_at_once(tmp_path):
+    """The first SIGTERM drains (in-flight work may take up to the grace period); a second
+    one while it drains ends the process at once."""
+    proc = _start_node(tmp_path)
+    try:
+        line = await asyncio.to_thread(_read_until, proc, "embedded nats-server at")
+        url = line.rsplit(" ", 1)[-1].strip()
+        await asyncio.to_thread(_read_until, proc, "serving echo")
+        bus = NatsBus(url)
+        await bus.connect()
+        await bus.publish(*request("nodetest", 15000, env="slow"), msg_id="long")  # 15 s
+        deadline = time.monotonic() + 30
+        while not await _inflight(bus) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await bus.close()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(_read_until, proc, "send it again to stop at once")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 10)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def _inflight(bus) -> bool:
+    """Has the node fetched the request (its consumer shows one delivery pending an ack)?"""
+    import nats
+
+    nc = await nats.connect(bus.url)
+    try:
+        ci = await nc.jetstream().consumer_info(m.stream_name("nodetest", "work"), "echo-on-request")
+        return ci.num_ack_pending >= 1
+    except nats.js.errors.NotFoundError:
+        return False
+    finally:
+        await nc.close()
