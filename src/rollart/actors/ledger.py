@@ -321,13 +321,8 @@ async def put_summary(bus: Any, run: str, summary: m.LedgerSummary) -> bool:
 
 async def watch_summary(bus: Any, run: str) -> AsyncIterator[m.LedgerSummary]:
     """The current ledger summary (if any), then each new one."""
-    from rollart.bus.codec import DecodeError, decode
+    from rollart.actors.records import watch_record
 
-    kv = await bus.key_value(m.kv_bucket(run))
-    async for e in kv.watch(m.LEDGER_KEY):
-        if e.deleted or not e.value:
-            continue
-        try:
-            yield decode(m.LedgerSummary, e.value)
-        except DecodeError as err:
-            log.error("ignoring malformed ledger summary: %s", err)
+    async for summary in watch_record(bus, run, m.LEDGER_KEY, m.LedgerSummary,
+                                      what="ledger summary"):
+        yield summary

@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from rollart import messages as m
 from rollart.bus import Bus
-from rollart.bus.codec import DecodeError, decode, encode
+from rollart.bus.codec import decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -167,16 +167,10 @@ async def current_policy(bus: Bus, run: str) -> m.PolicyPublished | None:
 
 async def watch_policy(bus: Bus, run: str) -> AsyncIterator[m.PolicyPublished]:
     """The current policy (if any), then each newly published one."""
-    kv = await bus.key_value(m.kv_bucket(run))
-    async for e in kv.watch(m.POLICY_KEY):
-        if e.deleted or not e.value:
-            continue
-        try:
-            pub = decode(m.PolicyPublished, e.value)
-            m.validate(pub)
-        except (DecodeError, m.Invalid) as err:
-            log.error("ignoring malformed policy record: %s", err)
-            continue
+    from rollart.actors.records import watch_record
+
+    async for pub in watch_record(bus, run, m.POLICY_KEY, m.PolicyPublished,
+                                  what="policy record", validate=True):
         yield pub
 
 

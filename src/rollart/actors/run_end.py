@@ -39,19 +39,11 @@ async def put_run_end(bus: Any, run: str, rec: m.RunEnd, *, attempts: int = 8) -
 
 async def watch_run_end(bus: Any, run: str) -> AsyncIterator[m.RunEnd]:
     """Each :class:`RunEnd` record written after this call (older ones are skipped)."""
-    from rollart.bus.codec import DecodeError, decode
+    from rollart.actors.records import watch_record
 
-    kv = await bus.key_value(m.kv_bucket(run))
-    e = await kv.get(m.RUN_END_KEY)
-    seen = e.revision if e is not None else 0
-    async for e in kv.watch(m.RUN_END_KEY):
-        if e.deleted or not e.value or e.revision <= seen:
-            continue
-        seen = e.revision
-        try:
-            yield decode(m.RunEnd, e.value)
-        except DecodeError as err:
-            log.error("ignoring a malformed end-of-run record: %s", err)
+    async for rec in watch_record(bus, run, m.RUN_END_KEY, m.RunEnd,
+                                  what="end-of-run record", only_new=True):
+        yield rec
 
 
 async def wait_run_end(bus: Any, run: str, stages: tuple[str, ...] = ("ended",)) -> m.RunEnd:

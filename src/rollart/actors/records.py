@@ -1,0 +1,39 @@
+"""Typed records in a run's KV bucket (policy version, ledger summary, end of run): one
+way to watch them, so a malformed record is skipped the same way everywhere."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from rollart import messages as m
+from rollart.bus.codec import DecodeError, decode
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def watch_record(bus: Any, run: str, key: str, typ: type[T], *, what: str,
+                       validate: bool = False, only_new: bool = False) -> AsyncIterator[T]:
+    """The current record of ``key`` (unless ``only_new``: only those written after this
+    call), then each new one, decoded as ``typ``; deleted and malformed records (undecodable,
+    or invalid with ``validate``) are skipped with an error naming ``what``."""
+    kv = await bus.key_value(m.kv_bucket(run))
+    seen = 0
+    if only_new:
+        e = await kv.get(key)
+        seen = e.revision if e is not None else 0
+    async for e in kv.watch(key):
+        if e.deleted or not e.value or (only_new and e.revision <= seen):
+            continue
+        seen = e.revision
+        try:
+            rec = decode(typ, e.value)
+            if validate:
+                m.validate(rec)
+        except (DecodeError, m.Invalid) as err:
+            log.error("ignoring a malformed %s: %s", what, err)
+            continue
+        yield rec
