@@ -19,11 +19,48 @@ from rollart.config import ConfigError, RunConfig, load
 log = logging.getLogger("rollart")
 
 
+SECRETS_NOTE = ("secrets come only from files or environment variables (nats.password_env, "
+                "nats.token_env), never from the command line")
+
+
+def add_nats_args(p: argparse.ArgumentParser, *, url_help: str, required: bool = False) -> None:
+    """``--nats URL`` and the credential flags (``--user``, ``--password-file``, ``--token-file``,
+    ``--creds``, ``--tls-ca``) that override the config's ``nats:`` section on this host
+    (:func:`nats_overrides` reads them back)."""
+    p.add_argument("--nats", default=None, required=required, metavar="URL", help=url_help)
+    g = p.add_argument_group(
+        "NATS credentials", "override the config's nats: section on this host (one shared config "
+        f"serves every host; each passes its own credential); {SECRETS_NOTE}")
+    g.add_argument("--user", default=None, metavar="NAME",
+                   help="user name (its password: --password-file, or the config's password_file / "
+                        "password_env)")
+    g.add_argument("--password-file", default=None, metavar="FILE",
+                   help="file holding the password of --user (first line)")
+    g.add_argument("--token-file", default=None, metavar="FILE", help="file holding an auth token")
+    g.add_argument("--creds", default=None, metavar="FILE", help="NATS credentials file (JWT and NKey seed)")
+    g.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="CA certificate (PEM) that signed the server's certificate: connect with TLS")
+
+
+def nats_overrides(args: argparse.Namespace) -> dict:
+    """The NATS flags of ``args`` (:func:`add_nats_args`, and a node's ``--listen`` /
+    ``--server-config``) as overrides for :func:`rollart.bus.auth.resolve`."""
+    return {"url": getattr(args, "nats", None), "user": getattr(args, "user", None),
+            "password_file": getattr(args, "password_file", None),
+            "token_file": getattr(args, "token_file", None), "creds_file": getattr(args, "creds", None),
+            "tls_ca": getattr(args, "tls_ca", None), "listen": getattr(args, "listen", None),
+            "server_config": getattr(args, "server_config", None)}
+
+
 @contextlib.asynccontextmanager
-async def open_bus(cfg: RunConfig, nats: str | None):
-    """The bus a command runs on: ``memory``, a NATS URL, or an embedded server (default)."""
-    url = nats or cfg.nats
-    if url == "memory":
+async def open_bus(cfg: RunConfig, nats: str | None, overrides: dict | None = None):
+    """The bus a command runs on: ``memory``, a NATS URL, or an embedded server (default;
+    listening on ``nats.listen``, started with ``nats.server_config``). ``overrides``: the
+    command line's NATS flags (:func:`nats_overrides`); ``nats`` wins over their ``url``."""
+    from rollart.bus.auth import bus_from_config, resolve
+
+    ns = resolve(cfg, {**(overrides or {}), **({"url": nats} if nats else {})})
+    if ns.url == "memory":
         from rollart.bus.memory import MemoryBus
 
         bus = MemoryBus()
@@ -33,22 +70,23 @@ async def open_bus(cfg: RunConfig, nats: str | None):
         finally:
             await bus.close()
         return
-    server = None
-    if not url:
+    server = bus = None
+    if not ns.joins:
         from rollart.bus.server import EmbeddedServer
 
-        server = EmbeddedServer(Path(cfg.run_dir) / cfg.run / "nats")
+        host, port = ns.listen_address()
+        server = EmbeddedServer(Path(cfg.run_dir) / cfg.run / "nats", host, port,
+                                config_file=ns.server_config)
         server.start()  # in this thread: the server gets SIGTERM when it exits
-        url = server.url
-        log.info("embedded nats-server at %s", url)
-    from rollart.bus.nats import NatsBus
-
-    bus = NatsBus(url, name=f"rollart-{cfg.run}")
+        log.info("embedded nats-server at %s", server.url)
     try:
+        bus = bus_from_config(ns, url=server.url if server else None, name=f"rollart-{cfg.run}",
+                              local=server is not None)
         await bus.connect()
         yield bus
     finally:
-        await bus.close()
+        if bus is not None:
+            await bus.close()
         if server is not None:
             await asyncio.to_thread(server.stop)
 
@@ -136,13 +174,13 @@ def summarize(results: list[m.RolloutCompleted], wall_s: float) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def _scratch_bus(cfg: RunConfig, nats: str | None):
+async def _scratch_bus(cfg: RunConfig, nats: str | None, overrides: dict | None = None):
     """``open_bus`` for a rollout: an embedded server keeps its store in a temporary folder
     (removed after), so a rollout writes nothing but its ``--out`` file."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rollart-rollout-") as store:
-        async with open_bus(msgspec.structs.replace(cfg, run_dir=store), nats) as bus:
+        async with open_bus(msgspec.structs.replace(cfg, run_dir=store), nats, overrides) as bus:
             yield bus
 
 
@@ -161,7 +199,7 @@ async def rollout_main(args) -> int:
     await _check_envs(cfg, [args.env] if args.env else None)  # a broken env fails now
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    async with _scratch_bus(cfg, args.nats) as bus:
+    async with _scratch_bus(cfg, args.nats, nats_overrides(args)) as bus:
         sched, actors = rollout_actors(cfg, groups=args.groups, bounded=False, keep_results=True,
                                        greedy=args.greedy, eval=True, env=args.env,
                                        prefix=f"e{int(time.time())}-")
@@ -204,8 +242,10 @@ async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies) -> d
     return await _evaluate(bus, cfg, version, groups, proxies)
 
 
-async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool = False) -> dict:
-    """Run the whole training job of ``cfg`` on one host; returns the final summary."""
+async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool = False,
+                overrides: dict | None = None) -> dict:
+    """Run the whole training job of ``cfg`` on one host; returns the final summary.
+    ``overrides``: the command line's NATS flags (:func:`nats_overrides`)."""
     from rich.progress import Progress, TextColumn
 
     from rollart.launch import drive_training, training_actors
@@ -213,10 +253,15 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
     from rollart.telemetry.progress import StepClock, step_line
 
     total = cfg.trainer.steps
-    async with open_bus(cfg, nats) as bus:
-        if bus.url.startswith("nats"):  # how to watch it, once, at any log level
+    async with open_bus(cfg, nats, overrides) as bus:
+        if not bus.url.startswith("memory"):  # how to watch it, once, at any log level
             print(f"rollart run: nats-server at {bus.url}; watch it with: "
                   f"rollart top --nats {bus.url} --run {cfg.run}", flush=True)
+            from rollart.bus.auth import has_credentials
+
+            if has_credentials(getattr(bus, "auth", {})):
+                print("rollart run: (rollart top needs credentials too: --user and "
+                      "--password-file, --token-file, --creds, --tls-ca)", flush=True)
         sched, trainer, actors = training_actors(cfg, resume=resume)
         live = not quiet and sys.stdout.isatty()  # a bar; piped: one line per step
         with Progress(TextColumn("{task.fields[info]}"), disable=not live) as bar:
@@ -243,10 +288,14 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
             async with Node(bus, actors, heartbeat_every=cfg.node.heartbeat_every,
                             grace=cfg.node.grace, handle_signals=True,
                             events_max_age=cfg.node.events_max_age,
-                            events_max_bytes=cfg.node.events_max_bytes) as node:
-                return await drive_training(
+                            events_max_bytes=cfg.node.events_max_bytes,
+                            bus_outage_max=cfg.node.bus_outage_max) as node:
+                summary = await drive_training(
                     bus, cfg, node, trainer, sched, t0=t0,
                     proxies=[a for a in actors if a.role == "generate"])
+                if node.stop_reason:  # the bus was lost for longer than node.bus_outage_max
+                    summary["bus_lost"] = node.stop_reason
+                return summary
 
 
 async def _check_envs(cfg: RunConfig, names: list[str] | None = None) -> None:
@@ -309,8 +358,12 @@ async def run_main(args) -> int:
         await _check_envs(cfg)  # before the run folder exists: a broken env fails in seconds
         cfg, run_path = _claim_run_folder(cfg)  # a name that is taken gets a fresh suffix
         (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
-    summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet)
+    summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet,
+                          overrides=nats_overrides(args))
     print(json.dumps(summary, indent=2))
+    if summary.get("bus_lost"):
+        print(f"rollart run: {summary['bus_lost']}", file=sys.stderr)
+        return 4
     if summary.get("failed"):
         print(f"rollart run: stopped: {summary['failed']}", file=sys.stderr)
         return 3
@@ -318,10 +371,10 @@ async def run_main(args) -> int:
 
 
 async def top_main(args) -> int:
-    from rollart.bus.nats import NatsBus
+    from rollart.bus.auth import bus_from_config
     from rollart.telemetry.monitor import top
 
-    async with NatsBus(args.nats, name="rollart-top") as bus:
+    async with bus_from_config(None, name="rollart-top", overrides=nats_overrides(args)) as bus:
         try:
             await top(bus, m.check_token("run", args.run), duration=args.duration)
         except asyncio.CancelledError:
@@ -355,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(or --nats), all roles in-process. Writes runs/<run>/.")
     t.add_argument("config", nargs="?",
                    help="run config: a YAML path, or the name of a packaged one (quickstart)")
-    t.add_argument("--nats", default=None, help="NATS URL, or 'memory' for the in-process bus")
+    add_nats_args(t, url_help="NATS URL to join (default: the config's nats, else an embedded "
+                              "server), or 'memory' for the in-process bus")
     t.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue a stopped run from its checkpoint (a finished run: says so, "
                         "exits 0 and changes nothing)")
@@ -370,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("top", help="live subject-level view of a run",
                         description="Message rates per subject, nodes, policy version and "
                                     "replicas, trajectory outcomes and time split.")
-    tp.add_argument("--nats", required=True, help="NATS URL of the run's server")
+    add_nats_args(tp, required=True, url_help="NATS URL of the run's server")
     tp.add_argument("--run", required=True, help="run name")
     tp.add_argument("--duration", type=float, default=None, help="stop after N seconds")
     tp.set_defaults(fn=top_main)
@@ -393,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("config", help="run config: a YAML path, or the name of a packaged one")
     r.add_argument("--groups", type=int, default=4, help="groups to roll out (default 4)")
     r.add_argument("--out", default="rollouts.jsonl", help="output JSONL (default rollouts.jsonl)")
-    r.add_argument("--nats", default=None, help="NATS URL, or 'memory' for the in-process bus")
+    add_nats_args(r, url_help="NATS URL to join (default: the config's nats, else an embedded "
+                              "server), or 'memory' for the in-process bus")
     r.add_argument("--env", default=None, help="env name of the config (default rollout.env)")
     r.add_argument("--greedy", action="store_true", help="greedy decoding")
     r.add_argument("--weights", default=None, help="safetensors file to load into the policy")
@@ -415,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--static", action="store_true",
                    help="do not import, construct or reset the envs (only validate the YAML)")
     c.set_defaults(fn=config_main)
+    from rollart.security.cli import register as register_secure
+
+    register_secure(sub)
     return p
 
 
@@ -479,3 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+if __name__ == "__main__":  # python -m rollart.cli
+    raise SystemExit(main())

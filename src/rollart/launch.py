@@ -53,6 +53,10 @@ def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
     """``cfg`` with some sections' fields replaced: ``with_overrides(cfg, rollout={...})``."""
     out = cfg
     for name, values in sections.items():
+        if name == "nats" and isinstance(values, dict):  # a section given as a mapping
+            from rollart.config.schema import nats_settings
+
+            values = nats_settings(values)
         if name in ("run", "nats", "run_dir"):
             out = msgspec.structs.replace(out, **{name: values})
         else:

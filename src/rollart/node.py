@@ -31,12 +31,15 @@ log = logging.getLogger(__name__)
 
 
 async def ensure_run_streams(bus: Bus, run: str, *, events_max_age: float | None = None,
-                             events_max_bytes: int | None = None) -> None:
+                             events_max_bytes: int | None = None, update: bool = True) -> None:
     """Create the run's event stream and work-queue stream, or update them (idempotent).
 
     The events stream gets the age and size limits (``node.events_max_age`` /
     ``node.events_max_bytes``; None: their defaults, 0: no limit). The work queue needs none:
-    an acked request leaves it, and admission bounds the rest."""
+    an acked request leaves it, and admission bounds the rest. ``update=False`` (a node
+    without the trainer: under ``rollart secure`` permissions only the trainer may change a
+    stream) creates a missing stream but leaves an existing one as it is, with a warning
+    when its settings differ from this host's config."""
     if events_max_age is None or events_max_bytes is None:
         from rollart.config.schema import NodeConfig
 
@@ -45,19 +48,24 @@ async def ensure_run_streams(bus: Bus, run: str, *, events_max_age: float | None
         events_max_bytes = d.events_max_bytes if events_max_bytes is None else events_max_bytes
     for kind in ("events", "work"):
         limits = {"max_age": events_max_age, "max_bytes": events_max_bytes} if kind == "events" else {}
-        await bus.ensure_stream(StreamSpec(
+        same = await bus.ensure_stream(StreamSpec(
             name=m.stream_name(run, kind),
             subjects=m.stream_subjects(run, kind),
             retention=m.STREAM_RETENTION[kind],
             **limits,
-        ))
+        ), update=update)
+        if not same:
+            log.warning("stream %s exists with settings other than this host's config "
+                        "(node.events_max_age / events_max_bytes, or another rollart version): "
+                        "left as it is; the trainer's host sets them", m.stream_name(run, kind))
 
 
 class Node:
     def __init__(self, bus: Bus, actors: Sequence[Actor], *, grace: float = 10.0,
                  heartbeat_every: float = 5.0, node_id: str | None = None,
                  pool: str = "default", handle_signals: bool = False,
-                 events_max_age: float | None = None, events_max_bytes: int | None = None):
+                 events_max_age: float | None = None, events_max_bytes: int | None = None,
+                 bus_outage_max: float = 600.0):
         if not actors:
             raise ValueError("a Node needs at least one actor")
         self.bus = bus
@@ -69,6 +77,11 @@ class Node:
         self.handle_signals = handle_signals
         self.events_limits = {"events_max_age": events_max_age, "events_max_bytes": events_max_bytes}
         """The events stream's limits (``node.events_*``; None: the defaults), set at start."""
+        self.bus_outage_max = bus_outage_max
+        """Seconds without the bus before the node stops by itself (``node.bus_outage_max``;
+        0: never)."""
+        self.stop_reason: str | None = None
+        """Why the node stopped by itself (the bus was lost for too long); None otherwise."""
         self.loops: list[ConsumerLoop] = []
         self.services: list[Service] = []
         self._tg: asyncio.TaskGroup | None = None
@@ -116,6 +129,8 @@ class Node:
                 self._tg.create_task(self._run_main(actor), name=f"main:{actor.name}")
         if self.heartbeat_every > 0:
             self._tg.create_task(self._heartbeats(), name="heartbeat")
+        if self.bus_outage_max > 0:
+            self._tg.create_task(self._watch_bus(), name="bus-watchdog")
         if self.handle_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -174,7 +189,13 @@ class Node:
                     await actor.teardown()
                 except Exception:  # noqa: BLE001 - teardown must not hide the drain
                     log.exception("teardown of %s failed", actor.name)
-        log.info("node %s drained", self.node_id)
+        log.info("node %s drained: %s", self.node_id, self.outcomes() or "no handlers")
+
+    def outcomes(self) -> str:
+        """One phrase per handler: ``echo.on_request acked 9, nak'ed 0, dead 0``."""
+        parts = [f"{x.actor.name}.{x.h.name} acked {x.stats.acked}, nak'ed {x.stats.naked}, "
+                 f"dead {x.stats.dead}" for x in [*self.loops, *self.services]]
+        return "; ".join(parts)
 
     # -- background tasks ------------------------------------------------------
     async def _run_main(self, actor: Actor) -> None:
@@ -200,6 +221,23 @@ class Node:
         for svc in self.services:
             out.update(svc.stats.as_dict(f"{svc.actor.name}.{svc.h.name}"))
         return out
+
+    async def _watch_bus(self) -> None:
+        """Stop the node once the bus has been without its server for ``bus_outage_max``
+        seconds (nats-py reconnects forever; past the limit a node is only waiting)."""
+        every = min(1.0, max(0.05, self.bus_outage_max / 10))
+        while not self._stop_mains.is_set():
+            outage = getattr(self.bus, "outage_s", 0.0)
+            if outage > self.bus_outage_max and not self._stop.is_set():
+                self.stop_reason = (f"lost the nats-server at {self.bus.url} for {outage:.0f} s "
+                                    f"(node.bus_outage_max): stopping")
+                log.error("node %s %s", self.node_id, self.stop_reason)
+                self.stop()
+                return
+            try:
+                await asyncio.wait_for(self._stop_mains.wait(), every)
+            except TimeoutError:
+                pass
 
     async def _heartbeats(self) -> None:
         runs = sorted({a.run for a in self.actors})
@@ -275,7 +313,16 @@ def _parser():
     p.add_argument("--roles", required=True,
                    help=f"comma-separated roles: {', '.join(BUILTIN_ROLES)} or pkg.module:Class")
     p.add_argument("--pool", default="default", help="pool this host joins (default: default)")
-    p.add_argument("--nats", default=None, help="NATS URL to join (default: config, else embedded)")
+    from rollart.cli import add_nats_args
+
+    add_nats_args(p, url_help="NATS URL to join (default: the config's nats, else start an "
+                              "embedded server)")
+    p.add_argument("--listen", default=None, metavar="HOST[:PORT]",
+                   help="address the embedded server listens on (default: nats.listen, 127.0.0.1); "
+                        "0.0.0.0:4222 lets other hosts join and needs --server-config with users")
+    p.add_argument("--server-config", default=None, metavar="FILE",
+                   help="nats-server config (users, TLS) the embedded server starts with; make one "
+                        "with `rollart secure init DIR --host NAME` (DIR/server.conf)")
     p.add_argument("--run", default=None, help="override the config's run name")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.add_argument("--serve", action="store_true",
@@ -287,31 +334,42 @@ def _parser():
 async def _amain(args) -> int:
     import msgspec
 
-    from rollart.bus.nats import NatsBus
-    from rollart.bus.server import EmbeddedServer
+    from rollart.bus.auth import bus_from_config, resolve
+    from rollart.bus.server import EmbeddedServer, check_listen
+    from rollart.cli import nats_overrides
     from rollart.config import RunConfig, load
 
     cfg = load(args.config, RunConfig)
     if args.run:
         cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
+    ns = resolve(cfg, nats_overrides(args))  # this host's flags over the config's nats section
+    if ns.url == "memory":
+        raise ValueError("a node needs a nats-server: --nats memory (the in-process bus) is for "
+                         "`rollart run`; give a NATS URL, or none to start an embedded server")
+    if ns.joins and (args.listen or args.server_config):
+        raise ValueError("--listen and --server-config are for the embedded server, which a node "
+                         "joining a URL (--nats or nats.url) does not start")
+    if not ns.joins:  # before loading anything: an insecure listen address fails now
+        check_listen(ns.listen_address()[0], ns.server_config)
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
     if "env" in roles:  # a broken env fails this node now, not every trajectory later
         from rollart.envs.check import check_envs_async
 
         await check_envs_async(cfg)
     actors = build_actors(cfg, roles, m.check_token("pool", args.pool))
-    url = args.nats or cfg.nats
-    server = None
-    if not url:
+    server = bus = None
+    if not ns.joins:
         from pathlib import Path
 
-        server = EmbeddedServer(Path(cfg.run_dir) / cfg.run / "nats")
+        host, port = ns.listen_address()
+        server = EmbeddedServer(Path(cfg.run_dir) / cfg.run / "nats", host, port,
+                                config_file=ns.server_config)
         server.start()
-        url = server.url
-        print(f"rollart node: embedded nats-server at {url}", flush=True)
-    bus = NatsBus(url, name=f"rollart-node-{args.pool}")
+        print(f"rollart node: embedded nats-server at {server.url}", flush=True)
     rc = 0
     try:
+        bus = bus_from_config(ns, url=server.url if server else None,
+                              name=f"rollart-node-{args.pool}", local=server is not None)
         await _connect_patiently(bus, cfg.rollout.service_wait)
         if any(a.role == "trainer" for a in actors):  # the run folder, as `rollart run` writes it
             from rollart.launch import write_config
@@ -320,16 +378,21 @@ async def _amain(args) -> int:
         async with Node(bus, actors, grace=cfg.node.grace, pool=args.pool,
                         heartbeat_every=cfg.node.heartbeat_every, handle_signals=True,
                         events_max_age=cfg.node.events_max_age,
-                        events_max_bytes=cfg.node.events_max_bytes) as node:
+                        events_max_bytes=cfg.node.events_max_bytes,
+                        bus_outage_max=cfg.node.bus_outage_max) as node:
             print(f"rollart node: {node.node_id} serving {', '.join(roles)} "
                   f"(run={cfg.run}, pool={args.pool})", flush=True)
             if server is not None:
-                print(f"rollart node: other nodes join with --nats {url}; watch the run with: "
-                      f"rollart top --nats {url} --run {cfg.run}", flush=True)
+                print(f"rollart node: other nodes join with --nats {server.public_url}; watch the "
+                      f"run with: rollart top --nats {server.public_url} --run {cfg.run}", flush=True)
             rc = await _until_end(bus, cfg, node, serve=args.serve, embedded=server is not None)
+            if node.stop_reason:  # the bus was lost for longer than node.bus_outage_max
+                print(f"rollart node: {node.stop_reason}", flush=True)
+                rc = 4
         print("rollart node: drained", flush=True)
     finally:
-        await bus.close()
+        if bus is not None:
+            await bus.close()
         if server is not None:
             server.stop()
     return rc
@@ -339,12 +402,15 @@ async def _connect_patiently(bus: Bus, wait_s: float) -> None:
     """Connect, waiting quietly (one line) for a server that is not up yet: a node may be
     started before the head node whose embedded server it joins."""
     from rollart.bus import BusError
+    from rollart.bus.auth import AuthError
 
     t0, said = time.monotonic(), False
     while True:
         try:
             await bus.connect()
             break
+        except AuthError:
+            raise  # refused (credentials, TLS): the server is up, and waiting will not help
         except BusError as e:
             waited = time.monotonic() - t0
             if waited > wait_s:
@@ -407,12 +473,12 @@ async def _until_end(bus: Bus, cfg, node: Node, *, serve: bool, embedded: bool) 
         await asyncio.wait({end, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.cancel()
-        if not end.done():
+        # Cancel until it ends: Python 3.11's wait_for (in nats-py's requests) can swallow a
+        # cancel that lands as the reply arrives, and the watch would then wait on forever
+        # (seen when SIGTERM came while the watch was being set up on a loaded host).
+        while not end.done():
             end.cancel()
-            try:
-                await end
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({end}, timeout=1.0)
     if not end.cancelled() and end.exception() is None:
         rec = end.result()
         why = f" (stopped: {rec.stopped})" if rec.stopped else ""

@@ -58,11 +58,20 @@ async def test_a_wave_split_between_two_barriers_fails_fast_with_the_reason():
 
 
 async def test_a_wave_short_of_room_here_keeps_waiting_for_its_members():
-    room = {"n": 0}
-    ls = LockStep(fill_timeout=0.1, room=lambda: room["n"])
+    room = {"n": 0, "asked": 0}
+
+    def no_room() -> int:
+        room["asked"] += 1
+        return room["n"]
+
+    ls = LockStep(fill_timeout=0.1, room=no_room)
     assert ls.join("w", 2)
     waiter = asyncio.ensure_future(ls.arrive("w"))
-    await asyncio.sleep(0.5)  # several fill timeouts: no room, so no verdict
+    deadline = time.monotonic() + 10
+    while room["asked"] < 3:  # three fill checks found no room here, so no verdict
+        assert time.monotonic() < deadline, "the fill check never ran"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
     assert not waiter.done()
     assert ls.join("w", 2)  # the last member, once a slot was free
     await ls.arrive("w")
@@ -88,7 +97,7 @@ async def test_a_whole_wave_never_times_out():
     ls = LockStep(fill_timeout=0.1, room=lambda: 64)
     for _ in range(3):
         assert ls.join("w", 3)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # the passage of time is what is tested: 3 fill timeouts go by
     await asyncio.wait_for(asyncio.gather(*(ls.arrive("w") for _ in range(3))), 1)
 
 

@@ -98,6 +98,8 @@ BAD = [
     ("node", "events_max_age", -1),
     ("node", "events_max_bytes", 1000),  # 0 (no limit) or >= 1 MiB
     ("node", "events_max_bytes", -1),
+    ("node", "bus_outage_max", -1),
+    ("node", "bus_outage_max", NAN),
     ("envs.main", "max_abandoned_threads", 0),
     ("proxy", "engine", "sglang"),
     ("proxy", "gather_ms", -1),
@@ -171,7 +173,7 @@ def test_every_estimator_needs_a_group(advantage):
      "actors": {"trainer": {"handlers": {"on_completed": {"max_inflight": 6464, "max_ack_pending": 6464}}}}},
     {"trainer": {"is_cap": None, "clip_low": 0, "clip_high": 0, "warmup_steps": 0}},
     {"envs": {"main": {"sampling": {"temperature": 0, "top_p": 1}}}},
-    {"node": {"grace": 0, "heartbeat_every": 0}},
+    {"node": {"grace": 0, "heartbeat_every": 0, "bus_outage_max": 0}},
     {"rollout": {"replica_timeout": 0, "fail_after_groups": 0, "redundancy": 2, "alpha": 0}},
     {"actors": {"env": {"handlers": {"on_request": {"max_deliver": -1, "pool": "gpu-a_1"}}}}},
     {"reward": {"replicas": 0}},

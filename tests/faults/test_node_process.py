@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import re
 import subprocess
 import sys
 import time
@@ -20,12 +21,12 @@ from tests.actors.sample_actors import collect, request
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start_node(tmp_path: Path, *extra: str) -> subprocess.Popen:
+def _start_node(tmp_path: Path, *extra: str, grace: float = 20) -> subprocess.Popen:
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
         "run: nodetest\n"
         f"run_dir: {tmp_path / 'runs'}\n"
-        "node: {grace: 20, heartbeat_every: 0.5}\n"
+        f"node: {{grace: {grace}, heartbeat_every: 0.5}}\n"
         "actors:\n"
         "  echo: {type: 'tests.actors.sample_actors:EchoEnv',"
         " handlers: {on_request: {max_inflight: 2}}}\n"
@@ -51,6 +52,16 @@ def _read_until(proc: subprocess.Popen, needle: str, deadline: float = 30.0) -> 
     raise AssertionError(f"node never printed {needle!r}; output:\n{''.join(lines)}")
 
 
+def _outcomes(out: str, handler: str = "on_request") -> dict[str, tuple[int, int]]:
+    """``{actor: (acked, nak'ed)}`` of ``handler`` from the node's "drained: ..." log line."""
+    line = next((ln for ln in out.splitlines() if " drained: " in ln), None)
+    assert line is not None, f"no 'drained:' line with the handlers' outcomes; output:\n{out}"
+    found = {a: (int(acked), int(naked)) for a, acked, naked in
+             re.findall(rf"([\w.-]+)\.{handler} acked (\d+), nak'ed (\d+)", line)}
+    assert found, f"{handler} missing from {line!r}"
+    return found
+
+
 async def test_node_serves_and_drains_on_sigterm(tmp_path):
     proc = _start_node(tmp_path)
     try:
@@ -69,6 +80,12 @@ async def test_node_serves_and_drains_on_sigterm(tmp_path):
         out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
         assert proc.returncode == 0, out
         assert "drained" in out
+        # every request in flight at SIGTERM takes ~0.3 s, far within the grace period (20 s):
+        # all of them finish and are acked; not one is handed back (nak'ed)
+        outcomes = _outcomes(out)
+        assert len(outcomes) == 1, outcomes
+        ((acked, naked),) = outcomes.values()
+        assert naked == 0, f"{naked} request(s) nak'ed though they could finish within grace:\n{out}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -92,6 +109,7 @@ async def test_node_serves_and_drains_on_sigterm(tmp_path):
         await bus.close()
     done_ids = {d.traj_id for d in done}
     assert len(done_ids) == len(done), "a trajectory completed twice"
+    assert acked == len(done), f"acked {acked}, completed {len(done)}"
     assert done_ids.isdisjoint(left), "a finished request was left un-acked"
     assert done_ids | set(left) == {f"t{300 + i}" for i in range(n)}
     assert len(done) >= 3
@@ -140,6 +158,36 @@ async def test_second_signal_stops_a_draining_node_at_once(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_work_that_outlasts_grace_is_nakd_and_counted(tmp_path):
+    """The counterpart of the SIGTERM test above: a request that cannot finish within the
+    grace period (15 s of work, 1 s of grace) is handed back (nak'ed, counted per handler)
+    and stays in the work queue for another node."""
+    proc = _start_node(tmp_path, grace=1)
+    try:
+        line = await asyncio.to_thread(_read_until, proc, "embedded nats-server at")
+        url = line.rsplit(" ", 1)[-1].strip()
+        await asyncio.to_thread(_read_until, proc, "serving echo")
+        bus = NatsBus(url)
+        await bus.connect()
+        await bus.publish(*request("nodetest", 15000, env="slow"), msg_id="long")
+        deadline = time.monotonic() + 30
+        while not await _inflight(bus) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await bus.close()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert list(_outcomes(out).values()) == [(0, 1)], out
+    with EmbeddedServer(tmp_path / "runs" / "nodetest" / "nats") as server:
+        async with NatsBus(server.url) as bus:
+            work = await bus.stream_info(m.stream_name("nodetest", "work"))
+    assert work["messages"] == 1, "the nak'ed request left the work queue"
 
 
 async def _inflight(bus) -> bool:

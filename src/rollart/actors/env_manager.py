@@ -27,7 +27,7 @@ from rollart import messages as m
 from rollart.actors.base import Actor, Reject, RemoteError, consume, replica_suffix, serve  # noqa: F401
 from rollart.actors.chat import ChatFormat
 from rollart.actors.lockstep import LockStep, WaveIncomplete
-from rollart.actors.policy import watch_policy
+from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import backoff
 from rollart.actors.service_client import ServiceClient
 from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
@@ -98,6 +98,9 @@ class EnvManager(Actor):
     async def setup(self) -> None:
         self.chat = await asyncio.to_thread(ChatFormat.load, self.model_dir)
         self.version = 0
+        self.gate = PolicyGate()
+        """Which policy records this EnvManager believes (its version bounds the
+        ``min_version`` of its generate requests)."""
         self._cancel_groups: dict[str, set[str]] = {}
         self._live: dict[str, asyncio.Event] = {}
         self._group_of: dict[str, str] = {}
@@ -122,8 +125,10 @@ class EnvManager(Actor):
             tg.create_task(self._watch_policy())
 
     async def _watch_policy(self) -> None:
-        async for pub in watch_policy(self.bus, self.run):
+        async def accepted(pub: m.PolicyPublished) -> None:
             self.version = max(self.version, pub.version)
+
+        await follow_policy(self, self.gate, accepted)
 
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
@@ -156,13 +161,16 @@ class EnvManager(Actor):
         except (BusError, DecodeError) as e:  # cannot tell now: the generator's wait bounds it
             log.debug("%s: policy version unknown (%s)", self.name, e)
             return
+        latest = self.version
         if pub is not None:
-            self.version = max(self.version, pub.version)
-        bound = self.version + self.rollout.alpha + 1
+            latest = max(latest, pub.version)
+            if getattr(self, "gate", None) is None:
+                self.version = latest  # else the policy gate decides what is believed
+        bound = latest + self.rollout.alpha + 1
         if req.min_version > bound:
             self._count("invalid_requests")
             raise Reject(f"invalid: min_version {req.min_version} is beyond any policy this run "
-                         f"can serve (published v{self.version}; at most version + alpha + 1 = "
+                         f"can serve (published v{latest}; at most version + alpha + 1 = "
                          f"{bound})")
 
     # -- the handler -------------------------------------------------------------

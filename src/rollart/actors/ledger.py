@@ -20,6 +20,13 @@ version ``s = ceil(n / B) - 1 <= a + α``, i.e. ``a >= s - α``: never stale. A 
 break the bound; they free headroom, and admission fills it with a fresh group (a new
 task seed), which is how a lost group is replaced. Under ``drop``/``restart`` the trainer
 checks ``min_version >= s - α`` per group instead and drops the rest (counted, and freed).
+
+**What the trainer takes** (defence in depth, DESIGN.md §6, even under ``rollart secure``
+permissions). Only a trajectory that admission issued: :class:`rollart.actors.admission.Admission` says why
+another is ``not_admitted`` (dead-lettered, never trained, never holding a member's place).
+Two *different* completions of one trajectory id are a conflict (:meth:`GroupLedger.add_completed`):
+neither is trained and both are dead-lettered, so a forged copy that arrives first cannot
+silently push the real one out as a "duplicate".
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
+from rollart.actors.admission import CONFLICTS_REMEMBERED, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +149,16 @@ class GroupLedger:
         self.failure_kinds: Counter[str] = Counter()
         """Dead letters by reason kind, over the run."""
         self.counts = dict.fromkeys(("groups_failed", "stale_dropped", "stale_restarted",
-                                     "extra", "late", "duplicates"), 0)
+                                     "extra", "late", "duplicates", "conflicts",
+                                     "not_admitted"), 0)
+        self.verdicts: dict[asyncio.Future, str] = {}
+        """Held deliveries to dead-letter (not ack) once a checkpoint covers their group:
+        both copies of a conflict. The handler pops its future's verdict when it resolves."""
+        self.restarted: dict[int, tuple[str, int]] = {}
+        """Group index -> ``(group id, seed)`` of the groups the trainer re-admitted."""
+        self.trained_fp: OrderedDict[str, bytes] = OrderedDict()
+        """Fingerprints of the latest trained trajectories (a later different copy is a
+        conflict to report)."""
 
     # -- outcomes ----------------------------------------------------------------
     def _group(self, index: int) -> Group | None:
@@ -151,15 +168,46 @@ class GroupLedger:
         return self.open.setdefault(index, Group(index))
 
     def add_completed(self, msg: m.RolloutCompleted, fut: asyncio.Future) -> str | None:
-        """Record a completion; returns None if held, else why it is not (a count key)."""
+        """Record a completion; returns None if held, else why it is not (a count key:
+        ``late``, ``duplicates``, ``extra``, or ``conflicts``, a copy that differs from one
+        already trained or from the outcome already recorded for its trajectory).
+
+        A completion whose trajectory already has a *different* completion held in its
+        group is a conflict: the held one leaves the members, the trajectory's place counts
+        as a dead outcome (``conflict: ...``), and both deliveries are held and then
+        dead-lettered (their :attr:`verdicts`), so a restart sees the same conflict again.
+        The ledger cannot tell which copy is real; it can only refuse to train on either
+        and to let the first one silently win."""
         g = self._group(msg.group_index)
         key = None
         if g is None:
-            key = "late"
-        elif g.seen(msg.traj_id):
-            key = "duplicates"
-        elif len(g.members) >= self.need:
-            key = "extra"
+            fp = self.trained_fp.get(msg.traj_id)
+            key = "late" if fp is None or fp == fingerprint(msg) else "conflicts"
+        else:
+            same = next(((t, f) for t, f in g.members if t.traj_id == msg.traj_id), None)
+            conflicted = next((r for t, r in g.dead
+                               if t == msg.traj_id and r.startswith("conflict:")), None)
+            if same is not None and same[0] != msg:
+                reason = (f"conflict: two different completions of trajectory {msg.traj_id} "
+                          f"(group {g.index}); neither is trained")
+                g.members.remove(same)
+                g.dead.append((msg.traj_id, reason))
+                for f in (same[1], fut):
+                    g.held.append(f)
+                    self.verdicts[f] = reason
+                self.counts["conflicts"] += 2
+                return None
+            if conflicted is not None:  # a third copy: dead-lettered with the others
+                g.held.append(fut)
+                self.verdicts[fut] = conflicted
+                self.counts["conflicts"] += 1
+                return None
+            if same is not None:
+                key = "duplicates"
+            elif g.seen(msg.traj_id):
+                key = "conflicts"  # completed after it was reported dead or cancelled
+            elif len(g.members) >= self.need:
+                key = "extra"
         if key:
             self.counts[key] += 1
             return key
@@ -232,6 +280,10 @@ class GroupLedger:
         self.closed.add(g.index)
         if state == "trained":
             self.trained += 1
+            for t, _ in g.members:
+                self.trained_fp[t.traj_id] = fingerprint(t)
+            while len(self.trained_fp) > CONFLICTS_REMEMBERED:
+                self.trained_fp.popitem(last=False)
         elif state == "failed":
             self.lost += 1
             self.counts["groups_failed"] += 1
@@ -290,7 +342,8 @@ class GroupLedger:
         return {"closed": self.closed.state(), "next_index": self.next_index, "lost": self.lost,
                 "trained": self.trained, "streak": self.streak,
                 "streak_reasons": dict(self.streak_reasons),
-                "failure_kinds": dict(self.failure_kinds), "counts": dict(self.counts)}
+                "failure_kinds": dict(self.failure_kinds), "counts": dict(self.counts),
+                "restarted": {str(k): list(v) for k, v in self.restarted.items()}}
 
     def load(self, s: dict) -> None:
         self.closed = IndexSet.from_state(s["closed"])
@@ -299,6 +352,7 @@ class GroupLedger:
         self.streak_reasons = Counter(s.get("streak_reasons", {}))
         self.failure_kinds = Counter(s.get("failure_kinds", {}))
         self.counts.update(s.get("counts", {}))
+        self.restarted = {int(k): (v[0], int(v[1])) for k, v in s.get("restarted", {}).items()}
 
 
 # -- the summary in KV -------------------------------------------------------------

@@ -18,7 +18,8 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.base import Actor, replica_suffix, serve
 from rollart.actors.batching import Batcher
-from rollart.actors.policy import fetch_weights, watch_policy
+from rollart.actors.policy import fetch_weights
+from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
 
@@ -73,6 +74,7 @@ class LLMProxy(Actor):
         self._lock = asyncio.Lock()
         self._loaded = asyncio.Condition()
         self._target: m.PolicyPublished | None = None
+        self.gate = PolicyGate(digests=True)
         self.batcher: Batcher = Batcher(self._run_batch, gather_s=self.gather_ms / 1e3,
                                         max_batch=self.max_batch, before_batch=self._maybe_load)
         self.loads: list[tuple[int, float]] = []
@@ -90,17 +92,21 @@ class LLMProxy(Actor):
             tg.create_task(self.progress.run())
 
     async def _watch(self) -> None:
-        """Follow KV ``policy.version``; load each newer version (and a version already
-        loaded whose digest changed). A refused record is tried again when it is announced
-        again (a new KV record, even an identical one) and otherwise after a backoff."""
+        """Follow KV ``policy.version`` through the policy gate (:class:`PolicyGate`: only
+        versions the trainer's ledger and announcements confirm, one by one); load each newer
+        version (and a version already loaded whose digest changed). A refused record is tried
+        again when it is announced again (a new KV record, even an identical one) and
+        otherwise after a backoff."""
         follow = self._follow
 
-        async def records() -> None:
-            async for pub in watch_policy(self.bus, self.run):
-                if follow.wanted(pub, self.version):
-                    follow.announced(pub)
-                    self._target = pub
-                    await self._maybe_load()
+        async def accepted(pub: m.PolicyPublished) -> None:
+            if follow.wanted(pub, self.version):
+                follow.announced(pub)
+                self._target = pub
+                await self._maybe_load()
+
+        async def records() -> None:  # only what the gate accepts (see PolicyGate)
+            await follow_policy(self, self.gate, accepted)
 
         async def retries() -> None:
             while True:
@@ -144,6 +150,7 @@ class LLMProxy(Actor):
             else:
                 dt = time.perf_counter() - t0
                 follow.loaded_ok(pub)
+                self.gate.loaded(pub)
                 self.loads.append((pub.version, dt))
                 log.info("%s loaded policy v%s in %.2fs", self.name, pub.version, dt)
                 report = m.PolicyLoaded(version=pub.version, replica=self.name, pool=self.pool,

@@ -20,6 +20,16 @@ async def watch_record(bus: Any, run: str, key: str, typ: type[T], *, what: str,
     """The current record of ``key`` (unless ``only_new``: only those written after this
     call), then each new one, decoded as ``typ``; deleted and malformed records (undecodable,
     or invalid with ``validate``) are skipped with an error naming ``what``."""
+    async for _, rec in watch_revisions(bus, run, key, typ, what=what, validate=validate,
+                                        only_new=only_new):
+        yield rec
+
+
+async def watch_revisions(bus: Any, run: str, key: str, typ: type[T], *, what: str,
+                          validate: bool = False,
+                          only_new: bool = False) -> AsyncIterator[tuple[int, T]]:
+    """:func:`watch_record`, each record with its KV revision (a re-put of identical bytes
+    is a new revision: a new announcement)."""
     kv = await bus.key_value(m.kv_bucket(run))
     seen = 0
     if only_new:
@@ -36,4 +46,18 @@ async def watch_record(bus: Any, run: str, key: str, typ: type[T], *, what: str,
         except (DecodeError, m.Invalid) as err:
             log.error("ignoring a malformed %s: %s", what, err)
             continue
-        yield rec
+        yield e.revision, rec
+
+
+def decode_entry(entry: Any, typ: type[T], *, validate: bool = True) -> T | None:
+    """The record of a KV entry (from ``kv.get``), or None when it is absent, deleted or
+    malformed (never raises)."""
+    if entry is None or entry.deleted or not entry.value:
+        return None
+    try:
+        rec = decode(typ, entry.value)
+        if validate:
+            m.validate(rec)
+        return rec
+    except (DecodeError, m.Invalid):
+        return None

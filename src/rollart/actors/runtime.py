@@ -179,9 +179,10 @@ class ConsumerLoop:
         beat = asyncio.ensure_future(_heartbeat(d, s.heartbeat or max(0.05, s.ack_wait / 3)))
         try:
             await h.fn(msg, d)
-        except asyncio.CancelledError:
-            await _quiet(d.nak())
-            self.stats.naked += 1
+        except asyncio.CancelledError:  # not finished within the grace period
+            if self.bus.connected:  # a lost bus cannot take the nak: ack_wait redelivers it
+                await _quiet(d.nak())
+                self.stats.naked += 1
             raise
         except Retry as r:
             log.info("retry %s in %s: %s", ctx, r.delay, r)

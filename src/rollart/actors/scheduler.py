@@ -5,7 +5,14 @@ delivered by its first ``group_size`` completions; the rest are cancelled (a com
 that EnvManagers honour; they report ``rollout.cancelled``). Admission never lets
 more than ``(v + alpha + 1) * batch_groups`` live groups in, where ``v`` is the policy
 version in KV and a group stops being live when the trainer's ledger counts it lost
-(failed or dropped): its headroom goes to a fresh group (see :mod:`rollart.actors.ledger`). In ``batch`` mode groups are admitted in waves of
+(failed or dropped): its headroom goes to a fresh group (see :mod:`rollart.actors.ledger`).
+
+Neither KV record is taken on trust (nothing on the bus is authenticated): ``v`` is the
+newest version the policy gate accepted (:class:`rollart.actors.policy_gate.PolicyGate`: one
+version at a time), and never more than the latest trainer ledger summary says; ``lost`` is
+at most the
+number of groups that are done here (a group can only be lost once its outcomes are in), so
+a forged record cannot open the α bound. In ``batch`` mode groups are admitted in waves of
 ``batch_groups`` whose trajectories advance in lock step, and a wave starts only
 when the previous one is done.
 """
@@ -19,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
+from rollart.actors.admission import group_id, issued_key, member_seed
 from rollart.actors.base import Actor, consume
 from rollart.actors.ledger import admissible, watch_summary
-from rollart.actors.policy import watch_policy
+from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.bus.codec import encode
 
 log = logging.getLogger(__name__)
@@ -80,6 +88,10 @@ class RolloutScheduler(Actor):
 
     async def setup(self) -> None:
         self.version = 0
+        self._policy_v = 0
+        """The newest policy version the gate accepted."""
+        self._ledger_v: int | None = None
+        """The trainer ledger summary's version (None: no summary seen)."""
         self.lost = 0
         """Groups the trainer's ledger counts lost (failed or dropped)."""
         self.failed_groups = 0
@@ -87,6 +99,10 @@ class RolloutScheduler(Actor):
         self.failure: str | None = None
         """Set when a fixed-size rollout stopped because every recent group failed."""
         self.admitted = 0
+        self.issued = 0
+        """Groups whose requests may have been published (KV :func:`issued_key`, stored before
+        them: the trainer takes completions only of issued groups)."""
+        self.gate = PolicyGate()
         self.groups_done = 0
         self.groups_settled = 0
         self.max_admitted_ahead = 0
@@ -99,6 +115,10 @@ class RolloutScheduler(Actor):
             e = await self.kv.get(self._kv_key)
             if e and e.value:
                 self.admitted = self.groups_done = self.groups_settled = int(e.value)
+                self.issued = self.admitted
+            e = await self.kv.get(issued_key(self.prefix))
+            if e and e.value and e.value.isdigit():
+                self.issued = max(self.issued, int(e.value))
                 log.info("%s resumes after %d admitted groups", self.name, self.admitted)
 
     @property
@@ -114,10 +134,24 @@ class RolloutScheduler(Actor):
             await self._admit_loop()
 
     async def _watch_version(self) -> None:
-        async for pub in watch_policy(self.bus, self.run):
+        async def accepted(pub: m.PolicyPublished) -> None:
             async with self.changed:
-                self.version = max(self.version, pub.version)
-                self.changed.notify_all()
+                self._policy_v = max(self._policy_v, pub.version)
+                self._set_version()
+
+        await follow_policy(self, self.gate, accepted)
+
+    def _set_version(self) -> None:
+        """``v`` = the newest accepted policy version, but never more than the latest trainer
+        ledger summary says (the trainer puts back a forged summary within milliseconds, so
+        a forged record that got past the gate with a forged summary lasts no longer).
+        Called with ``self.changed`` held."""
+        v = self._policy_v
+        if self._ledger_v is not None:
+            v = min(v, self._ledger_v)
+        if v != self.version:
+            self.version = v
+            self.changed.notify_all()
 
     async def _watch_ledger(self) -> None:
         async for summary in watch_summary(self.bus, self.run):
@@ -126,7 +160,15 @@ class RolloutScheduler(Actor):
                     log.info("%s: %d group(s) lost so far; their headroom goes to fresh groups",
                              self.name, summary.lost)
                 self.lost = max(self.lost, summary.lost)
+                self._ledger_v = summary.version
+                self._set_version()
                 self.changed.notify_all()
+
+    @property
+    def live_lost(self) -> int:
+        """The lost groups admission credits: the ledger's count, but never more than the
+        groups done here (a lost group has all its outcomes in, or enough to be judged)."""
+        return min(self.lost, self.groups_done)
 
     async def _watch_run_end(self) -> None:
         """Training is over (the trainer's last step, or its circuit breaker): admit nothing more."""
@@ -154,7 +196,7 @@ class RolloutScheduler(Actor):
         r = self.rollout
         if self.total_groups is not None and self.admitted >= self.total_groups:
             return False
-        if not admissible(self.admitted, self.lost, self.version,
+        if not admissible(self.admitted, self.live_lost, self.version,
                           r.alpha if self.bounded else None, r.batch_groups):
             return False
         if r.mode == "batch" and self.admitted % r.batch_groups == 0:
@@ -176,8 +218,11 @@ class RolloutScheduler(Actor):
 
     async def _admit_group(self, g: int) -> None:
         r = self.rollout
-        gid = f"{self.prefix}{g:06d}"
+        gid = group_id(g, self.prefix)
         n = r.group_size + r.redundancy
+        if g >= self.issued:  # stored before any request of the group exists
+            self.issued = g + 1
+            await self._put_issued()
         members = [f"{gid}-{i}" for i in range(n)]
         self.groups[gid] = GroupState(members=members, need=r.group_size)
         wave = g // r.batch_groups if r.mode == "batch" else -1
@@ -187,8 +232,7 @@ class RolloutScheduler(Actor):
         self.max_admitted_ahead = max(self.max_admitted_ahead,
                                       self.admitted - (self.version + 1) * r.batch_groups)
         for i, tid in enumerate(members):
-            base = r.seed + self.seed_offset
-            seed = base + g if r.same_seed_per_group else base + g * n + i
+            seed = member_seed(r, g, i, self.seed_offset)
             req = m.RolloutRequested(
                 traj_id=tid, group_id=gid, env=self.env or r.env, seed=seed, index_in_group=i,
                 admitted_version=self.version,
@@ -198,6 +242,25 @@ class RolloutScheduler(Actor):
                 wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
             await self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{tid}")
         await self._put_admitted()
+
+    async def _put_issued(self, deadline: float = 300.0) -> None:
+        """Store the issued count, retrying bus errors up to ``deadline`` seconds (the trainer
+        refuses completions of groups not issued, so no request goes out before it)."""
+        from rollart.bus import BusError
+
+        end, attempt = time.monotonic() + deadline, 0
+        while True:
+            try:
+                await self.kv.put(issued_key(self.prefix), str(self.issued).encode())
+                return
+            except BusError as e:
+                attempt += 1
+                if time.monotonic() >= end:
+                    raise
+                if attempt == 1:
+                    log.warning("%s: storing the issued count failed (%s); retrying",
+                                self.name, e)
+                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(attempt, 6)))
 
     async def _put_admitted(self) -> None:
         from rollart.bus import BusError

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
+from rollart.actors.admission import RESTART_BASE, Admission, issued_key
 from rollart.actors.base import Actor, Reject, Retry, consume
 from rollart.actors.ledger import Group, GroupLedger
 from rollart.actors.policy import set_policy
@@ -45,7 +46,9 @@ class Trainer(Actor):
 
     @classmethod
     def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "Trainer":
-        from rollart.config.schema import trainer_buffer  # RunConfig checks checkpoint_every against it
+        from rollart.config.schema import (
+            trainer_buffer,  # RunConfig checks checkpoint_every against it
+        )
         from rollart.engines.provision import model_dir
 
         buf = trainer_buffer(run_cfg.rollout)
@@ -71,7 +74,17 @@ class Trainer(Actor):
         self.ledger = GroupLedger(group_size=r.group_size, redundancy=r.redundancy,
                                   batch_groups=r.batch_groups, alpha=r.alpha, stale=r.stale,
                                   breaker=breaker)
-        self.counts = {"eval_skipped": 0}
+        self.admission = Admission(r, dict(self.cfg.envs))
+        self.issued: int | None = None
+        """The highest issued-group count of the training scheduler seen in KV."""
+        self.counts = {"eval_skipped": 0, "kv_restored": 0}
+        self._own_kv: dict[str, deque[bytes]] = {m.POLICY_KEY: deque(maxlen=256),
+                                                 m.LEDGER_KEY: deque(maxlen=256)}
+        """The latest records this process wrote per KV key (others are put back)."""
+        self._announced: dict[int, str] = {}
+        """Version -> digest of what this process announced."""
+        self._prune_store = True
+        """Delete old versions from the object store (off after the first refusal)."""
         self.unacked: list[asyncio.Future] = []
         self.changed = asyncio.Condition()
         self.finished = asyncio.Event()
@@ -88,6 +101,20 @@ class Trainer(Actor):
         (self.path / "checkpoints").mkdir(parents=True, exist_ok=True)
         if self.resume:
             await asyncio.to_thread(self._load_checkpoint)
+        self.announced_max = max([self.version] + [
+            int(p.name[1:7]) for p in (self.path / "weights").glob("v*.safetensors")
+            if p.name[1:7].isdigit()])
+        """The newest version this run's trainer announced (a version file is written before
+        its announcement, and the newest is never deleted)."""
+        self.lost_max = self.ledger.lost
+        """The most groups the trainer ever reported lost (a resume may restart below it)."""
+        if self.resume:
+            from rollart.actors.records import decode_entry
+
+            kv = await self.bus.key_value(m.kv_bucket(self.run))
+            prev = decode_entry(await kv.get(m.LEDGER_KEY), m.LedgerSummary)
+            if prev is not None:
+                self.lost_max = max(self.lost_max, prev.lost)
         self._hb_sub = await self.bus.subscribe(self.subject("node.heartbeat"), self._on_heartbeat)
 
     async def teardown(self) -> None:
@@ -150,9 +177,60 @@ class Trainer(Actor):
             return
         if self.finished.is_set():  # keep it for a later run that trains further
             raise Retry(30.0, "trainer finished its steps")
+        why = await self._not_admitted(msg)
+        if why:
+            self.ledger.counts["not_admitted"] += 1
+            raise Reject(f"not_admitted: {why}")
         fut = asyncio.get_running_loop().create_future()
-        if self.ledger.add_completed(msg, fut) is None:
+        key = self.ledger.add_completed(msg, fut)
+        if key == "conflicts":
+            log.error("%s: trajectory %s came again with other content after its group was "
+                      "trained or it was reported dead or cancelled: a forged or replayed copy",
+                      self.name, msg.traj_id)
+            raise Reject(f"conflict: a different copy of trajectory {msg.traj_id} (group "
+                         f"{msg.group_index}) came after its outcome was recorded")
+        if key is None:
             await self._hold(fut)
+            verdict = self.ledger.verdicts.pop(fut, None)
+            if verdict:
+                raise Reject(verdict)
+
+    async def _not_admitted(self, msg: m.RolloutCompleted) -> str | None:
+        """Why a training completion is not one admission issued (None: it is); see
+        :class:`rollart.actors.admission.Admission`. The issued count is read from KV again
+        before a refusal (the watch may lag); a KV that cannot be read is retried later."""
+        from rollart.bus import BusError
+
+        def check() -> str | None:
+            lost = max(self.lost_max, self.ledger.lost)
+            return self.admission.check(msg, ledger=self.ledger, version=self.announced_max,
+                                        issued=self.issued, lost=lost)
+
+        why = check()
+        if why and msg.group_index < RESTART_BASE and (self.issued or 0) <= msg.group_index:
+            try:
+                await self._read_issued()
+            except BusError as e:
+                raise Retry(2.0, f"issued count unreadable: {e}") from None
+            why = check()
+        if why:
+            log.warning("%s: completion %s (group %d) not admitted: %s", self.name,
+                        msg.traj_id[:80], msg.group_index, why)
+        return why
+
+    async def _read_issued(self) -> None:
+        kv = await self.bus.key_value(m.kv_bucket(self.run))
+        self._see_issued(await kv.get(issued_key()))
+
+    def _see_issued(self, e) -> None:
+        if e is None or e.deleted or not e.value:
+            return
+        try:
+            n = int(e.value)
+        except ValueError:
+            log.error("%s: ignoring a malformed issued count %r", self.name, e.value[:40])
+            return
+        self.issued = max(self.issued or 0, n)
 
     @consume("dead", durable="trainer-dead", max_deliver=-1)
     async def on_dead(self, msg: m.DeadLetter, delivery) -> None:
@@ -181,6 +259,11 @@ class Trainer(Actor):
     @consume("policy.published", max_inflight=4)
     async def on_policy_published(self, msg: m.PolicyPublished, delivery) -> None:
         self._check_policy_version("policy.published", msg.version)
+        own = self._announced.get(msg.version)
+        if msg.version > self.announced_max or (own is not None and own != msg.digest):
+            raise Reject(f"not_admitted: policy.published v{msg.version} ({msg.digest[:40]}) "
+                         f"is not an announcement of this trainer (it announced up to "
+                         f"v{self.announced_max}{f', v{msg.version} as {own}' if own else ''})")
 
     @consume("policy.loaded", max_inflight=4)
     async def on_policy_loaded(self, msg: m.PolicyLoaded, delivery) -> None:
@@ -194,10 +277,65 @@ class Trainer(Actor):
 
     # -- the loop ----------------------------------------------------------------
     async def main(self) -> None:
+        # KV watchers that live as long as training (each logs its own errors)
+        watchers = asyncio.gather(self._guard_kv(m.POLICY_KEY), self._guard_kv(m.LEDGER_KEY),
+                                  self._watch_issued(), return_exceptions=True)
         try:
             await self._train()
         finally:
             self._finish()
+            watchers.cancel()
+            await asyncio.wait([watchers])
+            if not watchers.cancelled():
+                watchers.exception()  # retrieved: the CancelledError of the cancel above
+
+    async def _watch_issued(self) -> None:
+        """Follow the training scheduler's issued-group count (admission of completions)."""
+        from rollart.bus import BusError
+
+        try:
+            kv = await self.bus.key_value(m.kv_bucket(self.run))
+            async for e in kv.watch(issued_key()):
+                self._see_issued(e)
+        except BusError as e:  # completions then read KV themselves
+            log.warning("%s: cannot watch the issued count: %s", self.name, e)
+
+    async def _guard_kv(self, key: str) -> None:
+        """Put this trainer's record of ``key`` back when another client overwrote or deleted
+        it (the trainer is the only writer of ``policy.version`` and ``trainer.ledger``): a
+        forged record then lives milliseconds, and policy holders, which accept jumps and
+        unannounced records only when they stay (:class:`rollart.actors.policy_gate.PolicyGate`),
+        never take it. Only once this process wrote the key (before, it holds an earlier
+        process's record). Never raises."""
+        from rollart.bus import BusError
+
+        own = self._own_kv[key]
+        last_log = 0.0
+        try:
+            kv = await self.bus.key_value(m.kv_bucket(self.run))
+            async for e in kv.watch(key):
+                if not own or (not e.deleted and e.value in own):
+                    continue
+                self.counts["kv_restored"] += 1
+                if time.monotonic() - last_log > 10.0:
+                    last_log = time.monotonic()
+                    log.error("%s: KV %s was %s by another client (revision %d); the trainer "
+                              "puts its own record back (%d times so far)", self.name, key,
+                              "deleted" if e.deleted else "overwritten", e.revision,
+                              self.counts["kv_restored"])
+                try:
+                    await kv.put(key, own[-1])
+                    await self.publish("dead", m.DeadLetter(
+                        subject=f"{m.PREFIX}.{self.run}.kv.{key}", payload=e.value or b"",
+                        reason=f"not_admitted: KV {key} revision {e.revision} was "
+                               f"{'deleted' if e.deleted else 'written'} by another client "
+                               f"than the trainer; its record was put back",
+                        actor=self.name, kind="permanent"),
+                        msg_id=f"dead:kv:{self.run}:{key}:{e.revision}")
+                except BusError as err:
+                    log.warning("%s: restoring KV %s failed: %s", self.name, key, err)
+        except BusError as e:
+            log.warning("%s: cannot guard KV %s: %s", self.name, key, e)
 
     async def _train(self) -> None:
         if self.version >= self.cfg.trainer.steps:
@@ -232,6 +370,7 @@ class Trainer(Actor):
             for fut in g.futures():
                 fut.done() or fut.set_exception(Retry(30.0, "trainer stopped"))
         self.ledger.open.clear()
+        self.ledger.verdicts.clear()  # their deliveries come back, and conflict again
 
     async def _next_batch(self) -> list[Group] | None:
         """The next step's groups, or None when the circuit breaker stopped the run."""
@@ -317,12 +456,17 @@ class Trainer(Actor):
             n = hist[-1]["step"] - (hist[0]["step"] if len(hist) > 1 else self.version - 1)
             span = hist[-1]["wall_s"] - (hist[0]["wall_s"] if len(hist) > 1 else self.wall_s)
             step_s = span / max(1, n)
+        from rollart.bus.codec import encode
+
         steps = self.cfg.trainer.steps
-        await put_summary(self.bus, self.run, self.ledger.summary(
+        summary = self.ledger.summary(
             version=self.version, steps_total=steps, started_at=getattr(self, "started_at", 0.0),
             last_step_s=max(0.0, last_s), step_s=max(0.0, step_s),
             trajectories=self.ledger.trained * self.cfg.rollout.group_size,
-            dead=sum(self.ledger.failure_kinds.values()), **extra))
+            dead=sum(self.ledger.failure_kinds.values()), **extra)
+        self.lost_max = max(self.lost_max, self.ledger.lost)
+        self._own_kv[m.LEDGER_KEY].append(encode(summary))
+        await put_summary(self.bus, self.run, summary)
         stopped = extra.get("stopped", "")
         if (stopped or self.version >= steps) and not getattr(self, "_end_published", False):
             self._end_published = True
@@ -333,8 +477,9 @@ class Trainer(Actor):
         """Roll a stale group's task out again under a fresh group index."""
         t = g.members[0][0]
         n = self.cfg.rollout.group_size + self.cfg.rollout.redundancy
-        idx = 10**9 + g.index * 100 + t.attempt
+        idx = RESTART_BASE + g.index * 100 + t.attempt
         gid = f"{t.group_id}-r{t.attempt}"
+        self.ledger.restarted[idx] = (gid, t.seed)
         for i in range(n):
             await self.publish_patiently("rollout.requested", m.RolloutRequested(
                 traj_id=f"{gid}-{i}", group_id=gid, env=t.env, seed=t.seed, index_in_group=i,
@@ -342,7 +487,11 @@ class Trainer(Actor):
                 created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}")
 
     async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict:
-        from rollart.actors.train_batch import build_samples, loss_config, trajectory_stats
+        from rollart.actors.train_batch import (
+            build_samples,
+            loss_config,
+            trajectory_stats,
+        )
 
         k = self.cfg.rollout.group_size
         trajs = [t for g in batch for t, _ in g.members[:k]]
@@ -435,6 +584,11 @@ class Trainer(Actor):
                 await store.put(name, await asyncio.to_thread(path.read_bytes))
             uri = f"obj://{m.object_bucket(self.run)}/{name}"
         pub = m.PolicyPublished(version=v, uri=uri, digest=digest, created_at=time.time())
+        from rollart.bus.codec import encode
+
+        self._announced[v] = digest
+        self.announced_max = max(self.announced_max, v)
+        self._own_kv[m.POLICY_KEY].append(encode(pub))
         await self.publish_patiently("policy.published", pub,
                                      msg_id=f"policy:{self.run}:{v}:{digest.rsplit(':', 1)[-1][:16]}")
         for attempt in range(1, 1000):
@@ -452,11 +606,14 @@ class Trainer(Actor):
             ver = old.name[1:7]
             if old != path and ver.isdigit() and int(ver) <= v - keep:
                 old.unlink(missing_ok=True)
-                if t.weights == "object":  # the store keeps no more versions than the folder
+                if t.weights == "object" and self._prune_store:  # no more versions than the folder
                     try:
                         await store.delete(old.name.removesuffix(".safetensors"))
                     except BusError as e:  # left behind, not fatal: the stream's data only
-                        log.warning("%s: deleting %s from the object store failed: %s",
+                        self._prune_store = False  # one wait and one line, not one per step
+                        log.warning("%s: deleting %s from the object store failed (%s): old weights "
+                                    "stay in the store from now on (under `rollart secure` "
+                                    "credentials made without --run the trainer may not purge)",
                                     self.name, old.name, e)
 
     def _rewrite_metrics(self) -> None:

@@ -210,10 +210,19 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     def connected(self) -> bool: ...
 
+    @property
+    def outage_s(self) -> float:
+        """Seconds since the connection to the server was lost and not yet re-made; 0 while
+        connected (and for a bus that cannot lose its server). A node stops once this passes
+        ``node.bus_outage_max``."""
+        return 0.0
+
     # -- durable (JetStream) --------------------------------------------------
     @abc.abstractmethod
-    async def ensure_stream(self, spec: StreamSpec) -> None:
-        """Create the stream, or update it to ``spec``; idempotent."""
+    async def ensure_stream(self, spec: StreamSpec, *, update: bool = True) -> bool:
+        """Create the stream, or update it to ``spec``; idempotent. With ``update=False`` an
+        existing stream is left as it is (a host without the right to change it). Returns
+        False when the stream exists with other settings and was left as it is."""
 
     @abc.abstractmethod
     async def publish(

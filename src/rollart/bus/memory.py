@@ -115,6 +115,10 @@ class MemoryBus(Bus):
     def connected(self) -> bool:
         return self._connected
 
+    @property
+    def outage_s(self) -> float:
+        return 0.0  # in-process: there is no server to lose
+
     def check_connected(self) -> None:
         if not self._connected:
             raise BusError(f"{self.url} is not connected")
@@ -132,7 +136,7 @@ class MemoryBus(Bus):
                            f"{limit} (put large blobs in the object store)")
 
     # -- durable ------------------------------------------------------------------------
-    async def ensure_stream(self, spec: StreamSpec) -> None:
+    async def ensure_stream(self, spec: StreamSpec, *, update: bool = True) -> bool:
         self.check_connected()
         check_name(spec.name, "stream")
         if not spec.subjects:
@@ -153,10 +157,13 @@ class MemoryBus(Bus):
         if have is None:
             self._streams[spec.name] = Stream(self, spec)
         elif have.spec != spec:
+            if not update:
+                return False
             if have.spec.retention != spec.retention:
                 raise BusError(f"stream {spec.name!r}: retention cannot change")
             have.update(spec)
         self._owner.clear()
+        return True
 
     def _stream(self, name: str) -> Stream:
         st = self._streams.get(name)

@@ -3,7 +3,9 @@
 Every nats-py exception is translated at this boundary: timeouts become
 :class:`BusTimeout`, "nobody listens" becomes :class:`NoResponders`, and anything
 else (connection trouble, JetStream API errors) becomes :class:`BusError`, so
-callers retry with backoff without knowing nats-py.
+callers retry with backoff without knowing nats-py. A server that refuses the client while
+connecting (credentials, TLS) is a :class:`rollart.bus.auth.AuthError` at once, not retried;
+``url``, log lines and errors never hold a password (:func:`rollart.bus.auth.redact`).
 
 Notes that shaped the code (measured with nats-server 2.15, nats-py 2.16):
 
@@ -32,13 +34,15 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
+from rollart.bus.auth import AuthError, guard_plaintext, redact, refusal_kind, refusal_message
 from rollart.bus.base import (
     Bus, BusError, BusTimeout, ConsumerSpec, Delivery, KeyValue, KVEntry, NoResponders, ObjectStore,
     PullConsumer, Request, Retention, StreamSpec, Subscription, consumer_changes,
@@ -353,9 +357,17 @@ class _NatsObjectStore(ObjectStore):
 class NatsBus(Bus):
     """A :class:`Bus` on one NATS connection with JetStream."""
 
-    def __init__(self, url: str, *, name: str = "rollart", connect_timeout: float = 5.0,
-                 reconnect_time_wait: float = 0.25, ack_timeout: float = 5.0, drain_timeout: float = 10.0) -> None:
-        self.url = url
+    def __init__(self, url: str | Sequence[str], *, name: str = "rollart", connect_timeout: float = 5.0,
+                 reconnect_time_wait: float = 0.25, ack_timeout: float = 5.0, drain_timeout: float = 10.0,
+                 auth: dict | None = None, settings=None) -> None:
+        self._servers = [url] if isinstance(url, str) else list(url)
+        self.url = redact(self._servers)
+        """The server URL(s) for display: never with a password or token in it."""
+        self.auth = dict(auth or {})
+        """Extra ``nats.connect`` options: credentials and TLS (:func:`rollart.bus.auth.connect_options`)."""
+        self.settings = settings
+        """The :class:`~rollart.config.schema.NatsConfig` the options came from (error messages
+        name its keys), or None."""
         self.name = name
         self.connect_timeout = connect_timeout
         self.reconnect_time_wait = reconnect_time_wait
@@ -377,17 +389,61 @@ class NatsBus(Bus):
         # With max_reconnect_attempts=-1 nats-py retries the *first* connect forever
         # too; retry it for about connect_timeout, then reconnect forever once up.
         attempts = max(1, math.ceil(self.connect_timeout / max(self.reconnect_time_wait, 0.01)))
-        with _translated(f"connect to {self.url}"):
-            await nc.connect(
-                servers=[self.url], name=self.name, connect_timeout=self.connect_timeout,
-                reconnect_time_wait=self.reconnect_time_wait, max_reconnect_attempts=attempts,
-                error_cb=self._on_error, disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
-                drain_timeout=self.drain_timeout,
-            )
+        refused: list[BaseException] = []
+        connecting = True
+
+        async def on_error(err: Exception) -> None:
+            # A refusal (credentials, TLS) while connecting ends the attempts at once: nats-py
+            # raises the error from connect() when reconnecting is off after its error_cb.
+            if connecting and refusal_kind(err) is not None:
+                refused.append(err)
+                nc.options["allow_reconnect"] = False
+                return
+            if refused:  # closing the refused connection: nothing to report
+                log.debug("nats %s: %s: %s", self.url, type(err).__name__, err)
+                return
+            await self._on_error(err)
+
+        try:
+            with _translated(f"connect to {self.url}"):
+                await nc.connect(
+                    servers=self._servers, name=self.name, connect_timeout=self.connect_timeout,
+                    reconnect_time_wait=self.reconnect_time_wait, max_reconnect_attempts=attempts,
+                    error_cb=on_error, disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
+                    drain_timeout=self.drain_timeout, **guard_plaintext(self.auth, nc),
+                )
+        except BusError as err:
+            if not refused:
+                raise
+            # A failed TLS handshake has closed the socket already (and nats-py's close would
+            # wait forever for the plaintext stream's end); else close the refused connection.
+            if not isinstance(refused[0], ssl.SSLError):
+                self._closed = True  # no "disconnected" line for a connection that never was
+                try:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(nc.close(), 2.0)
+                finally:
+                    self._closed = False
+            raise AuthError(refusal_message(refused[0], self.url, self.auth, self.settings)) from err
+        finally:
+            connecting = False
         nc.options["max_reconnect_attempts"] = -1
         self._nc, self._js, self._closed, self._outage_logged = nc, nc.jetstream(), False, False
 
     async def _on_error(self, err: Exception) -> None:
+        text = str(err)
+        if "permissions violation" in text.lower():  # not an outage: say each subject once a minute
+            from time import monotonic
+
+            seen = self.__dict__.setdefault("_violations", {})
+            now = monotonic()
+            if now - seen.get(text, -1e9) > 60.0:
+                if len(seen) > 1000:
+                    seen.clear()
+                seen[text] = now
+                log.warning("nats %s: %s (this credential may not do that: see `rollart secure "
+                            "show`)", self.url, text)
+            return
         # Logged once per outage: every failed reconnect attempt also lands here.
         if not self._outage_logged:
             self._outage_logged = True
@@ -396,17 +452,47 @@ class NatsBus(Bus):
             log.debug("nats %s: %s: %s", self.url, type(err).__name__, err)
 
     async def _on_disconnected(self) -> None:
+        # nats-py calls this once per outage (before its reconnect attempts) and on close.
         if not self._closed:
+            if getattr(self, "_outage_since", None) is None:
+                from time import monotonic
+
+                self._outage_since = monotonic()
             log.warning("nats %s: disconnected; reconnecting", self.url)
 
     async def _on_reconnected(self) -> None:
         self._outage_logged = False
-        log.info("nats %s: reconnected", self.url)
+        since, self._outage_since = getattr(self, "_outage_since", None), None
+        if since is None:
+            log.info("nats %s: reconnected", self.url)
+        else:
+            from time import monotonic
+
+            log.info("nats %s: reconnected after %.1fs", self.url, monotonic() - since)
         for rec in list(self._watches):
             await rec.stop(restart=True)
 
+    @property
+    def outage_s(self) -> float:
+        """Seconds since the connection was lost (nats-py keeps reconnecting meanwhile);
+        0 while connected, before :meth:`connect` and after :meth:`close`."""
+        from time import monotonic
+
+        nc = self._nc
+        if nc is None or self._closed or nc.is_connected:
+            self._outage_since = None
+            return 0.0
+        since = getattr(self, "_outage_since", None)
+        if since is None:  # lost without a callback yet (or nats-py gave up and closed)
+            since = self._outage_since = monotonic()
+        return monotonic() - since
+
     async def close(self) -> None:
+        """Drain and close. Bounded on a dead server: handlers get ``drain_timeout``, nats-py's
+        drain is skipped while disconnected (it would only wait), and its close gets a few
+        seconds (it cancels the reconnect loop)."""
         nc, self._nc = self._nc, None
+        self._outage_since = None
         if nc is None or self._closed:
             return
         self._closed = True
@@ -429,12 +515,20 @@ class NatsBus(Bus):
         self._pull_subs.clear()
         try:
             if nc.is_connected:
-                await nc.drain()
+                # nats-py bounds its drain by drain_timeout, then flushes (10 s at most)
+                await asyncio.wait_for(nc.drain(), self.drain_timeout + 12.0)
         except Exception as err:  # drain failing must not keep the connection open
             log.warning("nats %s: drain failed (%s: %s); closing", self.url, type(err).__name__, err)
         finally:
             if not nc.is_closed:
-                await nc.close()
+                if not nc.is_connected and isinstance(getattr(nc, "_pending", None), list):
+                    # What was queued during an outage cannot reach the server; nats-py's close
+                    # would write it to the dead socket (RuntimeError) and skip its clean-up.
+                    nc._pending, nc._pending_data_size = [], 0
+                try:
+                    await asyncio.wait_for(nc.close(), 2 * self.reconnect_time_wait + 3.0)
+                except Exception as err:  # noqa: BLE001 - closing a dead connection: give up on it
+                    log.warning("nats %s: close failed (%s: %s)", self.url, type(err).__name__, err)
             for sub in subs:
                 sub.cancel()
 
@@ -452,7 +546,7 @@ class NatsBus(Bus):
         return self._js
 
     # -- durable --------------------------------------------------------------------
-    async def ensure_stream(self, spec: StreamSpec) -> None:
+    async def ensure_stream(self, spec: StreamSpec, *, update: bool = True) -> bool:
         retention = RetentionPolicy.WORK_QUEUE if spec.retention == Retention.WORKQUEUE else RetentionPolicy.LIMITS
         config = StreamConfig(name=spec.name, subjects=list(spec.subjects), retention=retention,
                               storage=StorageType.FILE, duplicate_window=spec.duplicate_window, max_age=spec.max_age,
@@ -464,7 +558,10 @@ class NatsBus(Bus):
             except nats.js.errors.BadRequestError as err:
                 if err.err_code != _STREAM_NAME_IN_USE:
                     raise
+                if not update:  # it exists with other settings: not ours to change
+                    return False
                 await js.update_stream(config)
+        return True
 
     async def publish(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
                       msg_id: str | None = None, timeout: float = 5.0) -> int:

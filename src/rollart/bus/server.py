@@ -10,13 +10,20 @@ and the CLI can use it::
 ``port=0`` lets the server pick a free port on the first start; :meth:`restart`
 (and any later :meth:`start`) reuses that port and the same store, so clients
 that reconnect by URL find it again.
+
+Secure by default: the server listens on loopback unless asked, and refuses to listen on
+any other address without a server config (``config_file``, given to nats-server as
+``-c``) that makes clients authenticate (:func:`check_listen`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -67,8 +74,77 @@ def _kill_quietly(proc: subprocess.Popen) -> None:
             pass
 
 
+SECURE_HOWTO = ("make credentials with `rollart secure init DIR --host NAME` and pass "
+                 "--server-config DIR/server.conf (nats.server_config)")
+
+
+class InsecureServerError(ValueError):
+    """The embedded server was asked to listen beyond this host without authentication."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this host only (127.x, ::1, ``localhost``)."""
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+_COMMENT = re.compile(r"(?m)^\s*(#|//).*$")
+_INCLUDE = re.compile(r"(?m)^\s*include\s+['\"]?([^'\"\s;]+)")
+
+
+def _config_text(path: Path, depth: int = 0) -> str:
+    """The config without comment lines, with the files it ``include``s appended."""
+    text = _COMMENT.sub("", path.read_text(errors="replace"))
+    if depth < 4:
+        for inc in _INCLUDE.findall(text):
+            with contextlib.suppress(OSError):
+                text += "\n" + _config_text(path.parent / inc, depth + 1)
+    return text
+
+
+def config_enforces_auth(path: str | os.PathLike) -> bool:
+    """Whether the nats-server config at ``path`` makes clients authenticate: an
+    ``authorization`` block with users or a token, or ``accounts``, or an ``operator``
+    (a simple reading of the text, comments skipped), and no ``no_auth_user``."""
+    text = _config_text(Path(path)).lower()
+    if "no_auth_user" in text:  # clients without credentials get that user
+        return False
+    if "authorization" in text and re.search(r"\b(users|user|token)\b", text):
+        return True
+    return bool(re.search(r"\b(accounts|operator)\b", text))
+
+
+def check_listen(host: str, config_file: str | os.PathLike | None = None) -> None:
+    """Raise :class:`InsecureServerError` unless listening on ``host`` is safe: loopback, or
+    a ``config_file`` that makes clients authenticate; a ``ValueError`` for a config file that
+    does not exist."""
+    if config_file is not None and not Path(config_file).is_file():
+        raise ValueError(f"nats-server config {config_file} (--server-config / nats.server_config) "
+                         f"does not exist")
+    if is_loopback(host):
+        return
+    if config_file is None:
+        raise InsecureServerError(
+            f"refusing to start nats-server listening on {host} (reachable from other hosts) "
+            f"without authentication: {SECURE_HOWTO}; or listen on 127.0.0.1 (the default)")
+    if not config_enforces_auth(config_file):
+        raise InsecureServerError(
+            f"refusing to start nats-server listening on {host} (reachable from other hosts): "
+            f"its config {config_file} does not make clients authenticate (no authorization "
+            f"block with users or a token, no accounts, no operator); {SECURE_HOWTO}")
+
+
 class EmbeddedServer:
-    """One ``nats-server -js`` child process bound to ``host:port`` with its store in ``store_dir``."""
+    """One ``nats-server -js`` child process bound to ``host:port`` with its store in ``store_dir``.
+
+    ``config_file``: a nats-server config (users, TLS, ...) passed as ``-c``; the listen
+    address, port, JetStream and store given here override it. A ``host`` other than loopback
+    needs one that makes clients authenticate (:func:`check_listen`); a wildcard host
+    (``0.0.0.0``, ``::``) is reached by this host at 127.0.0.1 (:attr:`url`)."""
 
     def __init__(
         self,
@@ -78,22 +154,38 @@ class EmbeddedServer:
         *,
         binary: str | None = None,
         extra_args: tuple[str, ...] = (),
+        config_file: str | os.PathLike | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port
         self.binary = binary
         self.extra_args = tuple(extra_args)
+        self.config_file = config_file
         self.log_path = self.store_dir / LOG_NAME
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
 
     # -- properties -------------------------------------------------------------
     @property
+    def local_host(self) -> str:
+        """The address this host reaches the server at (127.0.0.1 for a wildcard ``host``)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+
+    @property
     def url(self) -> str:
+        """The URL this host connects to (by loopback when listening on every interface)."""
         if not self.port:
             raise RuntimeError("the server has not been started yet, so it has no port")
-        return f"nats://{self.host}:{self.port}"
+        host = self.local_host
+        return f"nats://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    @property
+    def public_url(self) -> str:
+        """The URL other hosts join at: the host name for a wildcard ``host``, else :attr:`url`."""
+        if self.local_host == self.host:
+            return self.url
+        return f"nats://{socket.gethostname()}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -108,10 +200,12 @@ class EmbeddedServer:
         """Start the server and return once it accepts clients (JetStream included)."""
         if self.running:
             return self
+        check_listen(self.host, self.config_file)
         binary = self._resolve_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [
             binary,
+            *(["-c", str(self.config_file)] if self.config_file is not None else []),
             "-a", self.host,
             "-p", str(self.port) if self.port else "-1",
             "-js",
@@ -228,7 +322,7 @@ class EmbeddedServer:
         while True:
             self._check_alive()
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                with socket.create_connection((self.local_host, self.port), timeout=0.5) as sock:
                     greeting = sock.recv(4096)
                 if greeting.startswith(b"INFO "):
                     return
@@ -236,7 +330,7 @@ class EmbeddedServer:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"nats-server did not accept clients on {self.host}:{self.port} in time; "
+                    f"nats-server did not accept clients on {self.local_host}:{self.port} in time; "
                     f"last lines of {self.log_path}:\n{self._log_tail()}"
                 )
             time.sleep(0.01)

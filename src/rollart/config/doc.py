@@ -216,7 +216,11 @@ def iter_keys(typ: type, prefix: str = "") -> Iterator[Key]:
         sub, item = _struct_in(ann), _dict_struct(ann)
         default = defaults.get(name, msgspec.NODEFAULT)
         if sub is not None:
-            yield Key(path, "section", None, "", docs.get(name, "") or _class_doc(sub))
+            # a section that may also be written as a scalar (``nats: URL``) says so
+            alone = all(m is sub or m is type(None) for m in _members(ann))
+            yield Key(path, "section" if alone else _type_name(ann),
+                      None if alone or default is msgspec.NODEFAULT else _yaml(default), "",
+                      docs.get(name, "") or _class_doc(sub))
             yield from iter_keys(sub, path + ".")
         elif item is not None:
             ph = PLACEHOLDERS.get(name, "<name>")

@@ -121,9 +121,14 @@ class NodeConfig(Base):
     A value must hold every trajectory not yet covered by a trainer checkpoint: about
     ``checkpoint_every x batch_groups x group_size x`` the size of one ``rollout.completed``
     (~15 bytes per token: a 1,000-token trajectory is ~15 KB, a 64-trajectory step ~1 MB)."""
+    bus_outage_max: float = 600.0
+    """Seconds a node keeps trying to reconnect to a nats-server it lost; past that it drains
+    and stops with one message naming the server (``python -m rollart.node`` and ``rollart run``
+    exit with status 4). Shorter outages are ridden out: the client reconnects by itself and
+    unacknowledged work is redelivered. 0: wait for the server forever."""
 
     def __post_init__(self) -> None:
-        _in_range(self, "node.", "grace heartbeat_every", ge=0)
+        _in_range(self, "node.", "grace heartbeat_every bus_outage_max", ge=0)
         for name, low, unit in (("events_max_age", 60, "seconds"),
                                 ("events_max_bytes", 1024**2, "bytes (1048576: 1 MiB, one message)")):
             v = getattr(self, name)
@@ -429,13 +434,191 @@ class TrainerConfig(Base):
         _in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
 
 
+# -- NATS: where the bus is, credentials and TLS ----------------------------------------
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_nats_url(key: str, url: str, *, memory: bool = True) -> None:
+    """Raise ``ValueError`` naming ``key`` unless ``url`` is a NATS URL (``nats://host:port``,
+    ``tls://``, ``ws://``, ``wss://``, or ``host:port``; ``memory`` where allowed) without
+    credentials in it. The message never repeats a password or token."""
+    from urllib.parse import urlsplit
+
+    from rollart.bus.auth import redact
+
+    if memory and url == "memory":
+        return
+    shown = redact(url)
+    if not url.strip():
+        raise ValueError(f"{key} must be a NATS URL such as nats://host:4222 (it is empty)")
+    try:
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as e:
+        raise ValueError(f"{key}: {shown} is not a NATS URL ({e})") from None
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise ValueError(
+            f"{key}: {shown} holds credentials (user:password@ or token@), which would end up in "
+            f"configs, logs and process lists; give them from a file or an environment variable "
+            f"instead: nats.user with nats.password_file or nats.password_env (or nats.token_file "
+            f"/ nats.token_env; on the command line --user and --password-file)")
+    if parts.scheme not in ("nats", "tls", "ws", "wss") or not parts.hostname:
+        raise ValueError(f"{key}: {shown} is not a NATS URL: write nats://HOST:PORT "
+                         f"(or tls://, ws://, wss://)")
+
+
+def split_listen(listen: str, key: str = "nats.listen") -> tuple[str, int]:
+    """``HOST`` or ``HOST:PORT`` (``[::1]:4222`` for IPv6) as ``(host, port)``; port 0 when
+    not given (the embedded server picks a free one)."""
+    text = listen.strip()
+    host, port = text, ""
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError(f"{key}: {listen!r} is not HOST or HOST:PORT (an unclosed '[')")
+        host, rest = text[1:end], text[end + 1:]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{key}: {listen!r} is not HOST or HOST:PORT")
+        port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if not host:
+        raise ValueError(f"{key}: {listen!r} has no host: write 127.0.0.1, 0.0.0.0:4222, ...")
+    if port:
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"{key}: the port of {listen!r} must be a number in [0, 65535]")
+    return host, int(port or 0)
+
+
+class NatsTlsConfig(Base):
+    """TLS of the connections to nats-server."""
+
+    ca: str | None = None
+    """CA certificate file (PEM) that signed the server's certificate; empty: the system's
+    CAs are trusted."""
+    cert: str | None = None
+    """Client certificate file (PEM), for a server that verifies its clients."""
+    key: str | None = None
+    """Private key file (PEM) of ``cert`` (empty: ``cert`` holds both)."""
+    verify: bool = True
+    """Check the server's certificate and its host name; ``false`` still encrypts but trusts
+    any server (a man in the middle too): for tests only."""
+    server_name: str | None = None
+    """Host name the server's certificate must hold; default: the host of the URL
+    (``localhost`` when a node connects to its own embedded server)."""
+
+    def __post_init__(self) -> None:
+        if self.key and not self.cert:
+            raise ValueError("nats.tls.key needs nats.tls.cert: the client certificate it belongs to")
+
+
+class NatsConfig(Base):
+    """Where nats-server is, how to authenticate to it, and how the embedded one listens.
+    Secrets come only from files or environment variables: no key holds a password or token."""
+
+    url: str | None = None
+    """Server URL to join (``nats://host:4222``, ``tls://host:4222``; ``memory``: the
+    in-process bus); empty (and no ``urls``): start an embedded server. Never with
+    ``user:password@``: see ``password_file``."""
+    urls: list[str] = []
+    """Several URLs of one nats-server cluster, instead of ``url``."""
+    user: str | None = None
+    """User name to authenticate as; its password comes from ``password_file`` or
+    ``password_env``."""
+    password_file: str | None = None
+    """File holding the password of ``user`` (its first line; keep it ``chmod 600``)."""
+    password_env: str | None = None
+    """Name of the environment variable holding the password of ``user``."""
+    token_file: str | None = None
+    """File holding an auth token (instead of ``user`` and a password)."""
+    token_env: str | None = None
+    """Name of the environment variable holding an auth token."""
+    nkey_seed_file: str | None = None
+    """File holding the NKey seed (``SU...``) of a user the server knows by its public key."""
+    creds_file: str | None = None
+    """NATS credentials file (user JWT and NKey seed) of an operator/account setup."""
+    tls: NatsTlsConfig | None = None
+    """TLS settings; empty: plaintext, unless the server requires TLS (then the system's CAs
+    are trusted)."""
+    listen: str = "127.0.0.1"
+    """Address the embedded server listens on: ``HOST`` or ``HOST:PORT`` (default port: a free
+    one). Only a non-loopback address (``0.0.0.0:4222``) lets other hosts join, and it needs
+    ``server_config`` with authorization."""
+    server_config: str | None = None
+    """nats-server config file the embedded server starts with (``-c``): users, TLS, accounts
+    (``rollart secure init`` writes one); its listen address, store and JetStream are rollart's."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None and self.urls:
+            raise ValueError("nats.url and nats.urls: give one of them")
+        if self.url is not None:
+            check_nats_url("nats.url", self.url)
+        for i, u in enumerate(self.urls):
+            check_nats_url(f"nats.urls[{i}]", u, memory=False)
+        for a, b in (("password_file", "password_env"), ("token_file", "token_env")):
+            if getattr(self, a) and getattr(self, b):
+                raise ValueError(f"nats.{a} and nats.{b}: give one of them")
+        for name in ("password_env", "token_env"):
+            v = getattr(self, name)
+            if v is not None and not _ENV_NAME.fullmatch(v):  # never echo it: it may be the secret
+                raise ValueError(f"nats.{name} must be the name of an environment variable "
+                                 f"(letters, digits and '_'), not the secret itself")
+        for name in ("user", "password_file", "token_file", "nkey_seed_file", "creds_file",
+                     "server_config"):
+            if getattr(self, name) == "":
+                raise ValueError(f"nats.{name} is empty: leave it out, or give a value")
+        has_password = bool(self.password_file or self.password_env)
+        if has_password and not self.user:
+            raise ValueError(f"nats.{'password_file' if self.password_file else 'password_env'} "
+                             f"needs nats.user: the user the password belongs to")
+        if self.user and not has_password:
+            raise ValueError("nats.user needs its password: nats.password_file or nats.password_env")
+        methods = [keys for keys in (
+            [k for k in ("user", "password_file", "password_env") if getattr(self, k)],
+            [k for k in ("token_file", "token_env") if getattr(self, k)],
+            ["nkey_seed_file"] if self.nkey_seed_file else [],
+            ["creds_file"] if self.creds_file else []) if keys]
+        if len(methods) > 1:
+            found = " and ".join("/".join(f"nats.{k}" for k in keys) for keys in methods)
+            raise ValueError(f"{found}: give at most one way to authenticate (user and password, "
+                             f"a token, an NKey seed or a credentials file)")
+        split_listen(self.listen)
+
+    @property
+    def joins(self) -> bool:
+        """True when a URL is given: join that server instead of starting an embedded one."""
+        return bool(self.url or self.urls)
+
+    def listen_address(self) -> tuple[str, int]:
+        """``listen`` as ``(host, port)`` (port 0: a free one)."""
+        return split_listen(self.listen)
+
+
+def nats_settings(value: Any) -> NatsConfig:
+    """The NATS settings of a :class:`RunConfig` (or of its ``nats`` value: a URL string, a
+    section, a mapping or None) as a :class:`NatsConfig`, whichever form was written."""
+    if isinstance(value, RunConfig):
+        value = value.nats
+    if value is None:
+        return NatsConfig()
+    if isinstance(value, NatsConfig):
+        return value
+    if isinstance(value, str):
+        return NatsConfig(url=value)
+    if isinstance(value, dict):
+        return msgspec.convert(value, NatsConfig, strict=False)
+    raise TypeError(f"nats: a URL string or a section, not {type(value).__name__}")
+
+
 class RunConfig(Base):
     """A whole run: what ``rollart run`` and ``python -m rollart.node`` read."""
 
     run: str = "default"
     """Run name; one subject token (letters, digits, '_' or '-')."""
-    nats: str | None = None
-    """NATS URL to join; empty starts an embedded server."""
+    nats: str | NatsConfig | None = None
+    """NATS URL to join (``nats://host:4222``, or ``memory``: the in-process bus), or a section
+    with the URL, credentials and TLS; empty starts an embedded server (on 127.0.0.1)."""
     run_dir: str = "runs"
     """Folder under which ``<run>/`` holds the store, logs, metrics and checkpoints."""
     node: NodeConfig = NodeConfig()
@@ -462,6 +645,8 @@ class RunConfig(Base):
             raise ValueError(f"rollout.env: {self.rollout.env!r} is not a key of envs; "
                              f"allowed: {', '.join(repr(k) for k in self.envs)}")
         _token("", "run", self.run)
+        if isinstance(self.nats, str):
+            check_nats_url("nats", self.nats)
         r, t = self.rollout, self.trainer
         if r.group_size < 2:  # every estimator here subtracts a baseline taken from the group
             why = {"grpo": "the advantage is the reward minus the group mean, over the group std",

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import difflib
-import importlib
 import inspect
 import random
 import string
@@ -38,7 +37,7 @@ from typing import Any, Iterable
 
 from rollart.config.loader import ConfigError
 from rollart.envs.actions import compile_pattern
-from rollart.envs.registry import BUILTIN_ENVS, GYM_PREFIX
+from rollart.envs.registry import BUILTIN_ENVS, resolve_env_class
 from rollart.envs.runner import EnvError, EnvRunner, EnvTimeout, _describe
 
 try:  # the runner's permanent kinds of EnvError
@@ -71,36 +70,17 @@ class _Fail(Exception):
 
 
 def import_env_class(type: str) -> Any:
-    """The class behind a built-in name, ``gym:<id>`` or ``pkg.module:Class``; raises ``_Fail``."""
-    if type.startswith(GYM_PREFIX):  # the gymnasium adapter: gymnasium imports, the id exists
-        from rollart.envs.gym import factory
+    """The class behind a built-in name, ``gym:<id>`` or ``pkg.module:Class``; raises ``_Fail``.
 
-        try:
-            return factory(type[len(GYM_PREFIX):])
-        except (ImportError, ValueError) as e:
-            raise _Fail(str(e)) from e
-    path = BUILTIN_ENVS.get(type, type)
-    mod_name, sep, attr = path.partition(":")
-    if not sep or not mod_name or not attr:
-        raise _Fail(f"unknown env type {type!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), "
-                    f"a gymnasium id 'gym:<id>' or an import path 'pkg.module:ClassName'")
+    :func:`rollart.envs.registry.resolve_env_class` resolves it; any error is a check failure:
+    one line naming the path (a missing dependency, an error raised at import time)."""
     try:
-        module = importlib.import_module(mod_name)
-    except Exception as e:  # ModuleNotFoundError, a missing dependency, an error at import time
-        hint = ""
-        if isinstance(e, ModuleNotFoundError) and e.name and (
-                mod_name == e.name or mod_name.startswith(e.name + ".")):
-            hint = f"; built-ins are {', '.join(sorted(BUILTIN_ENVS))}"
+        return resolve_env_class(type)
+    except ValueError as e:
+        raise _Fail(str(e)) from e
+    except Exception as e:  # a missing dependency of the module, an error at import time
         msg = str(e) if isinstance(e, ImportError) else _describe(e)
-        raise _Fail(f"cannot import {path!r}: {msg}{hint}") from e
-    cls = getattr(module, attr, None)
-    if cls is None:
-        near = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], 1)
-        raise _Fail(f"cannot import {path!r}: module {mod_name!r} has no attribute {attr!r}"
-                    + (f"; did you mean {near[0]!r}?" if near else ""))
-    if not callable(cls):
-        raise _Fail(f"{path!r} is not a class (not callable)")
-    return cls
+        raise _Fail(f"cannot import {BUILTIN_ENVS.get(type, type)!r}: {msg}") from e
 
 
 def _render_signature(cls: Any, sig: inspect.Signature, limit: int = 4) -> str:

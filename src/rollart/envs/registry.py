@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from typing import Any, Callable
@@ -40,14 +41,16 @@ def resolve_env_class(type: str) -> Callable[..., Env]:
         module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):  # the named module itself is missing
-            raise ValueError(f"env type {type!r}: module {mod_name!r} not found; built-ins are "
-                             f"{', '.join(sorted(BUILTIN_ENVS))}") from e
+            raise ValueError(f"cannot import {path!r}: {e} (not found; built-ins are "
+                             f"{', '.join(sorted(BUILTIN_ENVS))})") from e
         raise
     cls = getattr(module, attr, None)
     if cls is None:
-        raise ValueError(f"env type {type!r}: module {mod_name!r} has no attribute {attr!r}")
+        near = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], 1)
+        raise ValueError(f"cannot import {path!r}: module {mod_name!r} has no attribute {attr!r}"
+                         + (f"; did you mean {near[0]!r}?" if near else ""))
     if not callable(cls):
-        raise ValueError(f"env type {type!r}: {path} is not callable")
+        raise ValueError(f"{path!r} is not a class (not callable)")
     return cls
 
 

@@ -48,6 +48,8 @@ class RunMonitor:
         self.run_end: m.RunEnd | None = None
         """The end of the run (KV), once its training is over."""
         self.streams: dict[str, dict] = {}
+        self.bus_error = ""
+        """The last error of a KV watch (retried): e.g. no node has made the run's bucket yet."""
         """Stream info of the run's ``events`` and ``work`` streams (what they hold)."""
 
     def progress(self, now: float | None = None) -> str:
@@ -204,6 +206,20 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
             except DecodeError:
                 pass
 
+    async def patiently(watch) -> None:
+        """Run a watcher again while the bus says no: before the first node has made the
+        run's KV bucket (a monitor may not create it), or while the server is away."""
+        from rollart.bus import BusError
+
+        delay = 1.0
+        while True:
+            try:
+                return await watch()
+            except BusError as e:
+                mon.bus_error = str(e)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
+
     async def poll_streams() -> None:
         from rollart.bus import BusError
 
@@ -225,7 +241,7 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
     sub = await bus.subscribe(f"{m.PREFIX}.{m.check_token('run', run)}.>", on_msg)
     try:
         async with asyncio.TaskGroup() as tg:
-            watchers = [tg.create_task(watch_ledger()), tg.create_task(watch_end()),
+            watchers = [tg.create_task(patiently(watch_ledger)), tg.create_task(patiently(watch_end)),
                         tg.create_task(poll_streams())]
             await show()
             for w in watchers:
