@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import ssl
+from time import monotonic
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import nats.errors
@@ -380,6 +381,10 @@ class NatsBus(Bus):
         self._watches: set[_Watch] = set()
         self._closed = False
         self._outage_logged = False
+        self._outage_since: float | None = None
+        """monotonic() when the connection was lost (None while connected): :attr:`outage_s`."""
+        self._violations: dict[str, float] = {}
+        """Permission violation text -> monotonic() it was last logged (once a minute each)."""
 
     # -- connection ---------------------------------------------------------------
     async def connect(self) -> None:
@@ -433,9 +438,7 @@ class NatsBus(Bus):
     async def _on_error(self, err: Exception) -> None:
         text = str(err)
         if "permissions violation" in text.lower():  # not an outage: say each subject once a minute
-            from time import monotonic
-
-            seen = self.__dict__.setdefault("_violations", {})
+            seen = self._violations
             now = monotonic()
             if now - seen.get(text, -1e9) > 60.0:
                 if len(seen) > 1000:
@@ -454,20 +457,16 @@ class NatsBus(Bus):
     async def _on_disconnected(self) -> None:
         # nats-py calls this once per outage (before its reconnect attempts) and on close.
         if not self._closed:
-            if getattr(self, "_outage_since", None) is None:
-                from time import monotonic
-
+            if self._outage_since is None:
                 self._outage_since = monotonic()
             log.warning("nats %s: disconnected; reconnecting", self.url)
 
     async def _on_reconnected(self) -> None:
         self._outage_logged = False
-        since, self._outage_since = getattr(self, "_outage_since", None), None
+        since, self._outage_since = self._outage_since, None
         if since is None:
             log.info("nats %s: reconnected", self.url)
         else:
-            from time import monotonic
-
             log.info("nats %s: reconnected after %.1fs", self.url, monotonic() - since)
         for rec in list(self._watches):
             await rec.stop(restart=True)
@@ -476,13 +475,11 @@ class NatsBus(Bus):
     def outage_s(self) -> float:
         """Seconds since the connection was lost (nats-py keeps reconnecting meanwhile);
         0 while connected, before :meth:`connect` and after :meth:`close`."""
-        from time import monotonic
-
         nc = self._nc
         if nc is None or self._closed or nc.is_connected:
             self._outage_since = None
             return 0.0
-        since = getattr(self, "_outage_since", None)
+        since = self._outage_since
         if since is None:  # lost without a callback yet (or nats-py gave up and closed)
             since = self._outage_since = monotonic()
         return monotonic() - since
