@@ -366,3 +366,27 @@ async def test_object_store_blobs(bus, names):
     await store.delete("weights-v1")
     with pytest.raises(KeyError):
         await store.get("weights-v1")
+
+
+async def test_an_object_whose_chunks_vanish_mid_read_fails_instead_of_hanging(nats_bus, names):
+    """nats-py's own object read waits forever for a chunk that never comes (a trainer with
+    ``keep_weights: 1`` purged the object while a replica read it: the replica then never
+    loaded another version). The bus gives up after ``object_stall_s`` without a chunk."""
+    from rollart.bus.base import BusTimeout
+
+    _, p = names
+    store = await nats_bus.object_store(f"OBJ{p}")
+    await store.put("w", bytes(range(256)) * 4096)  # 1 MiB: 8 chunks
+    info = await store._obs.get_info("w")
+    # The chunks go, the meta stays: what a reader that got the meta just before a purge sees.
+    await nats_bus._js.purge_stream(f"OBJ_OBJ{p}", subject=f"$O.OBJ{p}.C.{info.nuid}")
+    nats_bus.object_stall_s = 0.5
+    t0 = time.monotonic()
+    with pytest.raises(BusTimeout, match="no chunk"):
+        await asyncio.wait_for(store.get("w"), 10)
+    assert time.monotonic() - t0 < 5
+    await store.delete("w")  # meta gone too: a missing object, at once
+    with pytest.raises(KeyError):
+        await asyncio.wait_for(store.get("w"), 5)
+    await store.put("w", b"again")
+    assert await store.get("w") == b"again"

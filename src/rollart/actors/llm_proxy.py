@@ -101,29 +101,31 @@ class LLMProxy(Actor):
 
         async def accepted(pub: m.PolicyPublished) -> None:
             if follow.wanted(pub, self.version):
-                follow.announced(pub)
                 self._target = pub
-                await self._maybe_load()
+                follow.announced(pub)  # wakes loads()
 
         async def records() -> None:  # only what the gate accepts (see PolicyGate)
             await follow_policy(self, self.gate, accepted)
 
-        async def retries() -> None:
+        async def loads() -> None:
+            # Loads run here, not in the gate's callback: a slow or failed weight read must
+            # not hold up judging the records after it (a newer version supersedes it).
             while True:
                 follow.changed.clear()
+                pub = self._target
+                await self._maybe_load()
+                if pub is not None and not follow.wanted(pub, self.version):
+                    follow.refused.pop(follow.key(pub), None)  # superseded: no retry
                 due = follow.due_at(self._target)
                 timeout = None if due is None else max(0.0, due - time.monotonic())
                 try:
                     await asyncio.wait_for(follow.changed.wait(), timeout)
                 except TimeoutError:
-                    pub = self._target
-                    await self._maybe_load()
-                    if pub is not None and not follow.wanted(pub, self.version):
-                        follow.refused.pop(follow.key(pub), None)  # superseded: no retry
+                    pass
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(records())
-            tg.create_task(retries())
+            tg.create_task(loads())
 
     async def _maybe_load(self) -> None:
         """Load ``self._target`` if it is newer than the loaded weights (between batches:

@@ -330,21 +330,57 @@ class _NatsKeyValue(KeyValue):
 
 
 class _NatsObjectStore(ObjectStore):
-    def __init__(self, obs, bucket: str) -> None:
+    def __init__(self, obs, bucket: str, bus: "NatsBus") -> None:
         self._obs = obs
         self._bucket = bucket
+        self._bus = bus
 
     async def put(self, name: str, data: bytes) -> None:
         with _translated(f"object put {self._bucket}/{name}"):
             await self._obs.put(name, data)
 
     async def get(self, name: str) -> bytes:
-        with _translated(f"object get {self._bucket}/{name}"):
+        """The object's bytes. Unlike nats-py's ``get``, which waits forever for a chunk that
+        never comes (an object deleted or replaced while it is read: a trainer with
+        ``keep_weights: 1`` purges v1 as it publishes v2), a read that receives no chunk for
+        ``stall_s`` stops: :class:`KeyError` if the object is gone or replaced meanwhile,
+        else :class:`BusTimeout`. The digest is checked off the event loop."""
+        what = f"object get {self._bucket}/{name}"
+        with _translated(what):
+            info = await self._info(name)
+            if info.is_link() or not info.size:
+                return (await self._obs.get(name)).data
+            stall_s = self._bus.object_stall_s
+            sub = await self._bus._jetstream().subscribe(f"$O.{self._bucket}.C.{info.nuid}",
+                                                        ordered_consumer=True)
+            chunks, got = [], 0
             try:
-                result = await self._obs.get(name)
-            except nats.js.errors.NotFoundError:  # missing or deleted
-                raise KeyError(name) from None
-        return result.data
+                while got < info.size:
+                    try:
+                        msg = await sub.next_msg(timeout=stall_s)
+                    except nats.errors.TimeoutError:
+                        now = await self._info(name, missing_ok=True)
+                        if now is None or now.nuid != info.nuid:
+                            raise KeyError(f"{name} (deleted or replaced while it was read)") from None
+                        raise BusTimeout(f"{what}: no chunk for {stall_s:.1f}s after "
+                                         f"{got} of {info.size} bytes") from None
+                    chunks.append(msg.data)
+                    got += len(msg.data)
+            finally:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+        data = b"".join(chunks)
+        if not await asyncio.to_thread(_object_digest_ok, data, info.digest):
+            raise BusError(f"{what}: the bytes read do not match the object's digest")
+        return data
+
+    async def _info(self, name: str, missing_ok: bool = False):
+        try:
+            return await self._obs.get_info(name)
+        except nats.js.errors.NotFoundError:  # missing or deleted
+            if missing_ok:
+                return None
+            raise KeyError(name) from None
 
     async def delete(self, name: str) -> None:
         with _translated(f"object delete {self._bucket}/{name}"):
@@ -352,6 +388,19 @@ class _NatsObjectStore(ObjectStore):
                 await self._obs.delete(name)
             except nats.js.errors.NotFoundError:
                 pass
+
+
+def _object_digest_ok(data: bytes, digest: str | None) -> bool:
+    """Whether ``data`` matches a nats object digest (``SHA-256=<base64url>``; none: yes)."""
+    import base64
+    import hashlib
+
+    if not digest:
+        return True
+    kind, _, value = digest.partition("=")
+    if kind.upper() != "SHA-256":
+        return True  # a scheme this client does not know: nats-py would not check it either
+    return hashlib.sha256(data).digest() == base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
 
 
 # -- the bus -----------------------------------------------------------------------
@@ -374,6 +423,8 @@ class NatsBus(Bus):
         self.reconnect_time_wait = reconnect_time_wait
         self.ack_timeout = ack_timeout
         self.drain_timeout = drain_timeout
+        self.object_stall_s = 15.0
+        """Seconds an object read waits for its next chunk (see ``_NatsObjectStore.get``)."""
         self._nc: NATS | None = None
         self._js = None
         self._subs: list[_NatsSubscription] = []
@@ -630,4 +681,4 @@ class NatsBus(Bus):
                 obs = await js.object_store(bucket)
             except nats.js.errors.BucketNotFoundError:
                 obs = await js.create_object_store(bucket)
-        return _NatsObjectStore(obs, bucket)
+        return _NatsObjectStore(obs, bucket, self)
