@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from rollart.config.placement import PoolConfig, RouteRule, check_placement
 from rollart.messages import check_token
 
 
@@ -637,6 +638,14 @@ class RunConfig(Base):
     """Reward service."""
     trainer: TrainerConfig = TrainerConfig()
     """Training."""
+    pools: dict[str, PoolConfig] = {}
+    """Pools of hosts by name, each with a description and hardware tags (empty: one pool per
+    node, its ``--pool``)."""
+    mapping: dict[str, str | list[str]] = {}
+    """The pool(s) serving each role (``generate: [big, small]``, ``env: cpu``); needs ``pools``."""
+    route: list[RouteRule] = []
+    """Rules choosing the generation pool of each turn, first match wins: ``{when:
+    {prompt_tokens_gt: 2048}, pool: big}``; a rule without ``when`` is the default."""
 
     def __post_init__(self) -> None:
         if not self.envs:
@@ -665,6 +674,8 @@ class RunConfig(Base):
                 f"for members another one holds. Set actors.env.replicas to 1 (and run one env "
                 f"node), or use rollout.mode 'trajectory' (it is {env_replicas})")
         self._check_trainer_holds()
+        check_placement(self.pools, self.mapping, self.route, self.envs,
+                        {"env", "generate", "reward", "trainer", "scheduler", *self.actors})
 
     def _check_trainer_holds(self) -> None:
         """The trainer acks a trajectory only once a checkpoint covers it, so it holds the
