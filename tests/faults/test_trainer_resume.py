@@ -58,6 +58,8 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
     second = _rollart("run", "--resume", str(run_dir), "--quiet", cwd=tmp_path)
     out, _ = second.communicate(timeout=300)
     assert second.returncode == 0, out
+    # The trainer's KV guard takes the previous process's records for its own, not a forger's.
+    assert "by another client" not in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and not summary["interrupted"]
 

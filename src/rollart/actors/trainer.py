@@ -313,8 +313,13 @@ class Trainer(Actor):
         last_log = 0.0
         try:
             kv = await self.bus.key_value(m.kv_bucket(self.run))
+            # Revisions up to the one there now are an earlier process's (a resumed run) or this
+            # one's: the watch may deliver them after this process wrote its own, so they are
+            # no sign of another client.
+            start = await kv.get(key)
+            start_rev = start.revision if start is not None else 0
             async for e in kv.watch(key):
-                if not own or (not e.deleted and e.value in own):
+                if not own or e.revision <= start_rev or (not e.deleted and e.value in own):
                     continue
                 self.counts["kv_restored"] += 1
                 if time.monotonic() - last_log > 10.0:
