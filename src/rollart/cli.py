@@ -81,7 +81,7 @@ async def open_bus(cfg: RunConfig, nats: str | None, overrides: dict | None = No
         log.info("embedded nats-server at %s", server.url)
     try:
         bus = bus_from_config(ns, url=server.url if server else None, name=f"rollart-{cfg.run}",
-                              local=server is not None)
+                              local=server is not None, replicas=cfg.node.stream_replicas)
         await bus.connect()
         yield bus
     finally:
@@ -374,9 +374,10 @@ async def top_main(args) -> int:
     from rollart.bus.auth import bus_from_config
     from rollart.telemetry.monitor import top
 
+    cfg = load(resolve_config(args.config), RunConfig) if args.config else None
     async with bus_from_config(None, name="rollart-top", overrides=nats_overrides(args)) as bus:
         try:
-            await top(bus, m.check_token("run", args.run), duration=args.duration)
+            await top(bus, m.check_token("run", args.run), duration=args.duration, config=cfg)
         except asyncio.CancelledError:
             pass
     return 0
@@ -427,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_nats_args(tp, required=True, url_help="NATS URL of the run's server")
     tp.add_argument("--run", required=True, help="run name")
     tp.add_argument("--duration", type=float, default=None, help="stop after N seconds")
+    tp.add_argument("--config", default=None, help="the run's config: lists the pools its mapping "
+                                                   "and route need that have no live node")
     tp.set_defaults(fn=top_main)
 
     rp = sub.add_parser("report", help="table and plot of a run folder",
@@ -470,9 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--static", action="store_true",
                    help="do not import, construct or reset the envs (only validate the YAML)")
     c.set_defaults(fn=config_main)
+    from rollart.deploy.cli import register as register_cluster
     from rollart.security.cli import register as register_secure
 
     register_secure(sub)
+    register_cluster(sub)
+    from rollart.telemetry.nodes import register as register_nodes
+
+    register_nodes(sub)
     return p
 
 

@@ -22,6 +22,27 @@ def _role(cfg: RunConfig, role: str) -> ActorConfig:
     return cfg.actors.get(role, ActorConfig())
 
 
+def role_pool(cfg: RunConfig, role: str, pool: str) -> str:
+    """The pool an actor of ``role`` joins on a node started with ``--pool pool``.
+
+    Without ``pools`` (or for a role ``mapping`` does not name: trainer, scheduler, custom
+    roles) it is the node's pool. With them, the node's pool if the mapping gives it the role;
+    a node left on the default pool name ``default`` puts the role in its first mapped pool;
+    any other pool is a ValueError naming ``mapping.<role>``."""
+    from rollart.config.placement import mapped_pools
+
+    if not cfg.pools or role not in cfg.mapping:
+        return pool
+    mapped = mapped_pools(cfg.mapping, role)
+    if pool in mapped:
+        return pool
+    if pool == "default":
+        return mapped[0]
+    raise ValueError(f"mapping.{role}: this node's pool {pool!r} does not serve role {role!r} "
+                     f"(mapping.{role}: {', '.join(mapped)}); start the node with --pool "
+                     f"{mapped[0]}, or add {pool!r} to mapping.{role}")
+
+
 def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
                    keep_results: bool = False, greedy: bool = False, eval: bool = False,
                    env: str | None = None, pool: str = "default",
@@ -32,7 +53,8 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     from rollart.actors.reward import RewardService
     from rollart.actors.scheduler import RolloutScheduler
 
-    sched = RolloutScheduler.from_config(cfg, _role(cfg, "scheduler"), pool=pool)
+    sched = RolloutScheduler.from_config(cfg, _role(cfg, "scheduler"),
+                                         pool=role_pool(cfg, "scheduler", pool))
     if prefix != "g":  # a second scheduler on the same run reads every outcome itself
         sched.name = f"scheduler-{prefix.strip('-')}"
         sched.settings = {h: {"durable": f"{sched.name}-{h}".replace("_", "-")}
@@ -41,12 +63,28 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     sched.greedy, sched.eval, sched.env, sched.prefix = greedy, eval, env, prefix
     if eval:
         sched.seed_offset = 1_000_000  # held-out tasks: training seeds start at rollout.seed
-    actors: list[Actor] = [sched, EnvManager.from_config(cfg, _role(cfg, "env"), pool=pool)]
-    for i in range(cfg.proxy.replicas):
-        actors.append(LLMProxy.from_config(cfg, _role(cfg, "generate"), pool=pool, index=i))
+        sched.run_cfg = None  # the training scheduler already watches the pools
+    actors: list[Actor] = [sched, EnvManager.from_config(cfg, _role(cfg, "env"),
+                                                         pool=role_pool(cfg, "env", pool))]
+    for i, gen_pool in enumerate(_generate_pools(cfg, pool)):
+        actors.append(LLMProxy.from_config(cfg, _role(cfg, "generate"), pool=gen_pool, index=i))
     for i in range(cfg.reward.replicas):
-        actors.append(RewardService.from_config(cfg, _role(cfg, "reward"), pool=pool, index=i))
+        actors.append(RewardService.from_config(cfg, _role(cfg, "reward"),
+                                                pool=role_pool(cfg, "reward", pool), index=i))
     return sched, actors
+
+
+def _generate_pools(cfg: RunConfig, pool: str) -> list[str]:
+    """The pool of each generate replica of a one-process run: ``proxy.replicas`` of them in
+    the node's pool; with ``pools`` declared (and the node on ``default``), at least one per
+    pool of ``mapping.generate``, the replicas dealt round the pools (a turn routed to a pool
+    with no replica would wait for ever)."""
+    from rollart.config.placement import mapped_pools
+
+    if not cfg.pools or "generate" not in cfg.mapping or pool != "default":
+        return [role_pool(cfg, "generate", pool)] * cfg.proxy.replicas
+    gen = mapped_pools(cfg.mapping, "generate")
+    return [gen[i % len(gen)] for i in range(max(cfg.proxy.replicas, len(gen)))]
 
 
 def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
@@ -70,7 +108,7 @@ def training_actors(cfg: RunConfig, *, resume: bool = False, pool: str = "defaul
 
     sched, actors = rollout_actors(cfg, groups=None, bounded=True, pool=pool)
     sched.resume = resume
-    trainer = Trainer.from_config(cfg, _role(cfg, "trainer"), pool=pool)
+    trainer = Trainer.from_config(cfg, _role(cfg, "trainer"), pool=role_pool(cfg, "trainer", pool))
     trainer.resume = resume
     return sched, trainer, actors + [trainer]
 
@@ -101,6 +139,8 @@ async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
     deadline = time.monotonic() + 60
     while any(p.version < version for p in proxies) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    if cfg.pools:  # only the scheduler is used: its requests go to mapping.env whatever this
+        pool = "default"  # node's pool (which need not serve env or generate)
     sched, _ = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True, greedy=True,
                               eval=True, pool=pool,
                               prefix=f"eval{version}-{uuid.uuid4().hex[:6]}-")  # unique:

@@ -67,6 +67,10 @@ class TurnRecord(Message, frozen=True, kw_only=True):
     format_ok: bool = True
     choices: list[list[int]] = []
     """Token sequences decoding was constrained to (empty: free text)."""
+    pool: str = ""
+    """The generation pool the turn was sent to (empty: recorded before pools existed)."""
+    route: int = -1
+    """Index in ``route`` of the rule that picked ``pool``; -1: no rule (the default pool)."""
 
 
 class RolloutCompleted(Message, frozen=True, kw_only=True):
@@ -213,6 +217,20 @@ class NodeHeartbeat(Message, frozen=True, kw_only=True):
     roles: list[str]
     ts: float
     stats: dict[str, float] = {}
+    hardware: dict[str, str | int | float] = {}
+    """What the host has, measured once at node start: ``cpus``, ``mem_gib``, and when the
+    node's process uses CUDA through torch, ``gpus`` (``"NVIDIA H100 x 8"``) and
+    ``gpu_mem_gib`` (memory of each GPU, the smallest when they differ)."""
+    load: float = 0.0
+    """The host's 1-minute load average (0 where the OS has none)."""
+    versions: dict[str, int] = {}
+    """Actor name -> policy version it holds, for actors that hold one (generate replicas,
+    the trainer)."""
+    pools: list[str] = []
+    """The pools of the node's actors when they are not just ``pool`` (empty: every actor
+    serves ``pool``)."""
+    in_flight: int = 0
+    """Deliveries and requests the node's handlers hold right now (sum of ``*.inflight``)."""
 
 
 class DeadLetter(Message, frozen=True, kw_only=True):
@@ -520,6 +538,7 @@ def _rollout_completed(r: RolloutCompleted) -> None:
         _int(f"turns[{i}].response_len", t.response_len, hi=n - t.start)
         _int(f"turns[{i}].version", t.version)
         _finite(f"turns[{i}].reward", t.reward)
+        _int(f"turns[{i}].route", t.route, lo=-1)
     _finite("reward", r.reward)
     _floats("timings", list(r.timings.values()))
     _finite("finished_at", r.finished_at)
@@ -618,6 +637,21 @@ def _node_heartbeat(h: NodeHeartbeat) -> None:
     for role in h.roles:
         _text("roles", role, limit=64)
     _finite("ts", h.ts, lo=0.0)
+    if len(h.hardware) > 32 or len(h.versions) > 1024 or len(h.pools) > 256:
+        raise Invalid("hardware, versions or pools has too many entries")
+    for k, v in h.hardware.items():
+        _text("hardware", k, limit=64)
+        if isinstance(v, str):
+            _text(f"hardware.{k}", v)
+        else:
+            _finite(f"hardware.{k}", v, lo=0.0)
+    _finite("load", h.load, lo=0.0)
+    for k, v in h.versions.items():
+        _text("versions", k)
+        _int(f"versions.{k}", v)
+    for p in h.pools:
+        _text("pools", p, limit=64)
+    _int("in_flight", h.in_flight)
 
 
 @_checks(DeadLetter)

@@ -24,39 +24,61 @@ from collections.abc import Sequence
 from rollart import messages as m
 from rollart.actors.base import Actor
 from rollart.actors.runtime import ConsumerLoop, Service
-from rollart.bus import Bus, StreamSpec
+from rollart.bus import Bus, BusTimeout, StreamSpec
 from rollart.bus.codec import encode
 
 log = logging.getLogger(__name__)
 
 
+CLUSTER_WAIT_S = 120.0
+"""Seconds :func:`ensure_run_streams` waits for a cluster's JetStream (replicas > 1)."""
+
+
 async def ensure_run_streams(bus: Bus, run: str, *, events_max_age: float | None = None,
-                             events_max_bytes: int | None = None, update: bool = True) -> None:
+                             events_max_bytes: int | None = None, update: bool = True,
+                             replicas: int | None = None) -> None:
     """Create the run's event stream and work-queue stream, or update them (idempotent).
+
+    ``replicas``: copies of each stream in a nats-server cluster (``node.stream_replicas``;
+    None: the bus's ``replicas``, which :func:`rollart.bus.auth.bus_from_config` sets from it).
 
     The events stream gets the age and size limits (``node.events_max_age`` /
     ``node.events_max_bytes``; None: their defaults, 0: no limit). The work queue needs none:
     an acked request leaves it, and admission bounds the rest. ``update=False`` (a node
     without the trainer: under ``rollart secure`` permissions only the trainer may change a
     stream) creates a missing stream but leaves an existing one as it is, with a warning
-    when its settings differ from this host's config."""
+    when its settings differ from this host's config.
+
+    With replicas > 1 (a cluster) a JetStream API that does not answer yet (the cluster has no
+    leader until a majority of its servers is up) is asked again for up to
+    ``CLUSTER_WAIT_S`` seconds: the nodes that host the servers may start one by one."""
     if events_max_age is None or events_max_bytes is None:
         from rollart.config.schema import NodeConfig
 
         d = NodeConfig()
         events_max_age = d.events_max_age if events_max_age is None else events_max_age
         events_max_bytes = d.events_max_bytes if events_max_bytes is None else events_max_bytes
+    if replicas is None:
+        replicas = getattr(bus, "replicas", 1)
     for kind in ("events", "work"):
         limits = {"max_age": events_max_age, "max_bytes": events_max_bytes} if kind == "events" else {}
-        same = await bus.ensure_stream(StreamSpec(
-            name=m.stream_name(run, kind),
-            subjects=m.stream_subjects(run, kind),
-            retention=m.STREAM_RETENTION[kind],
-            **limits,
-        ), update=update)
+        spec = StreamSpec(name=m.stream_name(run, kind), subjects=m.stream_subjects(run, kind),
+                          retention=m.STREAM_RETENTION[kind], replicas=replicas, **limits)
+        deadline = time.monotonic() + CLUSTER_WAIT_S
+        while True:
+            try:
+                same = await bus.ensure_stream(spec, update=update)
+                break
+            except BusTimeout as e:
+                if replicas <= 1 or time.monotonic() > deadline:
+                    raise
+                log.info("%s; waiting for the nats-server cluster to elect a JetStream leader "
+                         "(a majority of its servers must be up)", e)
+                await asyncio.sleep(0.5)
         if not same:
             log.warning("stream %s exists with settings other than this host's config "
-                        "(node.events_max_age / events_max_bytes, or another rollart version): "
+                        "(node.events_max_age / events_max_bytes / stream_replicas, or another "
+                        "rollart version): "
                         "left as it is; the trainer's host sets them", m.stream_name(run, kind))
 
 
@@ -240,11 +262,20 @@ class Node:
                 pass
 
     async def _heartbeats(self) -> None:
+        from rollart.telemetry.hardware import host_hardware, host_load
+
         runs = sorted({a.run for a in self.actors})
         roles = sorted({a.role for a in self.actors})
+        pools = sorted({a.pool for a in self.actors})
+        pools = [] if pools == [self.pool] else pools
+        hardware = await asyncio.to_thread(host_hardware)  # once: it does not change
         while not self._stop_mains.is_set():
+            stats = self.stats()
             hb = m.NodeHeartbeat(node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
-                                 pool=self.pool, roles=roles, ts=time.time(), stats=self.stats())
+                                 pool=self.pool, roles=roles, ts=time.time(), stats=stats,
+                                 hardware=hardware, load=host_load(), versions=self._versions(),
+                                 pools=pools, in_flight=int(sum(
+                                     v for k, v in stats.items() if k.endswith(".inflight"))))
             for run in runs:
                 try:
                     await self.bus.publish_core(m.subject(run, "node.heartbeat"), encode(hb))
@@ -254,6 +285,18 @@ class Node:
                 await asyncio.wait_for(self._stop_mains.wait(), self.heartbeat_every)
             except TimeoutError:
                 pass
+
+    def _versions(self) -> dict[str, int]:
+        """Actor name -> the policy version it holds, for actors with an int ``version``."""
+        out: dict[str, int] = {}
+        for a in self.actors:
+            try:
+                v = getattr(a, "version", None)
+            except Exception:  # noqa: BLE001 - e.g. an engine not loaded yet
+                continue
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                out[a.name] = v
+        return out
 
 
 # -- python -m rollart.node ------------------------------------------------------
@@ -281,8 +324,11 @@ def resolve(path: str) -> type:
 
 
 def build_actors(cfg, roles: Sequence[str], pool: str) -> list[Actor]:
-    """Instantiate the actors of ``roles`` from a RunConfig."""
+    """Instantiate the actors of ``roles`` from a RunConfig, each in its pool: the node's
+    ``pool``, or with ``pools`` declared the one ``mapping`` gives the role (see
+    :func:`rollart.launch.role_pool`; a pool the mapping does not give the role is an error)."""
     from rollart.config import ActorConfig
+    from rollart.launch import role_pool
 
     actors: list[Actor] = []
     for role in roles:
@@ -296,8 +342,9 @@ def build_actors(cfg, roles: Sequence[str], pool: str) -> list[Actor]:
         cls = resolve(path)
         if not (isinstance(cls, type) and issubclass(cls, Actor)):
             raise ValueError(f"{path} is not an Actor subclass")
+        role_in = role_pool(cfg, role, pool)
         for i in range(acfg.replicas):
-            actors.append(cls.from_config(cfg, acfg, pool=pool, index=i))
+            actors.append(cls.from_config(cfg, acfg, pool=role_in, index=i))
     return actors
 
 
@@ -369,7 +416,8 @@ async def _amain(args) -> int:
     rc = 0
     try:
         bus = bus_from_config(ns, url=server.url if server else None,
-                              name=f"rollart-node-{args.pool}", local=server is not None)
+                              name=f"rollart-node-{args.pool}", local=server is not None,
+                              replicas=cfg.node.stream_replicas)
         await _connect_patiently(bus, cfg.rollout.service_wait)
         if any(a.role == "trainer" for a in actors):  # the run folder, as `rollart run` writes it
             from rollart.launch import write_config

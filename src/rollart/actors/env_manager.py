@@ -30,6 +30,7 @@ from rollart.actors.lockstep import LockStep, WaveIncomplete
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import backoff
 from rollart.actors.service_client import ServiceClient
+from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
 
@@ -82,6 +83,11 @@ class EnvManager(Actor):
     wave_fill_timeout: float = 30.0
     """Batch mode: seconds a wave may take to gather all its trajectories here (while there
     is room for them) before its members are dead-lettered as split between EnvManagers."""
+    router: Router | None = None
+    """Picks the generation pool of each turn (the config's ``route``, see
+    :mod:`rollart.config.placement`); None: every turn goes to this actor's own pool."""
+    reward_pool: str | None = None
+    """Pool of the reward service (``mapping.reward``); None: this actor's own pool."""
 
     @classmethod
     def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "EnvManager":
@@ -91,9 +97,14 @@ class EnvManager(Actor):
         settings = {"on_request": {"max_inflight": r.concurrency, "ack_wait": r.ack_wait}}
         for h, hc in actor_cfg.handlers.items():
             settings.setdefault(h, {}).update(hc.overrides())
+        placed: dict[str, Any] = {}
+        if run_cfg.pools:  # the config maps roles to pools: route turns, send rewards there
+            placed = {"router": Router(run_cfg.route,
+                                       default_pool=mapped_pools(run_cfg.mapping, "generate")[0]),
+                      "reward_pool": mapped_pools(run_cfg.mapping, "reward")[0]}
         return cls(run=run_cfg.run, pool=pool, name=f"env-{pool}-{replica_suffix()}-{index}", settings=settings,
                    envs=dict(run_cfg.envs), rollout=r, model_dir=str(model_dir(run_cfg)),
-                   **actor_cfg.args)
+                   **{**placed, **actor_cfg.args})
 
     async def setup(self) -> None:
         self.chat = await asyncio.to_thread(ChatFormat.load, self.model_dir)
@@ -233,8 +244,8 @@ class EnvManager(Actor):
                     break
                 await self._sync(req, tr)
                 legal = runner.legal_actions() if cfg.constrain else None
-                res, choices = await self._unless_cancelled(
-                    self._generate(req, cfg, tr, legal), cancel)
+                res, choices, pool, route = await self._unless_cancelled(
+                    self._generate(req, cfg, tr, legal, turn), cancel)
                 start = len(tr.token_ids)
                 tr.add_response(res.token_ids, res.logprobs, res.version)
                 text = self.chat.decode(res.token_ids)
@@ -257,7 +268,7 @@ class EnvManager(Actor):
                 tr.turns.append(m.TurnRecord(start=start, response_len=len(res.token_ids),
                                              version=res.version, action=action or text[:64],
                                              reward=float(r), format_ok=format_ok,
-                                             choices=choices))
+                                             choices=choices, pool=pool, route=route))
                 if term or trunc:
                     stop = "terminated" if term else "truncated"
                     break
@@ -343,8 +354,14 @@ class EnvManager(Actor):
         raise Reject(f"env_reset_failed: {cfg.reset_retries + 1} attempts failed; last: {last}")
 
     async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
-                        legal: list[str] | None) -> tuple[m.GenerateResult, list[list[int]]]:
+                        legal: list[str] | None, turn: int = 1,
+                        ) -> tuple[m.GenerateResult, list[list[int]], str, int]:
+        """One turn's generation: ``(result, choices, pool it was sent to, route index)``;
+        the router (if any) picks the pool from the prompt so far, the turn and the env."""
         s = cfg.sampling
+        pool, route = self.pool, -1
+        if self.router is not None:
+            pool, route = self.router.pick(prompt_tokens=len(tr.token_ids), turn=turn, env=req.env)
         choices = self._encode_actions(tuple(legal)) if legal else []
         gen = m.GenerateRequest(
             traj_id=req.traj_id, prompt_ids=tr.token_ids,
@@ -355,8 +372,9 @@ class EnvManager(Actor):
             greedy=req.greedy)
         t0 = time.perf_counter()
         try:
-            res = await self.services.call("generate.request", gen, what=f" for {req.traj_id}")
-            return res, choices
+            res = await self.services.call("generate.request", gen, pool=pool,
+                                           what=f" for {req.traj_id}")
+            return res, choices, pool, route
         finally:
             tr.timings["generate"] += time.perf_counter() - t0
 
@@ -370,7 +388,7 @@ class EnvManager(Actor):
                 metadata={**{k: str(v) for k, v in info.items() if isinstance(v, (str, int, float))},
                           "seed": str(req.seed), "env_type": cfg.type,
                           "env_args": json.dumps(cfg.args, sort_keys=True)}),
-                what=f" for {req.traj_id}")
+                pool=self.reward_pool, what=f" for {req.traj_id}")
         finally:
             tr.timings["reward"] += time.perf_counter() - t0
         return res.score, res.score >= 0.99

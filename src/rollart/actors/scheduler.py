@@ -79,12 +79,20 @@ class RolloutScheduler(Actor):
     """Keep every completed trajectory in ``results`` (for ``rollart rollout``)."""
     results: list = field(default_factory=list)
     groups: dict[str, GroupState] = field(default_factory=dict)
+    env_pool: str | None = None
+    """Pool of the EnvManagers its requests go to (``mapping.env``); None: its own pool."""
+    run_cfg: Any = field(default=None, repr=False)
+    """The RunConfig (``from_config``): with ``pools`` declared, its pools without a live node
+    are logged (:mod:`rollart.actors.pool_watch`)."""
 
     @classmethod
     def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "RolloutScheduler":
+        from rollart.config.placement import mapped_pools
+
         settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
+        placed = {"env_pool": mapped_pools(run_cfg.mapping, "env")[0]} if run_cfg.pools else {}
         return cls(run=run_cfg.run, pool=pool, settings=settings, rollout=run_cfg.rollout,
-                   **actor_cfg.args)
+                   run_cfg=run_cfg, **{**placed, **actor_cfg.args})
 
     async def setup(self) -> None:
         self.version = 0
@@ -128,6 +136,10 @@ class RolloutScheduler(Actor):
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._watch_version())
+            if self.run_cfg is not None and self.run_cfg.pools:  # logs pools with no live node
+                from rollart.actors.pool_watch import watch_pools
+
+                tg.create_task(watch_pools(self.bus, self.run_cfg, name=self.name))
             if self.bounded:
                 tg.create_task(self._watch_ledger())
                 tg.create_task(self._watch_run_end())
@@ -240,7 +252,8 @@ class RolloutScheduler(Actor):
                 group_index=g,
                 eval=self.eval, greedy=self.greedy, created_at=time.time(),
                 wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
-            await self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{tid}")
+            await self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{tid}",
+                                         pool=self.env_pool)
         await self._put_admitted()
 
     async def _put_issued(self, deadline: float = 300.0) -> None:

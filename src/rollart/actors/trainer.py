@@ -489,7 +489,13 @@ class Trainer(Actor):
             await self.publish_patiently("rollout.requested", m.RolloutRequested(
                 traj_id=f"{gid}-{i}", group_id=gid, env=t.env, seed=t.seed, index_in_group=i,
                 admitted_version=self.version, min_version=self.version, group_index=idx,
-                created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}")
+                created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}", pool=self._env_pool())
+
+    def _env_pool(self) -> str | None:
+        """The pool of the EnvManagers (``mapping.env``), None: this actor's own pool."""
+        from rollart.config.placement import mapped_pools
+
+        return mapped_pools(self.cfg.mapping, "env")[0] if self.cfg.pools else None
 
     async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict:
         from rollart.actors.train_batch import (

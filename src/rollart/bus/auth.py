@@ -263,12 +263,14 @@ def connect_options(ns: NatsConfig, *, local: bool = False) -> dict[str, Any]:
 
 def bus_from_config(settings: Any = None, *, url: str | Sequence[str] | None = None,
                     name: str = "rollart", overrides: Mapping[str, Any] | None = None,
-                    local: bool = False, **bus_kwargs: Any) -> NatsBus:
+                    local: bool = False, replicas: int | None = None, **bus_kwargs: Any) -> NatsBus:
     """A (not yet connected) :class:`~rollart.bus.nats.NatsBus` for ``settings`` (a RunConfig,
     a NatsConfig, a URL string or None) with the command-line ``overrides`` of :func:`resolve`.
 
     ``url``: connect there instead of the configured URL (an embedded server's); ``local``:
-    that server is this host's own (TLS checks the name ``localhost``). ``bus_kwargs`` go to
+    that server is this host's own (TLS checks the name ``localhost``). ``replicas``: the bus's
+    :attr:`~rollart.bus.nats.NatsBus.replicas` (``node.stream_replicas``; None: that of
+    ``settings`` when it is a RunConfig, else 1). ``bus_kwargs`` go to
     NatsBus (``connect_timeout``, ...). Raises ``ConfigError`` for a setting that cannot work
     (no URL, a URL with a password in it, an unreadable secret file, an unset variable)."""
     from rollart.bus.nats import NatsBus
@@ -288,8 +290,13 @@ def bus_from_config(settings: Any = None, *, url: str | Sequence[str] | None = N
             check_nats_url("--nats" if len(servers) == 1 else f"nats.urls[{i}]", u, memory=False)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    return NatsBus(servers[0] if len(servers) == 1 else servers, name=name,
-                   auth=connect_options(ns, local=local), settings=ns, **bus_kwargs)
+    bus = NatsBus(servers[0] if len(servers) == 1 else servers, name=name,
+                  auth=connect_options(ns, local=local), settings=ns, **bus_kwargs)
+    if replicas is None:
+        replicas = getattr(getattr(settings, "node", None), "stream_replicas", None)
+    if replicas is not None:
+        bus.replicas = int(replicas)
+    return bus
 
 
 def has_credentials(options: Mapping[str, Any]) -> bool:

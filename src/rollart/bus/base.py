@@ -45,6 +45,10 @@ class StreamSpec:
     max_bytes: int = 0
     """Bytes the stream may hold; past it the oldest messages are discarded (a consumer's
     pending deliveries of them included); 0 for no limit."""
+    replicas: int = 1
+    """Copies of the stream kept on different servers of a nats-server cluster
+    (``node.stream_replicas``); more than 1 needs a cluster of at least that many servers.
+    MemoryBus keeps one copy whatever this says."""
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,14 @@ class MemoryBus(Bus):
                            f"{limit} (put large blobs in the object store)")
 
     # -- durable ------------------------------------------------------------------------
+    replicas: int = 1
+    """As :attr:`rollart.bus.nats.NatsBus.replicas`, for the same code paths; ignored (one
+    copy in this process), as is :attr:`StreamSpec.replicas`."""
+
     async def ensure_stream(self, spec: StreamSpec, *, update: bool = True) -> bool:
         self.check_connected()
+        if spec.replicas < 1:
+            raise BusError(f"stream {spec.name!r}: replicas must be at least 1 (it is {spec.replicas})")
         check_name(spec.name, "stream")
         if not spec.subjects:
             raise BusError(f"stream {spec.name!r} needs at least one subject")

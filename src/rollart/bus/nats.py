@@ -594,13 +594,20 @@ class NatsBus(Bus):
         return self._js
 
     # -- durable --------------------------------------------------------------------
+    replicas: int = 1
+    """Copies of each KV bucket and object store this bus creates (``node.stream_replicas``,
+    set by :func:`rollart.bus.auth.bus_from_config`); more than 1 needs a nats-server cluster of
+    at least that many servers. Streams take theirs from :attr:`StreamSpec.replicas`. An
+    existing bucket keeps the replicas it was made with."""
+
     async def ensure_stream(self, spec: StreamSpec, *, update: bool = True) -> bool:
         retention = RetentionPolicy.WORK_QUEUE if spec.retention == Retention.WORKQUEUE else RetentionPolicy.LIMITS
         config = StreamConfig(name=spec.name, subjects=list(spec.subjects), retention=retention,
                               storage=StorageType.FILE, duplicate_window=spec.duplicate_window, max_age=spec.max_age,
-                              max_bytes=spec.max_bytes if spec.max_bytes > 0 else -1)  # -1: no limit
+                              max_bytes=spec.max_bytes if spec.max_bytes > 0 else -1,  # -1: no limit
+                              num_replicas=spec.replicas)
         js = self._jetstream()
-        with _translated(f"ensure stream {spec.name}"):
+        with _translated(f"ensure stream {spec.name}"), _replicas_hint(f"stream {spec.name}", spec.replicas):
             try:
                 await js.add_stream(config)
             except nats.js.errors.BadRequestError as err:
@@ -671,7 +678,9 @@ class NatsBus(Bus):
             try:
                 kv = await js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
-                kv = await js.create_key_value(bucket=bucket, history=KV_HISTORY, direct=True)
+                with _replicas_hint(f"kv bucket {bucket}", self.replicas):
+                    kv = await js.create_key_value(bucket=bucket, history=KV_HISTORY, direct=True,
+                                                   replicas=self.replicas)
         return _NatsKeyValue(kv, bucket, self)
 
     async def object_store(self, bucket: str) -> ObjectStore:
@@ -680,5 +689,23 @@ class NatsBus(Bus):
             try:
                 obs = await js.object_store(bucket)
             except nats.js.errors.BucketNotFoundError:
-                obs = await js.create_object_store(bucket)
+                with _replicas_hint(f"object store {bucket}", self.replicas):
+                    obs = await js.create_object_store(bucket, replicas=self.replicas)
         return _NatsObjectStore(obs, bucket, self)
+
+
+@contextlib.contextmanager
+def _replicas_hint(what: str, replicas: int):
+    """A JetStream refusal of ``replicas`` copies (a single server, or a cluster with fewer
+    servers) as a :class:`BusError` that names ``node.stream_replicas``."""
+    try:
+        yield
+    except nats.js.errors.APIError as err:
+        text = str(getattr(err, "description", "") or err).lower()
+        if replicas > 1 and ("replica" in text or "insufficient resources" in text
+                             or "clustered" in text or "no suitable peers" in text):
+            raise BusError(
+                f"{what}: {replicas} replicas refused by the nats-server ({err}): replicas > 1 "
+                f"need a JetStream cluster of at least {replicas} servers (`rollart cluster "
+                f"init`); set node.stream_replicas to 1 for a single server") from err
+        raise

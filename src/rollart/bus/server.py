@@ -109,13 +109,81 @@ def _config_text(path: Path, depth: int = 0) -> str:
 def config_enforces_auth(path: str | os.PathLike) -> bool:
     """Whether the nats-server config at ``path`` makes clients authenticate: an
     ``authorization`` block with users or a token, or ``accounts``, or an ``operator``
-    (a simple reading of the text, comments skipped), and no ``no_auth_user``."""
+    (a simple reading of the text, comments skipped), and no ``no_auth_user``. Only top-level
+    settings count: the ``authorization`` of a ``cluster`` block guards the routes, not clients."""
     text = _config_text(Path(path)).lower()
     if "no_auth_user" in text:  # clients without credentials get that user
         return False
-    if "authorization" in text and re.search(r"\b(users|user|token)\b", text):
+    top, blocks = _sections(text)
+    if re.search(r"\b(users|user|token)\b", blocks.get("authorization", "")):
         return True
-    return bool(re.search(r"\b(accounts|operator)\b", text))
+    return "accounts" in blocks or bool(re.search(r"(?m)^\s*(accounts|operator)\b", top))
+
+
+def _sections(text: str) -> tuple[str, dict[str, str]]:
+    """The top-level text of a config (blocks left out) and ``{name: inner text}`` of its
+    top-level blocks (``cluster { ... }``, ``jetstream: { ... }``); a simple reading."""
+    top: list[str] = []
+    blocks: dict[str, str] = {}
+    depth, start, name = 0, 0, ""
+    for i, ch in enumerate(text):
+        if ch == "{":
+            if depth == 0:
+                found = re.search(r"([A-Za-z_][\w-]*)\s*[:=]?\s*$", text[max(0, i - 64):i])
+                name, start = (found.group(1).lower() if found else ""), i + 1
+            depth += 1
+        elif ch == "}" and depth > 0:
+            depth -= 1
+            if depth == 0:
+                blocks.setdefault(name, text[start:i])
+        elif depth == 0:
+            top.append(ch)
+    return "".join(top), blocks
+
+
+def _setting(text: str, *keys: str) -> str | None:
+    """The value of the first of ``keys`` set in ``text`` (one level), quotes removed."""
+    for key in keys:
+        found = re.search(rf"(?m)^\s*{key}\b\s*[:=]?\s*['\"]?([^'\"\s,]+)", text)
+        if found:
+            return found.group(1)
+    return None
+
+
+def config_sets_port(path: str | os.PathLike) -> bool:
+    """Whether the config gives the client port (top-level ``listen`` or ``port``)."""
+    top, _ = _sections(_config_text(Path(path)))
+    return _setting(top, "listen", "port") is not None
+
+
+def config_is_cluster(path: str | os.PathLike) -> bool:
+    """Whether the config has a top-level ``cluster`` block (routes to other servers)."""
+    return "cluster" in _sections(_config_text(Path(path)))[1]
+
+
+def config_sets_store(path: str | os.PathLike) -> bool:
+    """Whether the config's ``jetstream`` block names a store folder (``store_dir``)."""
+    _, blocks = _sections(_config_text(Path(path)))
+    return _setting(blocks.get("jetstream", ""), "store_dir", "storedir", "store") is not None
+
+
+def check_cluster(config_file: str | os.PathLike) -> None:
+    """Raise :class:`InsecureServerError` when the config's ``cluster`` block listens beyond
+    loopback without an ``authorization`` block: anyone reaching that port could join as a
+    route and read every message."""
+    _, blocks = _sections(_config_text(Path(config_file)))
+    cluster = blocks.get("cluster")
+    if cluster is None:
+        return
+    inner_top, inner = _sections(cluster)
+    listen = _setting(inner_top, "listen")
+    host = _setting(inner_top, "host") or (listen.rsplit(":", 1)[0] if listen and ":" in listen
+                                           else "0.0.0.0")
+    if not is_loopback(host) and "authorization" not in inner:
+        raise InsecureServerError(
+            f"refusing to start nats-server with {config_file}: its cluster block listens on "
+            f"{host} (reachable from other hosts) without an authorization block for the routes; "
+            "add one (`rollart cluster init --host ...` writes one) or listen on 127.0.0.1")
 
 
 def check_listen(host: str, config_file: str | os.PathLike | None = None) -> None:
@@ -125,6 +193,8 @@ def check_listen(host: str, config_file: str | os.PathLike | None = None) -> Non
     if config_file is not None and not Path(config_file).is_file():
         raise ValueError(f"nats-server config {config_file} (--server-config / nats.server_config) "
                          f"does not exist")
+    if config_file is not None:
+        check_cluster(config_file)
     if is_loopback(host):
         return
     if config_file is None:
@@ -141,8 +211,11 @@ def check_listen(host: str, config_file: str | os.PathLike | None = None) -> Non
 class EmbeddedServer:
     """One ``nats-server -js`` child process bound to ``host:port`` with its store in ``store_dir``.
 
-    ``config_file``: a nats-server config (users, TLS, ...) passed as ``-c``; the listen
-    address, port, JetStream and store given here override it. A ``host`` other than loopback
+    ``config_file``: a nats-server config (users, TLS, a cluster, ...) passed as ``-c``; the
+    listen address and JetStream given here override it, the port too unless ``port`` is 0 and
+    the config gives one, the store unless the config names one (its ``jetstream { store_dir }``
+    then holds the data; ``store_dir`` still gets the log and the ports file: each server of a
+    one-host cluster has its own store). A ``host`` other than loopback
     needs one that makes clients authenticate (:func:`check_listen`); a wildcard host
     (``0.0.0.0``, ``::``) is reached by this host at 127.0.0.1 (:attr:`url`)."""
 
@@ -203,13 +276,19 @@ class EmbeddedServer:
         check_listen(self.host, self.config_file)
         binary = self._resolve_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.config_file
+        # nats-server refuses a store both in the config and on the command line; the port
+        # a cluster's config gives (`rollart cluster init`) is kept when none was asked for
+        # (the ports file reports it); other configs get a free port as without one.
+        own_port = self.port or conf is None or not (config_sets_port(conf) and config_is_cluster(conf))
+        own_store = conf is None or not config_sets_store(conf)
         args = [
             binary,
-            *(["-c", str(self.config_file)] if self.config_file is not None else []),
+            *(["-c", str(conf)] if conf is not None else []),
             "-a", self.host,
-            "-p", str(self.port) if self.port else "-1",
+            *(["-p", str(self.port) if self.port else "-1"] if own_port else []),
             "-js",
-            "-sd", str(self.store_dir),
+            *(["-sd", str(self.store_dir)] if own_store else []),
             "--ports_file_dir", str(self.store_dir),
             *self.extra_args,
         ]

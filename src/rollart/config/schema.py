@@ -127,9 +127,16 @@ class NodeConfig(Base):
     and stops with one message naming the server (``python -m rollart.node`` and ``rollart run``
     exit with status 4). Shorter outages are ridden out: the client reconnects by itself and
     unacknowledged work is redelivered. 0: wait for the server forever."""
+    stream_replicas: int = 1
+    """Copies of the run's streams, KV buckets and object stores, each on another server of a
+    nats-server cluster (1 to 5; `rollart cluster init` writes the configs of one). 3 lets
+    the run go on through the loss of one server; more than 1 needs a cluster of at least
+    that many servers (a single server refuses it). Streams and buckets that exist keep
+    theirs, except a stream that the trainer's host updates."""
 
     def __post_init__(self) -> None:
         _in_range(self, "node.", "grace heartbeat_every bus_outage_max", ge=0)
+        _in_range(self, "node.", "stream_replicas", ge=1, le=5)
         for name, low, unit in (("events_max_age", 60, "seconds"),
                                 ("events_max_bytes", 1024**2, "bytes (1048576: 1 MiB, one message)")):
             v = getattr(self, name)

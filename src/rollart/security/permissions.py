@@ -69,7 +69,7 @@ USES: dict[str, dict[str, str]] = {
     "service.progress": {"generate": "publish", "reward": "publish", "env": "subscribe"},
     "policy.published": {"trainer": "publish consume"},  # holders follow the KV record
     "policy.loaded": {"generate": "publish", "trainer": "consume"},
-    "node.heartbeat": {NODE: "publish", "trainer": "subscribe"},
+    "node.heartbeat": {NODE: "publish", "trainer": "subscribe", "scheduler": "subscribe"},
     "dead": {NODE: "publish", "trainer": "consume", "scheduler": "consume"},
 }
 """subject name -> role -> space-separated verbs (the monitor reads every subject)."""

@@ -30,10 +30,17 @@ class SubjectStats:
 class RunMonitor:
     """Aggregates what flows on a run's subjects; feed it with :meth:`observe`."""
 
-    def __init__(self, run: str):
+    def __init__(self, run: str, needs: dict[str, list[str]] | None = None):
         self.run = run
         self.subjects: dict[str, SubjectStats] = defaultdict(SubjectStats)
         self.nodes: dict[str, m.NodeHeartbeat] = {}
+        self.node_seen: dict[str, float] = {}
+        """Node id -> arrival (monotonic) of its last heartbeat."""
+        self.node_every: dict[str, float] = {}
+        """Node id -> seconds between its last two heartbeats (its heartbeat interval)."""
+        self.needs = dict(needs or {})
+        """Pool -> what needs it (:func:`rollart.actors.pool_watch.pool_needs` of the run's
+        config, when top was given it); empty: pools are judged from heartbeats alone."""
         self.policy: m.PolicyPublished | None = None
         self.loaded: dict[str, m.PolicyLoaded] = {}
         self.outcomes: dict[str, int] = defaultdict(int)
@@ -112,7 +119,14 @@ class RunMonitor:
             self.undecodable += 1
             return
         if isinstance(msg, m.NodeHeartbeat):
+            if msg.node_id in self.node_seen:
+                self.node_every[msg.node_id] = max(0.05, now - self.node_seen[msg.node_id])
             self.nodes[msg.node_id] = msg
+            self.node_seen[msg.node_id] = now
+            if len(self.nodes) > 1024:  # forget the longest silent
+                old = min(self.node_seen, key=self.node_seen.__getitem__)
+                for d in (self.nodes, self.node_seen, self.node_every):
+                    d.pop(old, None)
         elif isinstance(msg, m.PolicyPublished):
             if self.policy is None or msg.version >= self.policy.version:
                 self.policy = msg
@@ -130,8 +144,30 @@ class RunMonitor:
             self.outcomes["dead"] += 1
             self.dead_reasons.append(msg.reason[:100])
 
+    def live_nodes(self, now: float | None = None) -> list[m.NodeHeartbeat]:
+        """Nodes whose last heartbeat came within three of their intervals (5 s until two
+        have come)."""
+        now = time.monotonic() if now is None else now
+        return [hb for nid, hb in self.nodes.items()
+                if now - self.node_seen.get(nid, now) <= 3 * max(1.0, self.node_every.get(nid, 5.0))]
+
+    def pool_report(self, now: float | None = None) -> list[str]:
+        """Pools without a live node: those the config's mapping and route need (when top
+        has the config), else those whose nodes have all gone silent since top started."""
+        from rollart.actors.pool_watch import missing_pools, node_pools
+
+        live = self.live_nodes(now)
+        if self.needs:
+            return [f"pool {p}: no live node (needed by {'; '.join(why)}); its work waits"
+                    for p, why in missing_pools(self.needs, live).items()]
+        served = {p for hb in live for p in node_pools(hb)}
+        gone = sorted({p for hb in self.nodes.values() for p in node_pools(hb)} - served)
+        return [f"pool {p}: no live node (its nodes went silent)" for p in gone]
+
     def render(self):
         """A rich renderable of the current state."""
+        from rollart.actors.pool_watch import node_pools
+        from rollart.telemetry.hardware import describe_hardware, describe_versions
         from rich.console import Group
         from rich.markup import escape  # every string from the bus: junk must not break markup
         from rich.table import Table
@@ -144,12 +180,14 @@ class RunMonitor:
             subj.add_row(escape(name.removeprefix(f"{m.PREFIX}.{self.run}.")), str(st.count),
                          f"{st.rate(now):.1f}", f"{st.bytes / 1024:.1f}")
         nodes = Table(title="nodes", expand=True)
-        for col in ("node", "pool", "roles", "age s", "in flight"):
-            nodes.add_column(col)
+        for col in ("node", "pool", "roles", "hardware", "load", "versions", "age s", "in flight"):
+            nodes.add_column(col, overflow="fold")
         wall = time.time()
-        for hb in self.nodes.values():
-            inflight = sum(v for k, v in hb.stats.items() if k.endswith(".inflight"))
-            nodes.add_row(escape(hb.node_id), escape(hb.pool), escape(",".join(hb.roles)),
+        for hb in sorted(self.nodes.values(), key=lambda h: (h.pool, h.node_id)):
+            inflight = hb.in_flight or sum(v for k, v in hb.stats.items() if k.endswith(".inflight"))
+            nodes.add_row(escape(hb.node_id), escape(",".join(node_pools(hb))),
+                          escape(",".join(hb.roles)), escape(describe_hardware(hb.hardware)),
+                          f"{hb.load:.2f}", escape(describe_versions(hb.versions)),
                           f"{wall - hb.ts:.1f}", f"{inflight:.0f}")
         n = max(1, len(self.rewards))
         total = sum(self.stage_s.values()) or 1.0
@@ -168,6 +206,7 @@ class RunMonitor:
             summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",
                             "failed in a row", str(lg.failed_streak))
         parts = [summary, subj, nodes]
+        parts += [f"[yellow]{escape(line)}" for line in self.pool_report(now)]
         if self.ledger is not None and self.ledger.stopped:
             parts.append(f"[bold red]run stopped: {escape(self.ledger.stopped)}")
         elif self.ledger is not None and self.ledger.waiting:
@@ -177,13 +216,17 @@ class RunMonitor:
         return Group(*parts)
 
 
-async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = None) -> RunMonitor:
-    """Show the live view until interrupted (or ``duration`` seconds)."""
+async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = None,
+              config=None) -> RunMonitor:
+    """Show the live view until interrupted (or ``duration`` seconds). ``config``: the
+    run's RunConfig, whose mapping and route say which pools need a live node."""
     import asyncio
 
     from rich.live import Live
 
-    mon = RunMonitor(run)
+    from rollart.actors.pool_watch import pool_needs
+
+    mon = RunMonitor(run, needs=pool_needs(config) if config is not None else None)
 
     async def on_msg(req) -> None:
         mon.observe(req.subject, req.data)

@@ -1,0 +1,1 @@
+"""Deployment helpers: ``rollart cluster init`` (the configs of a nats-server cluster)."""
