@@ -213,7 +213,9 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
         ev = asyncio.ensure_future(
             evaluate(bus, cfg, trainer.version, cfg.trainer.eval_groups, proxies, pool=pool))
         stop = asyncio.ensure_future(node.wait())  # SIGINT/SIGTERM stop it too
-        await asyncio.wait({ev, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({ev, stop}, return_when=asyncio.FIRST_COMPLETED,
+                           timeout=cfg.trainer.eval_timeout)
+        stopped = stop.done()
         stop.cancel()
         if ev.done():
             final = ev.result()
@@ -221,7 +223,13 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
             ev.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ev
-            interrupted = True
+            if stopped:
+                interrupted = True
+            else:
+                log.error("run %s: the final evaluation did not finish within %.0fs "
+                          "(trainer.eval_timeout); the run ends without its result", cfg.run,
+                          cfg.trainer.eval_timeout)
+                final = {"eval_error": f"timed out after {cfg.trainer.eval_timeout:.0f}s"}
     summary = await write_summary(cfg, trainer, wall=time.perf_counter() - t0,
                                   interrupted=interrupted, final=final)
     if not interrupted:

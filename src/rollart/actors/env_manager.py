@@ -36,6 +36,9 @@ from rollart.envs.runner import EnvContractError, EnvSetupError
 
 log = logging.getLogger(__name__)
 
+OUTCOME_PUBLISH_S = 120.0
+"""Seconds a trajectory's outcome is published again after bus errors (the delivery is kept
+in progress meanwhile) before the handler fails and the request is redelivered."""
 CANCELLED_GROUPS_KEPT = 8192
 """Cancelled groups remembered (the newest), for their requests still to be delivered: far
 more than admission lets be in flight at once, so memory stays bounded in a long run."""
@@ -208,9 +211,9 @@ class EnvManager(Actor):
             raise Reject(f"env_contract: {e}") from e
         except Cancelled:
             self._count("cancelled")
-            await self.publish("rollout.cancelled", m.RolloutCancelled(
+            await self.publish_patiently("rollout.cancelled", m.RolloutCancelled(
                 traj_id=req.traj_id, group_id=req.group_id, group_index=req.group_index),
-                msg_id=f"out:{req.traj_id}")
+                msg_id=f"out:{req.traj_id}", deadline=OUTCOME_PUBLISH_S)
             return
         finally:
             self._live.pop(req.traj_id, None)
@@ -219,7 +222,10 @@ class EnvManager(Actor):
                 self._in_wave.discard(req.traj_id)
                 self.lockstep.leave(req.wave_id)
         self._count("completed")
-        await self.publish("rollout.completed", out, msg_id=f"out:{req.traj_id}")
+        # A bus error here (a nats-server cluster electing a new stream leader takes seconds)
+        # is retried, not raised: a raised one would spend a delivery of a finished trajectory.
+        await self.publish_patiently("rollout.completed", out, msg_id=f"out:{req.traj_id}",
+                                     deadline=OUTCOME_PUBLISH_S)
 
     async def _trajectory(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
                           delivery) -> m.RolloutCompleted:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from rollart import messages as m
 from rollart.bus.codec import decode, encode
@@ -146,8 +147,6 @@ async def follow_policy(actor, gate: PolicyGate, on_accept, *, announcements: bo
     line and a dead letter, :func:`report_policy`). With ``announcements``, also subscribe
     to ``policy.published`` (rule 3c; the role needs subscribe permission on it). Runs until
     cancelled."""
-    import time
-
     from rollart.actors.records import decode_entry, watch_revisions
 
     bus, run = actor.bus, actor.run
@@ -170,10 +169,10 @@ async def follow_policy(actor, gate: PolicyGate, on_accept, *, announcements: bo
         sub = await bus.subscribe(m.subject(run, "policy.published"), on_announcement)
     try:
         kv = await bus.key_value(m.kv_bucket(run))
-        summary = decode_entry(await kv.get(m.LEDGER_KEY), m.LedgerSummary)
+        summary = decode_entry(await _get_patiently(kv, m.LEDGER_KEY, actor.name), m.LedgerSummary)
         if summary is not None:
             gate.see_ledger(summary)
-        if decode_entry(await kv.get(m.POLICY_KEY), m.PolicyPublished) is None:
+        if decode_entry(await _get_patiently(kv, m.POLICY_KEY, actor.name), m.PolicyPublished) is None:
             gate.watched_from_start()
 
         async def records() -> None:
@@ -227,6 +226,26 @@ async def follow_policy(actor, gate: PolicyGate, on_accept, *, announcements: bo
     finally:
         if sub is not None:
             await sub.unsubscribe()
+
+
+async def _get_patiently(kv, key: str, who: str, deadline: float = 120.0):
+    """``kv.get(key)``, retrying bus errors with backoff for up to ``deadline`` seconds: a
+    bucket just made on a nats-server cluster answers "no responders" until its stream has a
+    leader, which must not stop the node."""
+    from rollart.bus import BusError
+
+    end, attempt = time.monotonic() + deadline, 0
+    while True:
+        try:
+            return await kv.get(key)
+        except BusError as e:
+            attempt += 1
+            if time.monotonic() >= end:
+                raise
+            if attempt == 1:
+                log.warning("%s: reading KV %s failed (%s); retrying for up to %.0fs", who, key,
+                            e, deadline)
+            await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt))
 
 
 async def report_policy(actor, pub: m.PolicyPublished, verdict: str, why: str) -> None:

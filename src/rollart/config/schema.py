@@ -428,6 +428,9 @@ class TrainerConfig(Base):
     """Seed of the trainer."""
     eval_groups: int = 4
     """Groups of the greedy evaluation at the end of ``rollart run`` (held-out seeds)."""
+    eval_timeout: float = 600.0
+    """Seconds the final evaluation may take; past them the run ends without its result
+    (logged as an error) instead of waiting for ever."""
     stall_after: float = 120.0
     """Seconds the trainer waits for a batch before it says what it waits for (groups,
     queued work, pools without a live node), then again every minute or so."""
@@ -437,7 +440,7 @@ class TrainerConfig(Base):
             raise ValueError("trainer.stall_after must be > 0 seconds")
         k = "trainer."
         _in_range(self, k, "steps micro_batch_tokens checkpoint_every keep_weights eval_groups", ge=1)
-        _in_range(self, k, "lr grad_clip is_cap stall_after", gt=0)
+        _in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
         _in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed", ge=0)
         _in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
 
