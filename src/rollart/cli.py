@@ -375,12 +375,28 @@ async def top_main(args) -> int:
     from rollart.telemetry.monitor import top
 
     cfg = load(resolve_config(args.config), RunConfig) if args.config else None
+    once = args.once or args.json
+    duration = args.duration if args.duration is not None or not once else TOP_ONCE_WINDOW
     async with bus_from_config(None, name="rollart-top", overrides=nats_overrides(args)) as bus:
         try:
-            await top(bus, m.check_token("run", args.run), duration=args.duration, config=cfg)
+            mon = await top(bus, m.check_token("run", args.run), duration=duration, config=cfg,
+                            once=once)
         except asyncio.CancelledError:
-            pass
+            return 0
+    if args.json:
+        from rollart.telemetry.queues import snapshot
+
+        print(json.dumps(snapshot(mon), indent=1, default=str), flush=True)
+    elif once:
+        from rich.console import Console
+
+        Console().print(mon.render())
     return 0
+
+
+TOP_ONCE_WINDOW = 6.0
+"""Seconds ``rollart top --once`` listens before its snapshot: a heartbeat interval
+(``node.heartbeat_every``, 5 s by default) and a little more, so every live node is in it."""
 
 
 async def report_main(args) -> int:
@@ -424,12 +440,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     tp = sub.add_parser("top", help="live subject-level view of a run",
                         description="Message rates per subject, nodes, policy version and "
-                                    "replicas, trajectory outcomes and time split.")
+                                    "replicas, trajectory outcomes and time split; each JetStream "
+                                    "consumer's pending, ack pending, redelivered and rates; alpha "
+                                    "headroom; dead letters by reason.")
     add_nats_args(tp, required=True, url_help="NATS URL of the run's server")
     tp.add_argument("--run", required=True, help="run name")
     tp.add_argument("--duration", type=float, default=None, help="stop after N seconds")
     tp.add_argument("--config", default=None, help="the run's config: lists the pools its mapping "
-                                                   "and route need that have no live node")
+                                                   "and route need that have no live node, and "
+                                                   "gives what alpha allows (the headroom)")
+    tp.add_argument("--once", action="store_true",
+                    help=f"print one snapshot and exit: listen --duration seconds (default "
+                         f"{TOP_ONCE_WINDOW:g}: a heartbeat interval), poll JetStream at its start "
+                         f"and end")
+    tp.add_argument("--json", action="store_true",
+                    help="with --once (implied): the snapshot as one JSON object, for scripts")
     tp.set_defaults(fn=top_main)
 
     rp = sub.add_parser("report", help="table and plot of a run folder",
@@ -481,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollart.telemetry.nodes import register as register_nodes
 
     register_nodes(sub)
+    from rollart.telemetry.tap import register as register_tap
+
+    register_tap(sub)
     return p
 
 

@@ -390,3 +390,42 @@ async def test_an_object_whose_chunks_vanish_mid_read_fails_instead_of_hanging(n
         await asyncio.wait_for(store.get("w"), 5)
     await store.put("w", b"again")
     assert await store.get("w") == b"again"
+
+
+async def test_consumers_info_reports_pending_ack_pending_redelivered(bus, names):
+    """``consumers_info`` (what ``rollart top`` shows of each consumer) agrees between the
+    buses: published N, fetched k without ack, one acked, one nak'd and redelivered."""
+    stream, p = await _stream(bus, names)
+    seqs = [await bus.publish(f"{p}.a", f"m{i}".encode()) for i in range(5)]
+    await bus.publish(f"{p}.b", b"not for the filter")
+    c = await bus.pull_consumer(stream, ConsumerSpec(durable="dq", filter_subject=f"{p}.a", ack_wait=30))
+
+    async def settles(**want):
+        """The consumer's info once it shows ``want`` (acks travel asynchronously)."""
+        end = time.monotonic() + 5
+        while True:
+            (info,) = await bus.consumers_info(stream)
+            if all(info[k] == v for k, v in want.items()) or time.monotonic() > end:
+                assert {k: info[k] for k in want} == want
+                return info
+
+    info = await settles(num_pending=5, num_ack_pending=0, num_redelivered=0,
+                         delivered_stream_seq=0, ack_floor_stream_seq=0)
+    assert info["name"] == "dq" and info["filter_subject"] == f"{p}.a"
+    first, second = await fetch_until(c, 2, batch=2)
+    await settles(num_pending=3, num_ack_pending=2, num_redelivered=0,
+                  delivered_stream_seq=seqs[1])
+    await first.ack()
+    await second.nak()
+    (again,) = await fetch_until(c, 1, batch=1)
+    assert again.stream_seq == seqs[1] and again.num_delivered == 2
+    await settles(num_pending=3, num_ack_pending=1, num_redelivered=1,
+                  delivered_stream_seq=seqs[1], ack_floor_stream_seq=seqs[0])
+    await again.ack()
+    rest = await fetch_until(c, 3, batch=3)
+    for d in rest:
+        await d.ack()
+    await settles(num_pending=0, num_ack_pending=0, num_redelivered=0,
+                  delivered_stream_seq=seqs[4], ack_floor_stream_seq=seqs[4])
+    with pytest.raises(BusError):
+        await bus.consumers_info(f"{stream}NONE")

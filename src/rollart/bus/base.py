@@ -252,6 +252,16 @@ class Bus(abc.ABC):
     async def stream_info(self, stream: str) -> dict:
         """``messages`` (stored now), ``first_seq``, ``last_seq``."""
 
+    async def consumers_info(self, stream: str) -> list[dict]:
+        """Each durable consumer of ``stream``, as JetStream's consumer info reports it:
+        ``name``, ``filter_subject``, ``num_pending`` (matching messages not yet delivered),
+        ``num_ack_pending`` (delivered, not yet acked), ``num_redelivered`` (of those, the
+        ones delivered more than once), ``num_waiting`` (pull requests waiting),
+        ``delivered_stream_seq`` (stream sequence of the last message delivered) and
+        ``ack_floor_stream_seq`` (every message up to it is acked). :class:`BusError` when
+        the stream does not exist (or the bus cannot list consumers)."""
+        raise BusError(f"{type(self).__name__} cannot list the consumers of {stream!r}")
+
     @abc.abstractmethod
     async def delete_stream(self, stream: str) -> None: ...
 

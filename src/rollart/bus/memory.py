@@ -221,6 +221,12 @@ class MemoryBus(Bus):
         self.check_connected()
         return self._stream(stream).info()
 
+    async def consumers_info(self, stream: str) -> list[dict]:
+        self.check_connected()
+        st = self._stream(stream)
+        st.expire()
+        return [c.info() for c in st.consumers.values()]
+
     async def delete_stream(self, stream: str) -> None:
         """Delete ``stream`` and its consumers; a missing stream is a no-op."""
         self.check_connected()

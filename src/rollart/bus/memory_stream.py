@@ -281,6 +281,7 @@ class ConsumerState:
         self.spec = spec
         self.matches = compile_matcher(spec.filter_subject)
         self.cursor = 0 if spec.deliver_all else stream.last_seq  # last stream seq looked at
+        self.last_delivered = self.cursor  # stream seq of the last message delivered first
         self.pending: dict[int, _Pending] = {}
         self._due: list[int] = []  # heap of stream seqs to redeliver
         self.waiters: list = []  # futures of parked fetches
@@ -347,6 +348,7 @@ class ConsumerState:
             if msg is None or not self.matches(msg.subject):
                 continue
             p = pending[seq] = _Pending()
+            self.last_delivered = seq
             self._deliver(msg, p, out)
         return out
 
@@ -461,6 +463,22 @@ class ConsumerState:
             if (m := msgs.get(seq)) is not None and match(m.subject)
         )
 
+    def info(self) -> dict:
+        """What :meth:`rollart.bus.base.Bus.consumers_info` reports of this durable. The ack
+        floor is the message before the oldest un-acked one (JetStream's own, with a filter
+        that skips messages, may stand a little lower: at the last acked message)."""
+        pending = self.pending
+        return {
+            "name": self.spec.durable,
+            "filter_subject": self.spec.filter_subject,
+            "num_pending": self.num_pending(),
+            "num_ack_pending": len(pending),
+            "num_redelivered": sum(1 for p in pending.values() if p.num_delivered > 1),
+            "num_waiting": sum(1 for f in self.waiters if not f.done()),
+            "delivered_stream_seq": self.last_delivered,
+            "ack_floor_stream_seq": min(pending) - 1 if pending else self.last_delivered,
+        }
+
     def check(self) -> None:
         if self.stream.deleted:
             raise BusError(f"stream {self.stream.spec.name!r} was deleted")
@@ -543,9 +561,5 @@ class MemoryPullConsumer(PullConsumer):
         st = self._state
         st.check()
         st.stream.expire()
-        return {
-            "num_pending": st.num_pending(),
-            "num_ack_pending": len(st.pending),
-            "num_redelivered": sum(1 for p in st.pending.values() if p.num_delivered > 1),
-            "num_waiting": len(st.waiters),
-        }
+        info = st.info()
+        return {k: info[k] for k in ("num_pending", "num_ack_pending", "num_redelivered", "num_waiting")}

@@ -131,6 +131,21 @@ def _spec_of(durable: str, c: ConsumerConfig) -> ConsumerSpec:
                         max_ack_pending=c.max_ack_pending or -1, deliver_all=dp in (None, "all"))
 
 
+def _consumer_dict(ci) -> dict:
+    """The fields of :meth:`rollart.bus.base.Bus.consumers_info` from a nats-py ConsumerInfo."""
+    delivered, floor = ci.delivered, ci.ack_floor
+    return {
+        "name": ci.name,
+        "filter_subject": (ci.config.filter_subject if ci.config is not None else None) or "",
+        "num_pending": ci.num_pending or 0,
+        "num_ack_pending": ci.num_ack_pending or 0,
+        "num_redelivered": ci.num_redelivered or 0,
+        "num_waiting": ci.num_waiting or 0,
+        "delivered_stream_seq": (delivered.stream_seq or 0) if delivered is not None else 0,
+        "ack_floor_stream_seq": (floor.stream_seq or 0) if floor is not None else 0,
+    }
+
+
 class _NatsPullConsumer(PullConsumer):
     def __init__(self, bus: NatsBus, stream: str, spec: ConsumerSpec) -> None:
         self._bus = bus
@@ -638,6 +653,16 @@ class NatsBus(Bus):
             si = await self._jetstream().stream_info(stream)
         st = si.state
         return {"messages": st.messages, "first_seq": st.first_seq, "last_seq": st.last_seq, "bytes": st.bytes}
+
+    async def consumers_info(self, stream: str) -> list[dict]:
+        with _translated(f"consumers of stream {stream}"):
+            js, out, offset = self._jetstream(), [], 0
+            while True:  # the server lists at most 256 per request
+                page = await js.consumers_info(stream, offset=offset or None)
+                out += [_consumer_dict(ci) for ci in page]
+                offset += len(page)
+                if len(page) < 256:
+                    return out
 
     async def delete_stream(self, stream: str) -> None:
         with _translated(f"delete stream {stream}"):

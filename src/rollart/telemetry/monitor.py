@@ -4,7 +4,9 @@ Subscribes to ``rollart.<run>.>`` and decodes each message by the subject table 
 :mod:`rollart.messages`: message rates per subject, node heartbeats, the policy version
 and which replicas loaded it, trajectory outcomes with reward and time split (those since
 top started). Step, ETA and totals since the run started come from the run's state: the
-trainer's ledger summary and the end of the run in KV, and the streams' info.
+trainer's ledger summary and the end of the run in KV, and the streams' info. Each JetStream
+consumer's backlog and drain rate, the α headroom and the dead letters by reason come from
+:mod:`rollart.telemetry.queues`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,22 @@ class SubjectStats:
 class RunMonitor:
     """Aggregates what flows on a run's subjects; feed it with :meth:`observe`."""
 
-    def __init__(self, run: str, needs: dict[str, list[str]] | None = None):
+    def __init__(self, run: str, needs: dict[str, list[str]] | None = None, rollout=None):
         self.run = run
+        self.rollout = rollout
+        """The run's RolloutConfig (from top's ``--config``): its ``alpha`` and
+        ``batch_groups`` give the α headroom; None: what α allows is unknown."""
+        self.consumers: dict[tuple[str, str], dict] = {}
+        """(stream kind, durable) -> its consumer info as last polled, with rates
+        (:mod:`rollart.telemetry.queues`)."""
+        self.consumer_prev: dict[tuple[str, str], tuple[float, int, int]] = {}
+        self.scheduler: dict[str, int] = {}
+        """The training scheduler's KV counts: ``admitted``, ``issued``."""
+        self.dead_by_reason: dict[str, int] = defaultdict(int)
+        """Dead letters seen since top started, by the kind of their reason (before ':')."""
+        self.js_error = ""
+        """The last poll's JetStream/KV error (empty once a poll goes through)."""
+        self.kv = None
         self.subjects: dict[str, SubjectStats] = defaultdict(SubjectStats)
         self.nodes: dict[str, m.NodeHeartbeat] = {}
         self.node_seen: dict[str, float] = {}
@@ -143,6 +159,12 @@ class RunMonitor:
         elif isinstance(msg, m.DeadLetter):
             self.outcomes["dead"] += 1
             self.dead_reasons.append(msg.reason[:100])
+            from rollart.actors.ledger import reason_kind
+
+            if len(self.dead_by_reason) < 256 or reason_kind(msg.reason) in self.dead_by_reason:
+                self.dead_by_reason[reason_kind(msg.reason)] += 1
+            else:  # junk reasons must not grow the table without end
+                self.dead_by_reason["other"] += 1
 
     def live_nodes(self, now: float | None = None) -> list[m.NodeHeartbeat]:
         """Nodes whose last heartbeat came within three of their intervals (5 s until two
@@ -205,7 +227,9 @@ class RunMonitor:
             lg = self.ledger
             summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",
                             "failed in a row", str(lg.failed_streak))
-        parts = [summary, subj, nodes]
+        from rollart.telemetry.queues import renderables
+
+        parts = [summary, *renderables(self, now), subj, nodes]
         parts += [f"[yellow]{escape(line)}" for line in self.pool_report(now)]
         if self.ledger is not None and self.ledger.stopped:
             parts.append(f"[bold red]run stopped: {escape(self.ledger.stopped)}")
@@ -217,16 +241,20 @@ class RunMonitor:
 
 
 async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = None,
-              config=None) -> RunMonitor:
+              config=None, once: bool = False) -> RunMonitor:
     """Show the live view until interrupted (or ``duration`` seconds). ``config``: the
-    run's RunConfig, whose mapping and route say which pools need a live node."""
+    run's RunConfig, whose mapping and route say which pools need a live node and what α
+    allows. ``once``: show nothing; listen ``duration`` seconds (``refresh`` if None), poll
+    JetStream at the start and the end (so the consumer rates span the window) and return
+    the monitor (``rollart top --once`` prints its snapshot)."""
     import asyncio
 
     from rich.live import Live
 
     from rollart.actors.pool_watch import pool_needs
 
-    mon = RunMonitor(run, needs=pool_needs(config) if config is not None else None)
+    mon = RunMonitor(run, needs=pool_needs(config) if config is not None else None,
+                     rollout=config.rollout if config is not None else None)
 
     async def on_msg(req) -> None:
         mon.observe(req.subject, req.data)
@@ -263,18 +291,32 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 10.0)
 
-    async def poll_streams() -> None:
-        from rollart.bus import BusError
+    async def watch_policy() -> None:
+        from rollart.actors.records import watch_record
 
+        async for pub in watch_record(bus, run, m.POLICY_KEY, m.PolicyPublished,
+                                      what="policy record", validate=True):
+            if mon.policy is None or pub.version >= mon.policy.version:
+                mon.policy = pub
+
+    async def poll_once() -> None:
+        from rollart.telemetry.queues import poll_jetstream
+
+        try:  # streams, consumers, the scheduler's counts: a failure is shown, never fatal
+            await poll_jetstream(bus, mon)
+        except Exception as e:  # noqa: BLE001 - e.g. a reply of an unexpected shape
+            mon.js_error = f"{type(e).__name__}: {e}"
+
+    async def poll_streams() -> None:
         while True:
-            for kind in ("events", "work"):
-                try:
-                    mon.streams[kind] = await bus.stream_info(m.stream_name(run, kind))
-                except BusError:
-                    pass  # not created yet, or the server is away: shown when it answers
+            await poll_once()
             await asyncio.sleep(max(1.0, refresh))
 
     async def show() -> None:
+        if once:
+            await asyncio.sleep(refresh if duration is None else duration)
+            await poll_once()
+            return
         end = None if duration is None else time.monotonic() + duration
         with Live(mon.render(), refresh_per_second=4) as live:
             while end is None or time.monotonic() < end:
@@ -284,8 +326,11 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
     sub = await bus.subscribe(f"{m.PREFIX}.{m.check_token('run', run)}.>", on_msg)
     try:
         async with asyncio.TaskGroup() as tg:
+            if once:
+                await poll_once()  # the first of the two polls the rates come from
             watchers = [tg.create_task(patiently(watch_ledger)), tg.create_task(patiently(watch_end)),
-                        tg.create_task(poll_streams())]
+                        tg.create_task(patiently(watch_policy)),
+                        *([] if once else [tg.create_task(poll_streams())])]
             await show()
             for w in watchers:
                 w.cancel()
