@@ -218,7 +218,12 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
         stopped = stop.done()
         stop.cancel()
         if ev.done():
-            final = ev.result()
+            try:
+                final = ev.result()
+            except Exception as e:  # noqa: BLE001 - training is done: the run ends, saying why
+                log.error("run %s: the final evaluation failed: %s; the run ends without its "
+                          "result", cfg.run, e)
+                final = {"eval_error": str(e)[:500]}
         else:
             ev.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -9,10 +9,14 @@ import time
 
 from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, BoundHandler, Reject, Retry
-from rollart.bus import Bus, BusError, ConsumerSpec, Delivery, PullConsumer
+from rollart.bus import Bus, BusError, BusTimeout, ConsumerSpec, Delivery, NoResponders, PullConsumer
 from rollart.bus.codec import DecodeError, decode, encode
 
 log = logging.getLogger(__name__)
+
+BIND_PATIENCE_S = 120.0
+"""Seconds binding a consumer retries a JetStream API that does not answer (a nats-server
+cluster has no stream leader for a few seconds after one of its servers dies)."""
 
 
 def backoff(attempt: int, base: float = 0.2, cap: float = 10.0) -> float:
@@ -105,7 +109,19 @@ class ConsumerLoop:
             max_deliver=s.max_deliver + 1 if s.max_deliver > 0 else -1,
             max_ack_pending=s.max_ack_pending or max(s.max_inflight * 4, 64),
         )
-        self.consumer = await self.bus.pull_consumer(self.stream, spec)
+        end, attempt = time.monotonic() + BIND_PATIENCE_S, 0
+        while True:
+            try:
+                self.consumer = await self.bus.pull_consumer(self.stream, spec)
+                return
+            except (BusTimeout, NoResponders) as e:  # transient: e.g. a cluster electing a leader
+                attempt += 1
+                if time.monotonic() >= end:
+                    raise
+                if attempt == 1:
+                    log.warning("%s: binding %s failed (%s); retrying for up to %.0fs",
+                                self.actor.name, spec.durable, e, BIND_PATIENCE_S)
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
 
     def stop(self) -> None:
         self._stopping.set()
