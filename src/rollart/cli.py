@@ -358,8 +358,14 @@ async def run_main(args) -> int:
         await _check_envs(cfg)  # before the run folder exists: a broken env fails in seconds
         cfg, run_path = _claim_run_folder(cfg)  # a name that is taken gets a fresh suffix
         (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
-    summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet,
-                          overrides=nats_overrides(args))
+    from rollart.telemetry.tracing import setup_tracing
+
+    stop_tracing = setup_tracing(cfg, "rollart-run", run_path)  # exporter none: nothing
+    try:
+        summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet,
+                              overrides=nats_overrides(args))
+    finally:
+        await asyncio.to_thread(stop_tracing)  # flushes the spans still buffered
     print(json.dumps(summary, indent=2))
     if summary.get("bus_lost"):
         print(f"rollart run: {summary['bus_lost']}", file=sys.stderr)

@@ -404,6 +404,11 @@ async def _amain(args) -> int:
 
         await check_envs_async(cfg)
     actors = build_actors(cfg, roles, m.check_token("pool", args.pool))
+    from pathlib import Path
+
+    from rollart.telemetry.tracing import setup_tracing
+
+    stop_tracing = setup_tracing(cfg, f"rollart-node:{','.join(roles)}", Path(cfg.run_dir) / cfg.run)
     server = bus = None
     if not ns.joins:
         from pathlib import Path
@@ -443,6 +448,7 @@ async def _amain(args) -> int:
             await bus.close()
         if server is not None:
             server.stop()
+        await asyncio.to_thread(stop_tracing)  # flushes the spans still buffered
     return rc
 
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from rollart import messages as m
 from rollart.bus import Bus
 from rollart.bus.codec import decode, encode
+from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -207,20 +208,25 @@ class Actor:
         return m.subject(self.run, name, (pool or self.pool) if d.pooled else None)
 
     async def publish(self, name: str, msg: m.Message, *, msg_id: str | None = None,
-                      pool: str | None = None) -> int:
-        """Publish ``msg`` durably on subject ``name``; checks the subject's type."""
+                      pool: str | None = None, headers: dict[str, str] | None = None) -> int:
+        """Publish ``msg`` durably on subject ``name``; checks the subject's type. With
+        tracing on, the headers carry the current span's ``traceparent`` (unless given)."""
         d = m.SUBJECTS[name]
         if not isinstance(msg, d.type):
             raise TypeError(f"{name} carries {d.type.__name__}, not {type(msg).__name__}")
         assert self.bus is not None, "actor is not attached to a bus"
         subj = self.subject(name, pool)
+        if tracing.enabled() and not (headers and tracing.TRACEPARENT in headers):
+            headers = tracing.inject(dict(headers or {})) or None
+        kw = {"headers": headers} if headers else {}  # none: the call as before tracing
         if d.stream is None:
-            await self.bus.publish_core(subj, encode(msg))
+            await self.bus.publish_core(subj, encode(msg), **kw)
             return 0
-        return await self.bus.publish(subj, encode(msg), msg_id=msg_id)
+        return await self.bus.publish(subj, encode(msg), msg_id=msg_id, **kw)
 
     async def publish_patiently(self, name: str, msg: m.Message, *, msg_id: str | None = None,
-                                pool: str | None = None, deadline: float = 300.0) -> int:
+                                pool: str | None = None, deadline: float = 300.0,
+                                headers: dict[str, str] | None = None) -> int:
         """:meth:`publish`, retrying bus errors with backoff for up to ``deadline`` seconds
         (a msg id makes the retries safe); logs once, raises the last error after that."""
         import asyncio
@@ -231,7 +237,7 @@ class Actor:
         end, attempt = time.monotonic() + deadline, 0
         while True:
             try:
-                seq = await self.publish(name, msg, msg_id=msg_id, pool=pool)
+                seq = await self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers)
                 if attempt:
                     log.info("%s: publish on %s went through after %d retries", self.name, name, attempt)
                 return seq
@@ -248,7 +254,8 @@ class Actor:
                       timeout: float = 30.0) -> Any:
         """Request/reply on service subject ``name``; returns the decoded reply."""
         assert self.bus is not None, "actor is not attached to a bus"
-        rep = await self.bus.request(self.subject(name, pool), encode(msg), timeout=timeout)
+        kw = {"headers": h} if (h := tracing.headers()) else {}
+        rep = await self.bus.request(self.subject(name, pool), encode(msg), timeout=timeout, **kw)
         if ERROR_HEADER in rep.headers:
             raise RemoteError(f"{name}: {rep.headers[ERROR_HEADER]}")
         return decode(m.REPLY_TYPES[name], rep.data)

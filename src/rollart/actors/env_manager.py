@@ -33,6 +33,7 @@ from rollart.actors.service_client import ServiceClient
 from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
+from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class EnvManager(Actor):
                                       retries=r.generate_retries,
                                       replica_timeout=r.replica_timeout, count=self._count)
         await self.services.start()
+        self._trace_heads: dict[str, dict[str, str]] = {}
+        """Tracing on: traj_id -> the ``traceparent`` of its finished ``trajectory`` span."""
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
 
     async def teardown(self) -> None:
@@ -202,7 +205,8 @@ class EnvManager(Actor):
         self._live[req.traj_id] = cancel
         self._group_of[req.traj_id] = req.group_id
         try:
-            out = await self._trajectory(req, cfg, cancel, delivery)
+            out = await (self._traced(req, cfg, cancel, delivery) if tracing.enabled()
+                         else self._trajectory(req, cfg, cancel, delivery))
         except EnvSetupError as e:  # permanent: dead-letter at once, never re-run
             self._count("env_setup_errors")
             raise Reject(f"env_setup: {e}") from e
@@ -216,6 +220,7 @@ class EnvManager(Actor):
                 msg_id=f"out:{req.traj_id}", deadline=OUTCOME_PUBLISH_S)
             return
         finally:
+            heads = getattr(self, "_trace_heads", {}).pop(req.traj_id, None)
             self._live.pop(req.traj_id, None)
             self._group_of.pop(req.traj_id, None)
             if req.traj_id in self._in_wave:
@@ -225,7 +230,31 @@ class EnvManager(Actor):
         # A bus error here (a nats-server cluster electing a new stream leader takes seconds)
         # is retried, not raised: a raised one would spend a delivery of a finished trajectory.
         await self.publish_patiently("rollout.completed", out, msg_id=f"out:{req.traj_id}",
-                                     deadline=OUTCOME_PUBLISH_S)
+                                     deadline=OUTCOME_PUBLISH_S, headers=heads)
+
+    async def _traced(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
+                      delivery) -> m.RolloutCompleted:
+        """:meth:`_trajectory` in a ``trajectory`` span (tracing on), a child of the
+        scheduler's span when the request's headers carry one."""
+        parent = delivery.headers if tracing.TRACEPARENT in (delivery.headers or {}) else None
+        with tracing.span("trajectory", {"traj_id": req.traj_id, "group_id": req.group_id,
+                                         "env": req.env}, parent=parent) as sp:
+            outcome = "error"
+            try:
+                out = await self._trajectory(req, cfg, cancel, delivery)
+                outcome = "completed"
+                sp.set_attribute("reward", out.reward)
+                sp.set_attribute("stop_reason", out.stop_reason)
+                self._trace_heads[req.traj_id] = tracing.headers() or {}
+                return out
+            except Cancelled:
+                outcome = "cancelled"
+                raise
+            except Reject:
+                outcome = "rejected"
+                raise
+            finally:
+                sp.set_attribute("outcome", outcome)
 
     async def _trajectory(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
                           delivery) -> m.RolloutCompleted:
@@ -236,7 +265,8 @@ class EnvManager(Actor):
                              f"(the trajectories of one wave) on one EnvManager")
             if self.lockstep.join(req.wave_id, req.wave_size, redelivered=delivery.num_delivered > 1):
                 self._in_wave.add(req.traj_id)
-        runner, obs, info = await self._reset(req, cfg, tr)
+        with tracing.span("env.reset"):
+            runner, obs, info = await self._reset(req, cfg, tr)
         reset_info = dict(info)
         reward, success, stop, text = 0.0, False, "max_turns", ""
         try:
@@ -262,8 +292,9 @@ class EnvManager(Actor):
                 await self._sync(req, tr)
                 t0 = time.perf_counter()
                 try:
-                    obs, r, term, trunc, info = await runner.step(
-                        action if format_ok else text, timeout=cfg.step_timeout)
+                    with tracing.span("env.step", {"turn": turn}):
+                        obs, r, term, trunc, info = await runner.step(
+                            action if format_ok else text, timeout=cfg.step_timeout)
                 except EnvTimeout:
                     stop = "env_timeout"
                     break
@@ -378,8 +409,12 @@ class EnvManager(Actor):
             greedy=req.greedy)
         t0 = time.perf_counter()
         try:
-            res = await self.services.call("generate.request", gen, pool=pool,
-                                           what=f" for {req.traj_id}")
+            with tracing.span("generate", {"turn": turn, "pool": pool, "route": route,
+                                           "prompt_tokens": len(tr.token_ids)}) as sp:
+                res = await self.services.call("generate.request", gen, pool=pool,
+                                               what=f" for {req.traj_id}")
+                if sp is not None:
+                    sp.set_attribute("version", res.version)
             return res, choices, pool, route
         finally:
             tr.timings["generate"] += time.perf_counter() - t0
@@ -388,13 +423,14 @@ class EnvManager(Actor):
         answer = parse_action(text, cfg.action_pattern) or text
         t0 = time.perf_counter()
         try:
-            res = await self.services.call("reward.request", m.RewardRequest(
-                traj_id=req.traj_id, scorer=cfg.scorer, response=answer,
-                answer=str(info.get("answer", "")),
-                metadata={**{k: str(v) for k, v in info.items() if isinstance(v, (str, int, float))},
-                          "seed": str(req.seed), "env_type": cfg.type,
-                          "env_args": json.dumps(cfg.args, sort_keys=True)}),
-                pool=self.reward_pool, what=f" for {req.traj_id}")
+            with tracing.span("reward"):
+                res = await self.services.call("reward.request", m.RewardRequest(
+                    traj_id=req.traj_id, scorer=cfg.scorer, response=answer,
+                    answer=str(info.get("answer", "")),
+                    metadata={**{k: str(v) for k, v in info.items() if isinstance(v, (str, int, float))},
+                              "seed": str(req.seed), "env_type": cfg.type,
+                              "env_args": json.dumps(cfg.args, sort_keys=True)}),
+                    pool=self.reward_pool, what=f" for {req.traj_id}")
         finally:
             tr.timings["reward"] += time.perf_counter() - t0
         return res.score, res.score >= 0.99

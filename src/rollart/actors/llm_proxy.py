@@ -22,6 +22,7 @@ from rollart.actors.policy import fetch_weights
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
+from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,9 @@ class LLMProxy(Actor):
                 return
             t0 = time.perf_counter()
             try:
-                data = await fetch_weights(self.bus, pub)
-                await asyncio.to_thread(self._load_bytes, data, pub.version)
+                with tracing.span("policy.load", {"version": pub.version, "replica": self.name}):
+                    data = await fetch_weights(self.bus, pub)
+                    await asyncio.to_thread(self._load_bytes, data, pub.version)
             except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
                 tries, delay = follow.refuse(pub)
                 log.error("%s refused policy v%s (try %d, again in %.0fs or when announced "
@@ -193,14 +195,40 @@ class LLMProxy(Actor):
                            stop_token_ids=tuple(r.sampling.stop_token_ids),
                            choices=[list(c) for c in r.choices] or None, greedy=r.greedy)
                   for r in reqs]
-        async with self._lock:
-            version = self.version
-            outs = await asyncio.to_thread(self.engine_obj.generate, inputs)
+        heads = self.__dict__.get("_trace_heads")  # tracing on: request id -> its span's headers
+        with tracing.span("generate.batch", {"batch_size": len(reqs), "replica": self.name},
+                          links=[heads[r.request_id] for r in reqs if r.request_id in heads]
+                          if heads else None) as sp:
+            async with self._lock:
+                version = self.version
+                outs = await asyncio.to_thread(self.engine_obj.generate, inputs)
+            if sp is not None:
+                sp.set_attribute("version", version)
         return [m.GenerateResult(token_ids=o.token_ids, logprobs=o.logprobs, version=version,
                                  finish_reason=o.finish_reason, replica=self.name) for o in outs]
 
     @serve("generate.request", max_inflight=1024)
     async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
+        if tracing.enabled():
+            return await self._generate_traced(req)
+        return await self._generate(req)
+
+    async def _generate_traced(self, req: m.GenerateRequest) -> m.GenerateResult:
+        """:meth:`_generate` in a ``generate.request`` span: a child of the requester's span
+        (the runtime made the request's ``traceparent`` current), linked from its batch's."""
+        heads = self.__dict__.setdefault("_trace_heads", {})
+        with tracing.span("generate.request", {"traj_id": req.traj_id, "replica": self.name,
+                                               "prompt_tokens": len(req.prompt_ids)}) as sp:
+            heads[req.request_id] = tracing.headers() or {}
+            try:
+                res = await self._generate(req)
+            finally:
+                heads.pop(req.request_id, None)
+            sp.set_attribute("version", res.version)
+            sp.set_attribute("response_tokens", len(res.token_ids))
+            return res
+
+    async def _generate(self, req: m.GenerateRequest) -> m.GenerateResult:
         # the runtime lists req.request_id in self.progress while it is queued or here
         if self.batcher.stopped:
             raise ServiceUnavailable(f"{self.name} is stopping")

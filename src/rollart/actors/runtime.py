@@ -11,6 +11,7 @@ from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, BoundHandler, Reject, Retry
 from rollart.bus import Bus, BusError, BusTimeout, ConsumerSpec, Delivery, NoResponders, PullConsumer
 from rollart.bus.codec import DecodeError, decode, encode
+from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +375,8 @@ class Service:
     async def _answer(self, req, msg) -> None:
         t0 = time.perf_counter()
         try:
-            reply = await self.h.fn(msg)
+            with tracing.attached(req.headers):  # the requester's span (tracing on) is the parent
+                reply = await self.h.fn(msg)
         except ServiceUnavailable as e:
             self.stats.naked += 1
             log.info("%s passes on a request on %s: %s", self.actor.name, req.subject, e)

@@ -42,6 +42,7 @@ from rollart.actors.base import ERROR_HEADER, Actor, Reject
 from rollart.actors.runtime import ERROR_KIND_HEADER, backoff, decode_core
 from rollart.bus import BusError, BusTimeout, NoResponders
 from rollart.bus.codec import DecodeError, decode, encode
+from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class ServiceClient:
         ok = False
         delay = 0.0
         wake = True
+        kw = {"headers": h} if (h := tracing.headers()) else {}  # the caller's span, if traced
         try:
             while True:
                 if delay > 0:
@@ -182,7 +184,7 @@ class ServiceClient:
                 assert self.actor.bus is not None
                 active = asyncio.ensure_future(self.actor.bus.request(
                     subject, encode(msgspec.structs.replace(msg, request_id=rid)),
-                    timeout=self.timeout))
+                    timeout=self.timeout, **kw))
                 while not (active.done() or p.lost.done()):
                     await asyncio.wait({active, p.lost, *lingering},
                                        return_when=asyncio.FIRST_COMPLETED)

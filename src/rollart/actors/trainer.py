@@ -24,6 +24,7 @@ from rollart.actors.admission import RESTART_BASE, Admission, issued_key
 from rollart.actors.base import Actor, Reject, Retry, consume
 from rollart.actors.ledger import Group, GroupLedger
 from rollart.actors.policy import set_policy
+from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ class Trainer(Actor):
         if why:
             self.ledger.counts["not_admitted"] += 1
             raise Reject(f"not_admitted: {why}")
+        if tracing.enabled() and tracing.TRACEPARENT in (delivery.headers or {}):
+            self._keep_trace(msg.traj_id, delivery.headers)
         fut = asyncio.get_running_loop().create_future()
         key = self.ledger.add_completed(msg, fut)
         if key == "conflicts":
@@ -353,13 +356,30 @@ class Trainer(Actor):
         await self._publish_ledger()
         t_start = time.perf_counter() - self.wall_s
         while self.version < self.cfg.trainer.steps:
-            t0 = time.perf_counter()
-            batch = await self._next_batch()
-            if batch is None:
-                return
-            metrics = await self._step(batch, wait_s=time.perf_counter() - t0, t_start=t_start)
+            with tracing.span("trainer.step", {"version": self.version}) as sp:
+                t0 = time.perf_counter()
+                with tracing.span("get_batch"):
+                    batch = await self._next_batch()
+                if batch is None:
+                    return
+                if sp is not None:  # links (not parents) to the trajectories it trains
+                    tracing.add_links(sp, self._trace_links(batch))
+                metrics = await self._step(batch, wait_s=time.perf_counter() - t0, t_start=t_start)
             if self.on_step is not None:
                 self.on_step(metrics)
+
+    def _keep_trace(self, traj_id: str, headers: dict[str, str]) -> None:
+        """Tracing on: remember a trajectory's ``traceparent`` for the step that trains it."""
+        heads = self.__dict__.setdefault("_trace_heads", {})
+        heads[traj_id] = {tracing.TRACEPARENT: headers[tracing.TRACEPARENT]}
+        while len(heads) > 100_000:  # bounded: groups dropped or failed never claim theirs
+            del heads[next(iter(heads))]
+
+    def _trace_links(self, batch: list[Group]) -> list[dict[str, str]]:
+        heads = self.__dict__.get("_trace_heads", {})
+        k = self.cfg.rollout.group_size
+        return [h for g in batch for t, _ in g.members[:k]
+                if (h := heads.pop(t.traj_id, None)) is not None]
 
     def _finish(self) -> None:
         self.finished.set()
@@ -510,7 +530,8 @@ class Trainer(Actor):
         samples = build_samples(trajs, [g.index for g in batch for _ in g.members[:k]],
                                 self.cfg.trainer.advantage)
         t0 = time.perf_counter()
-        tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))
+        with tracing.span("train", {"samples": len(samples)}):
+            tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))
         train_s = time.perf_counter() - t0
         counts = {**self.ledger.counts, **self.counts}
         out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
@@ -526,11 +547,13 @@ class Trainer(Actor):
         checkpointed = (self.version % self.cfg.trainer.checkpoint_every == 0
                         or self.version >= self.cfg.trainer.steps)
         # the record first: a resume keeps exactly the rows of the steps its checkpoint holds
-        await asyncio.to_thread(self._write_metrics, out)
-        if checkpointed:
-            await asyncio.to_thread(self._save_checkpoint)
-        await self._publish()
-        await self._publish_ledger()
+        with tracing.span("checkpoint", {"saved": checkpointed}):
+            await asyncio.to_thread(self._write_metrics, out)
+            if checkpointed:
+                await asyncio.to_thread(self._save_checkpoint)
+        with tracing.span("publish"):
+            await self._publish()
+            await self._publish_ledger()
         out["publish_s"] = time.perf_counter() - t1
         if checkpointed:
             for fut in self.unacked:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import msgspec
 
 from rollart.config.placement import PoolConfig, RouteRule, check_placement
+from rollart.config.tracing import TracingConfig
 from rollart.messages import check_token
 
 
@@ -656,6 +657,8 @@ class RunConfig(Base):
     route: list[RouteRule] = []
     """Rules choosing the generation pool of each turn, first match wins: ``{when:
     {prompt_tokens_gt: 2048}, pool: big}``; a rule without ``when`` is the default."""
+    tracing: TracingConfig = TracingConfig()
+    """OpenTelemetry tracing (off by default)."""
 
     def __post_init__(self) -> None:
         if not self.envs:

@@ -21,7 +21,8 @@ scoped to the run's streams (nats-py 2.16, measured against nats-server 2.15):
   ephemeral ordered push consumers: ``CONSUMER.CREATE.KV_<bucket>`` (the exact subject,
   which creates ephemerals only, never a durable), ``CONSUMER.INFO.KV_<bucket>.*`` (nats-py
   reads the watch's pending count) and ``$JS.FC.KV_<bucket>.>`` (flow control replies). The
-  monitor's only write-like permission is that ephemeral consumer;
+  monitor's only write-like permission is that ephemeral consumer; it may also list the run
+  streams' consumers and read their info (``CONSUMER.LIST``/``INFO``, for ``rollart top``);
 - consumers: ``CONSUMER.CREATE.<stream>.*.<filter>`` (only with the role's filter subject),
   ``CONSUMER.INFO.<stream>.*``, ``CONSUMER.MSG.NEXT.<stream>.*`` and ``$JS.ACK.<stream>.>``;
 - KV writes: ``$KV.<bucket>.<key>`` for the keys the role owns (:data:`KV_WRITES`);
@@ -175,6 +176,9 @@ def role_permissions(role: str, run: str = "*", *, response_ttl: str = "1h") -> 
     node = any(r != "monitor" for r in roles)
     if "monitor" in roles:
         sub.append(f"{m.PREFIX}.{n.run}.>")
+        # `rollart top`: each consumer's pending, ack pending, redelivered (read-only calls)
+        pub += [f"$JS.API.CONSUMER.{op}.{x}{tail}" for x in (n.events, n.work)
+                for op, tail in (("LIST", ""), ("INFO", ".*"))]
     own = [n.events, n.work, n.kv]
     pub += [f"$JS.API.STREAM.INFO.{x}" for x in own]
     if node:

@@ -1,0 +1,27 @@
+"""The ``tracing:`` section of a run's config: OpenTelemetry spans of trajectories, generation
+and trainer steps (see :mod:`rollart.telemetry.tracing`). Off by default (``exporter: none``:
+no SDK is installed and the spans cost nothing)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+
+class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    exporter: Literal["none", "console", "jsonl", "otlp"] = "none"
+    """Where spans go: ``none`` (no tracing), ``console`` (stdout), ``jsonl``
+    (``<run_dir>/<run>/traces.jsonl``, one span a line) or ``otlp`` (an OpenTelemetry
+    collector; the standard ``OTEL_EXPORTER_OTLP_*`` environment variables apply). Needs
+    ``pip install 'rollart[trace]'``."""
+    otlp_protocol: Literal["http", "grpc"] = "http"
+    """OTLP transport: ``http`` (protobuf over HTTP, port 4318) or ``grpc`` (port 4317; needs
+    ``pip install opentelemetry-exporter-otlp-proto-grpc``)."""
+    sample: float = 1.0
+    """Fraction of traces kept, in [0, 1] (by trace id; a span follows its parent's choice)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.sample) and 0.0 <= self.sample <= 1.0):
+            raise ValueError(f"tracing.sample must be in [0, 1] (it is {self.sample!r})")
