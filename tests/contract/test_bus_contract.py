@@ -55,6 +55,22 @@ async def test_publish_fetch_ack(bus, names):
     assert info["num_pending"] == 0 and info["num_ack_pending"] == 0
 
 
+async def test_a_delivery_says_when_its_message_was_stored(bus, names):
+    """``stored_at`` is the stream's wall-clock time of the message (the queue wait that traces
+    record): between the publish's start and end, and the same on a redelivery."""
+    stream, p = await _stream(bus, names)
+    before = time.time()
+    await bus.publish(f"{p}.a", b"x")
+    after = time.time()
+    c = await bus.pull_consumer(stream, ConsumerSpec(durable="d1", filter_subject=f"{p}.a"))
+    (d,) = await fetch_until(c, 1)
+    assert before - 0.01 <= d.stored_at <= after + 0.01, (before, d.stored_at, after)
+    await d.nak()
+    (again,) = await fetch_until(c, 1)
+    assert again.num_delivered == 2 and again.stored_at == pytest.approx(d.stored_at, abs=1e-6)
+    await again.ack()
+
+
 async def test_filter_subject_only_sees_its_subject(bus, names):
     stream, p = await _stream(bus, names)
     await bus.publish(f"{p}.x", b"x")

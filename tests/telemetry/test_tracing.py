@@ -153,6 +153,7 @@ def test_a_run_on_two_nodes_writes_connected_trace_trees(tmp_path, tiny_model, n
         tree = by_trace[t["trace_id"]]
         ids = {s["span_id"]: s for s in tree}
         assert t["parent_id"] is None and t["attributes"]["outcome"] in ("completed", "cancelled")
+        assert 0 <= t["attributes"]["queue_wait_s"] < 240  # stored in JetStream -> picked up
         assert all(s["parent_id"] in ids for s in tree if s is not t), "orphan spans"
         kinds = collections.Counter(s["name"] for s in tree)
         assert kinds["env.reset"] == 1 and kinds["generate"] >= 1, kinds
@@ -163,6 +164,8 @@ def test_a_run_on_two_nodes_writes_connected_trace_trees(tmp_path, tiny_model, n
             served = [s for s in tree if s["name"] == "generate.request" and s["parent_id"] == g["span_id"]]
             assert len(served) >= 1, "the generator's span is a child of the env's generate"
             assert served[0]["resource"]["process.pid"] != g["resource"]["process.pid"]
+            wait_ns = served[0]["attributes"]["queue_wait_s"] * 1e9  # arrival -> engine batch
+            assert 0 <= wait_ns <= served[0]["end_ns"] - served[0]["start_ns"]
             checked += 1
     assert checked >= 16
     steps = [s for s in spans if s["name"] == "trainer.step"]

@@ -237,8 +237,11 @@ class EnvManager(Actor):
         """:meth:`_trajectory` in a ``trajectory`` span (tracing on), a child of the
         scheduler's span when the request's headers carry one."""
         parent = delivery.headers if tracing.TRACEPARENT in (delivery.headers or {}) else None
+        stored = getattr(delivery, "stored_at", 0.0)
+        waited = max(0.0, time.time() - stored) if stored else 0.0
         with tracing.span("trajectory", {"traj_id": req.traj_id, "group_id": req.group_id,
-                                         "env": req.env}, parent=parent) as sp:
+                                         "env": req.env, "queue_wait_s": waited,
+                                         "delivery": delivery.num_delivered}, parent=parent) as sp:
             outcome = "error"
             try:
                 out = await self._trajectory(req, cfg, cancel, delivery)

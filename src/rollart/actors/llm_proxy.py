@@ -201,6 +201,10 @@ class LLMProxy(Actor):
                           if heads else None) as sp:
             async with self._lock:
                 version = self.version
+                if heads:  # when each request left the queue: its span's queue_wait_s
+                    started = self.__dict__.setdefault("_trace_started", {})
+                    now = time.monotonic()
+                    started.update((r.request_id, now) for r in reqs if r.request_id in heads)
                 outs = await asyncio.to_thread(self.engine_obj.generate, inputs)
             if sp is not None:
                 sp.set_attribute("version", version)
@@ -220,10 +224,14 @@ class LLMProxy(Actor):
         with tracing.span("generate.request", {"traj_id": req.traj_id, "replica": self.name,
                                                "prompt_tokens": len(req.prompt_ids)}) as sp:
             heads[req.request_id] = tracing.headers() or {}
+            t0 = time.monotonic()
             try:
                 res = await self._generate(req)
             finally:
                 heads.pop(req.request_id, None)
+                started = self.__dict__.get("_trace_started", {}).pop(req.request_id, None)
+            if started is not None:
+                sp.set_attribute("queue_wait_s", max(0.0, started - t0))
             sp.set_attribute("version", res.version)
             sp.set_attribute("response_tokens", len(res.token_ids))
             return res

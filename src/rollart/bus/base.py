@@ -114,6 +114,9 @@ class Delivery(abc.ABC):
     headers: dict[str, str]
     stream_seq: int
     num_delivered: int
+    stored_at: float
+    """When the stream stored the message (Unix seconds): ``time.time() - stored_at`` is how long
+    it waited for a consumer (the queue wait that traces record)."""
 
     @abc.abstractmethod
     async def ack(self) -> None: ...

@@ -14,6 +14,7 @@ import heapq
 import itertools
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -112,10 +113,11 @@ def _stored_size(subject: str, data: bytes, headers: dict[str, str]) -> int:
 
 
 class StoredMsg:
-    __slots__ = ("subject", "data", "headers", "seq", "time")
+    __slots__ = ("subject", "data", "headers", "seq", "time", "wall")
 
     def __init__(self, subject: str, data: bytes, headers: dict[str, str], seq: int, t: float):
         self.subject, self.data, self.headers, self.seq, self.time = subject, data, headers, seq, t
+        self.wall = time.time()  # ``time`` is the loop's clock (for max_age); this, the wall's
 
 
 class Stream:
@@ -486,7 +488,8 @@ class ConsumerState:
 
 
 class MemoryDelivery(Delivery):
-    __slots__ = ("subject", "data", "headers", "stream_seq", "num_delivered", "_state", "_tok")
+    __slots__ = ("subject", "data", "headers", "stream_seq", "num_delivered", "stored_at", "_state",
+                 "_tok")
 
     def __init__(self, state: ConsumerState, msg: StoredMsg, num_delivered: int, tok: int):
         self.subject = msg.subject
@@ -494,6 +497,7 @@ class MemoryDelivery(Delivery):
         self.headers = dict(msg.headers)
         self.stream_seq = msg.seq
         self.num_delivered = num_delivered
+        self.stored_at = msg.wall
         self._state = state
         self._tok = tok
 

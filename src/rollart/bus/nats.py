@@ -82,7 +82,8 @@ def _headers(msg) -> dict[str, str]:
 
 # -- durable -------------------------------------------------------------------------
 class _NatsDelivery(Delivery):
-    __slots__ = ("_nc", "_reply", "_timeout", "data", "headers", "num_delivered", "stream_seq", "subject")
+    __slots__ = ("_nc", "_reply", "_timeout", "data", "headers", "num_delivered", "stored_at",
+                 "stream_seq", "subject")
 
     def __init__(self, msg, nc: NATS, timeout: float) -> None:
         meta = msg.metadata
@@ -91,6 +92,7 @@ class _NatsDelivery(Delivery):
         self.headers = _headers(msg)
         self.stream_seq = meta.sequence.stream
         self.num_delivered = meta.num_delivered
+        self.stored_at = meta.timestamp.timestamp()  # from the ack subject: when it was stored
         self._nc = nc
         self._reply = msg.reply
         self._timeout = timeout
