@@ -251,3 +251,57 @@ async def test_live_top_shows_the_consumer_table_in_a_terminal(monitored_server)
                 proc.kill()
                 await proc.wait()
         os.close(master)
+
+
+async def test_tap_and_top_on_a_live_run_agree_with_the_server(monitored_server, tiny_model, tmp_path):
+    """A real run (``rollart run`` on the monitored server): ``rollart tap`` decodes every
+    ``rollout.completed`` it published (as many as the trainer's consumer was given), and
+    ``rollart top --once --json`` afterwards reports every consumer of the run as ``/jsz`` does."""
+    from tests.telemetry.test_tap import Tap
+
+    server, http = monitored_server
+    run = f"live{uuid.uuid4().hex[:8]}"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"run: {run}\nrun_dir: {tmp_path / 'runs'}\nmodel: {{path: '{tiny_model}'}}\n"
+        "envs: {main: {type: frozenlake, max_turns: 4}}\n"
+        "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
+        "trainer: {steps: 2, eval_groups: 1}\n")
+    tap = await Tap("rollout.completed", "--run", run, "--nats", server.url, "--json").start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rollart", "run", str(cfg), "--nats", server.url, "--quiet",
+            cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 240)
+        assert proc.returncode == 0, out.decode()[-3000:]
+        tap.proc.send_signal(signal.SIGINT)
+        rc, tapped = await tap.finish()
+    finally:
+        tap.kill()
+    assert rc == 0, tap.err
+    lines = [json.loads(x) for x in tapped.splitlines()]
+    server_says = jsz_consumers(http)
+    events = (m.stream_name(run, "events"), "scheduler-on-completed")  # sees every completion
+    assert events in server_says, sorted(server_says)
+    completed = server_says[events]
+    assert lines and all(x["type"] == "RolloutCompleted" and "error" not in x for x in lines)
+    assert all(x["msg"]["token_ids"] and x["msg"]["traj_id"] for x in lines)
+    # every completion published was tapped once and given to the scheduler (redeliveries aside)
+    assert len({x["msg"]["traj_id"] for x in lines}) == len(lines)
+    assert len(lines) == completed["delivered"]["consumer_seq"] - completed["num_redelivered"]
+
+    proc = await asyncio.create_subprocess_exec(
+        *_top_cmd(server.url, run, "--once", "--json", "--duration", "0.5"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    snap = json.loads(out)
+    server_says = jsz_consumers(http)  # the run is over: nothing moves any more
+    base = m.stream_name(run, "events")
+    mine = {k: v for k, v in server_says.items() if k[0] == base or k[0].startswith(base + "_")}
+    cons = {(c["stream"], c["name"]): c for c in snap["consumers"]}
+    assert set(cons) == set(mine) and events in cons, (sorted(cons), sorted(mine))
+    for key, c in cons.items():
+        for f in ("num_pending", "num_ack_pending", "num_redelivered"):
+            assert c[f] == mine[key][f], (key, f, c, mine[key])
+        assert c["delivered_stream_seq"] == mine[key]["delivered"]["stream_seq"]
