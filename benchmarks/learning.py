@@ -68,6 +68,9 @@ VARIANTS = {
     "alpha0": {"label": "rollart α = 0, MemoryBus", "alpha": 0, "nats": "memory"},
     "alpha1": {"label": "rollart α = 1, MemoryBus", "alpha": 1, "nats": "memory"},
     "alpha1-nats": {"label": "rollart α = 1, embedded nats-server", "alpha": 1, "nats": "embedded"},
+    # not run by default: benchmarks/tracing_overhead.py sets it beside alpha1
+    "alpha1-traced": {"label": "rollart α = 1, MemoryBus, tracing jsonl", "alpha": 1,
+                      "nats": "memory", "tracing": "jsonl"},
 }
 DEFAULT_VARIANTS = ("plain", "alpha0", "alpha1", "alpha1-nats")
 THRESHOLD = 0.9
@@ -143,6 +146,24 @@ def _record_cpu_time() -> None:
     TorchTrainBackend.train_step = timed_step
 
 
+def _telemetry(cfg, exporter: str | None, run_path: Path):
+    """What ``rollart run`` sets up for the config's ``tracing:`` section, with its exporter
+    set to ``exporter`` (None: the config's own, which is ``none`` for the quickstart)."""
+    import msgspec
+
+    from rollart.telemetry.tracing import setup_tracing
+
+    tr = cfg.tracing if exporter is None else msgspec.structs.replace(cfg.tracing, exporter=exporter)
+    stops = [setup_tracing(tr, "rollart-run", run_path)]
+    try:
+        from rollart.telemetry.otel_metrics import setup_metrics
+    except ImportError:
+        pass
+    else:
+        stops.append(setup_metrics(tr, "rollart-run", run_path))
+    return lambda: [stop() for stop in reversed(stops)]
+
+
 def child(variant: str, config: str, workdir: str, steps: int | None, tag: str,
           sampling_seed: int | None = None) -> int:
     """Run one variant; write ``<workdir>/<tag>/result.json`` (history + weights folder)."""
@@ -188,8 +209,12 @@ def child(variant: str, config: str, workdir: str, steps: int | None, tag: str,
 
             runner = asyncio.run
         nats = "memory" if spec["nats"] == "memory" else None
+        stop_telemetry = _telemetry(cfg, spec.get("tracing"), run_path)
         t_call = time.perf_counter()
-        summary = runner(train(cfg, nats=nats, resume=False, quiet=True))
+        try:
+            summary = runner(train(cfg, nats=nats, resume=False, quiet=True))
+        finally:
+            stop_telemetry()
         train_call_s = time.perf_counter() - t_call
         history = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()
                    if line.strip()]

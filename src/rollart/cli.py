@@ -361,10 +361,14 @@ async def run_main(args) -> int:
     from rollart.telemetry.tracing import setup_tracing
 
     stop_tracing = setup_tracing(cfg, "rollart-run", run_path)  # exporter none: nothing
+    from rollart.telemetry.otel_metrics import setup_metrics
+
+    stop_metrics = setup_metrics(cfg, "rollart-run", run_path)
     try:
         summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet,
                               overrides=nats_overrides(args))
     finally:
+        await asyncio.to_thread(stop_metrics)  # a last export
         await asyncio.to_thread(stop_tracing)  # flushes the spans still buffered
     print(json.dumps(summary, indent=2))
     if summary.get("bus_lost"):
@@ -410,9 +414,12 @@ async def report_main(args) -> int:
 
     if not (Path(args.run_dir) / "metrics.jsonl").exists():
         raise ConfigError(f"{args.run_dir}: no metrics.jsonl here; give a run folder (runs/<run>)")
-    text, txt, png = await asyncio.to_thread(report, args.run_dir, args.out, every=args.every)
+    text, files = await asyncio.to_thread(report, args.run_dir, args.out, every=args.every)
     print(text)
-    print(f"wrote {txt} and {png}")
+    for path in files.values():
+        print(f"wrote {path}")
+    if not (Path(args.run_dir) / "traces.jsonl").exists():
+        print("(no traces.jsonl: run with `tracing: {exporter: jsonl}` for gantt.png and steps.png)")
     return 0
 
 
@@ -463,16 +470,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --once (implied): the snapshot as one JSON object, for scripts")
     tp.set_defaults(fn=top_main)
 
-    rp = sub.add_parser("report", help="table and plot of a run folder",
+    rp = sub.add_parser("report", help="table, plots and figures of a run folder",
                         description="Summary table (first, best, last and every 10th step, then "
                                     "the final greedy evaluation) and a plot of a finished or "
-                                    "running run; writes report.txt and report.png (never the "
-                                    "run's own learning.png).")
+                                    "running run; writes report.txt, report.png and report.md "
+                                    "(never the run's own learning.png), and figures: "
+                                    "staleness.png (histogram of how many policy versions behind "
+                                    "the trained samples were) and, when the run has a "
+                                    "traces.jsonl (config: tracing: {exporter: jsonl}), "
+                                    "gantt.png (a trajectory Gantt: env init, env step, "
+                                    "generate queued/engine, reward, waiting, over wall time with "
+                                    "the policy versions) and steps.png (trainer step bars: "
+                                    "get_batch/train/checkpoint/publish seconds, and how "
+                                    "trajectory time split).")
     rp.add_argument("run_dir", help="runs/<run>")
     rp.add_argument("--every", type=int, default=None, metavar="N",
                     help="list every N-th step (default 10, more for long runs; 1: all)")
     rp.add_argument("--out", default=None, metavar="DIR",
-                    help="folder for report.txt and report.png (default: the run folder)")
+                    help="folder for the report's files (default: the run folder)")
     rp.set_defaults(fn=report_main)
 
     r = sub.add_parser("rollout", help="roll out the current policy; write one JSON line per trajectory",

@@ -409,6 +409,9 @@ async def _amain(args) -> int:
     from rollart.telemetry.tracing import setup_tracing
 
     stop_tracing = setup_tracing(cfg, f"rollart-node:{','.join(roles)}", Path(cfg.run_dir) / cfg.run)
+    from rollart.telemetry.otel_metrics import setup_metrics
+
+    stop_metrics = setup_metrics(cfg, f"rollart-node:{','.join(roles)}", Path(cfg.run_dir) / cfg.run)
     server = bus = None
     if not ns.joins:
         from pathlib import Path
@@ -448,6 +451,7 @@ async def _amain(args) -> int:
             await bus.close()
         if server is not None:
             server.stop()
+        await asyncio.to_thread(stop_metrics)  # a last export
         await asyncio.to_thread(stop_tracing)  # flushes the spans still buffered
     return rc
 

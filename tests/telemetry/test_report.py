@@ -99,8 +99,11 @@ def test_cli_report_prints_a_short_table_and_leaves_learning_png_alone(tmp_path,
     assert (png.read_bytes(), png.stat().st_mtime_ns) == before
     where = tmp_path / out if out else run
     assert (where / "report.png").stat().st_size > 1000 and "step" in (where / "report.txt").read_text()
+    written = ["report.png", "report.txt", "report.md", "staleness.png"]  # no traces: no Gantt
+    assert all(f"wrote {where / name}" in res.stdout for name in written)
+    assert "tracing: {exporter: jsonl}" in res.stdout
     assert sorted(p.name for p in run.iterdir()) == sorted(
-        ["metrics.jsonl", "summary.json", "learning.png"] + ([] if out else ["report.png", "report.txt"]))
+        ["metrics.jsonl", "summary.json", "learning.png"] + ([] if out else written))
 
 
 def test_cli_report_of_a_folder_without_metrics_says_so(tmp_path):

@@ -42,6 +42,11 @@ class Batcher(Generic[X, Y]):
         return await fut
 
     @property
+    def queued(self) -> int:
+        """Items waiting for a batch (not counting the one being run)."""
+        return len(self._queue)
+
+    @property
     def mean_batch(self) -> float:
         return self.items / self.batches if self.batches else 0.0
 

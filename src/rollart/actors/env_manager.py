@@ -33,7 +33,7 @@ from rollart.actors.service_client import ServiceClient
 from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
-from rollart.telemetry import tracing
+from rollart.telemetry import otel_metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -204,22 +204,34 @@ class EnvManager(Actor):
             cancel.set()
         self._live[req.traj_id] = cancel
         self._group_of[req.traj_id] = req.group_id
+        outcome = "error"  # rollart.trajectories: an error is retried
         try:
             out = await (self._traced(req, cfg, cancel, delivery) if tracing.enabled()
                          else self._trajectory(req, cfg, cancel, delivery))
+            outcome = "completed"
         except EnvSetupError as e:  # permanent: dead-letter at once, never re-run
+            outcome = "rejected"
             self._count("env_setup_errors")
             raise Reject(f"env_setup: {e}") from e
         except EnvContractError as e:
+            outcome = "rejected"
             self._count("env_contract_errors")
             raise Reject(f"env_contract: {e}") from e
+        except Reject:
+            outcome = "rejected"
+            raise
+        except asyncio.CancelledError:  # the node stopped: the request is redelivered
+            outcome = "interrupted"
+            raise
         except Cancelled:
+            outcome = "cancelled"
             self._count("cancelled")
             await self.publish_patiently("rollout.cancelled", m.RolloutCancelled(
                 traj_id=req.traj_id, group_id=req.group_id, group_index=req.group_index),
                 msg_id=f"out:{req.traj_id}", deadline=OUTCOME_PUBLISH_S)
             return
         finally:
+            otel_metrics.trajectory(outcome, req.env)
             heads = getattr(self, "_trace_heads", {}).pop(req.traj_id, None)
             self._live.pop(req.traj_id, None)
             self._group_of.pop(req.traj_id, None)

@@ -22,7 +22,7 @@ from rollart.actors.policy import fetch_weights
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
-from rollart.telemetry import tracing
+from rollart.telemetry import otel_metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class LLMProxy(Actor):
         self._loaded = asyncio.Condition()
         self._target: m.PolicyPublished | None = None
         self.gate = PolicyGate(digests=True)
-        self.batcher: Batcher = Batcher(self._run_batch, gather_s=self.gather_ms / 1e3,
+        self.batcher: Batcher = Batcher(self._engine_call, gather_s=self.gather_ms / 1e3,
                                         max_batch=self.max_batch, before_batch=self._maybe_load)
         self.loads: list[tuple[int, float]] = []
         self.progress = ProgressReporter(self, "generate.request", every=self.progress_every,
@@ -186,6 +186,13 @@ class LLMProxy(Actor):
         from safetensors.torch import load as load_safetensors
 
         self.engine_obj.load_state_dict(load_safetensors(data), version)
+
+    async def _engine_call(self, reqs: list[m.GenerateRequest]) -> list[m.GenerateResult]:
+        """The batcher's call: run a batch; ``rollart.engine.*`` metrics of each one served."""
+        waiting = self.batcher.queued  # left queued when this batch was cut
+        out = await self._run_batch(reqs)
+        otel_metrics.engine_batch(len(reqs), waiting, self.pool)
+        return out
 
     async def _run_batch(self, reqs: list[m.GenerateRequest]) -> list[m.GenerateResult]:
         from rollart.engines.base import GenInput

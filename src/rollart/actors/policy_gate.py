@@ -11,6 +11,7 @@ import time
 
 from rollart import messages as m
 from rollart.bus.codec import decode, encode
+from rollart.telemetry import otel_metrics
 
 log = logging.getLogger(__name__)
 
@@ -264,5 +265,6 @@ async def report_policy(actor, pub: m.PolicyPublished, verdict: str, why: str) -
     tag = f"{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}:{verdict}:{actor.role}"
     try:
         await actor.publish("dead", dl, msg_id=f"dead:policy:{actor.run}:{tag}")
+        otel_metrics.dead_letter(reason)
     except (BusError, TimeoutError) as e:
         log.warning("%s: dead letter for policy v%d not stored: %s", actor.name, pub.version, e)

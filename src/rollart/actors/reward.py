@@ -18,6 +18,7 @@ from rollart.actors.base import Actor, serve
 from rollart.actors.batching import Batcher
 from rollart.actors.runtime import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
+from rollart.telemetry import otel_metrics
 
 _NUM = re.compile(r"^[-+]?\d+(\.\d+)?([eE][-+]?\d+)?$")
 
@@ -89,9 +90,11 @@ class RewardService(Actor):
         # rule scorers may build datasets or run user code: off the event loop, one at a
         # time (their caches are not thread-safe)
         self._rules = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-rules")
+        self.busy = otel_metrics.busy(self.name)  # rollart.reward.busy_fraction (metrics on)
 
     async def teardown(self) -> None:
         self._rules.shutdown(wait=False, cancel_futures=True)
+        otel_metrics.drop_busy(self.name)
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -101,6 +104,10 @@ class RewardService(Actor):
     @serve("reward.request", max_inflight=1024)
     async def score(self, req: m.RewardRequest) -> m.RewardResult:
         self.served += 1
+        with self.busy:
+            return await self._score(req)
+
+    async def _score(self, req: m.RewardRequest) -> m.RewardResult:
         if req.scorer in RULES:
             fn = RULES[req.scorer]
             score = await asyncio.get_running_loop().run_in_executor(

@@ -11,7 +11,7 @@ from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, BoundHandler, Reject, Retry
 from rollart.bus import Bus, BusError, BusTimeout, ConsumerSpec, Delivery, NoResponders, PullConsumer
 from rollart.bus.codec import DecodeError, decode, encode
-from rollart.telemetry import tracing
+from rollart.telemetry import otel_metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ async def dead_letter(bus: Bus, actor: Actor, *, subject: str, payload: bytes, r
                       actor=actor.name, headers=dict(headers or {}), kind=kind)
     msg_id = f"dead:{subject}:{stream_seq}" if stream_seq else None
     await bus.publish(m.subject(actor.run, "dead"), encode(dl), msg_id=msg_id)
+    otel_metrics.dead_letter(reason, kind)
     log.warning("dead letter from %s on %s seq=%s deliveries=%s: %s",
                 actor.name, subject, stream_seq, num_delivered, reason)
 
@@ -179,6 +180,8 @@ class ConsumerLoop:
         s, h = self.h.settings, self.h
         ctx = dict(actor=self.actor.name, subject=d.subject, seq=d.stream_seq,
                    delivered=d.num_delivered)
+        if d.num_delivered > 1:
+            otel_metrics.redelivery(s.durable or h.name, h.subject)
         if s.max_deliver > 0 and d.num_delivered > s.max_deliver:
             await self._dead(d, f"max_deliver ({s.max_deliver}) reached without an outcome",
                              kind="exhausted")

@@ -24,7 +24,7 @@ from rollart.actors.admission import RESTART_BASE, Admission, issued_key
 from rollart.actors.base import Actor, Reject, Retry, consume
 from rollart.actors.ledger import Group, GroupLedger
 from rollart.actors.policy import set_policy
-from rollart.telemetry import tracing
+from rollart.telemetry import otel_metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +340,7 @@ class Trainer(Actor):
                                f"than the trainer; its record was put back",
                         actor=self.name, kind="permanent"),
                         msg_id=f"dead:kv:{self.run}:{key}:{e.revision}")
+                    otel_metrics.dead_letter("not_admitted: KV record put back")
                 except BusError as err:
                     log.warning("%s: restoring KV %s failed: %s", self.name, key, err)
         except BusError as e:
@@ -364,9 +365,20 @@ class Trainer(Actor):
                     return
                 if sp is not None:  # links (not parents) to the trajectories it trains
                     tracing.add_links(sp, self._trace_links(batch))
+                    sp.set_attribute("staleness", self._staleness_counts(batch))
                 metrics = await self._step(batch, wait_s=time.perf_counter() - t0, t_start=t_start)
+            otel_metrics.trainer_step(time.perf_counter() - t0)
             if self.on_step is not None:
                 self.on_step(metrics)
+
+    def _staleness_counts(self, batch: list[Group]) -> list[int]:
+        """``counts[k]``: the samples of ``batch`` that are ``k`` versions stale now."""
+        k = self.cfg.rollout.group_size
+        stale = [max(0, self.version - t.min_version) for g in batch for t, _ in g.members[:k]]
+        counts = [0] * (max(stale, default=-1) + 1)
+        for s in stale:
+            counts[s] += 1
+        return counts
 
     def _keep_trace(self, traj_id: str, headers: dict[str, str]) -> None:
         """Tracing on: remember a trajectory's ``traceparent`` for the step that trains it."""
@@ -529,6 +541,7 @@ class Trainer(Actor):
         v = self.version
         samples = build_samples(trajs, [g.index for g in batch for _ in g.members[:k]],
                                 self.cfg.trainer.advantage)
+        otel_metrics.staleness(v - t.min_version for t in trajs)
         t0 = time.perf_counter()
         with tracing.span("train", {"samples": len(samples)}):
             tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))

@@ -1,6 +1,7 @@
 """The ``tracing:`` section of a run's config: OpenTelemetry spans of trajectories, generation
-and trainer steps (see :mod:`rollart.telemetry.tracing`). Off by default (``exporter: none``:
-no SDK is installed and the spans cost nothing)."""
+and trainer steps (see :mod:`rollart.telemetry.tracing`), and metrics exported the same way
+(:mod:`rollart.telemetry.otel_metrics`). Off by default (``exporter: none``: no SDK is
+installed and the spans and metrics cost nothing)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import msgspec
 
 class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     exporter: Literal["none", "console", "jsonl", "otlp"] = "none"
-    """Where spans go: ``none`` (no tracing), ``console`` (stdout), ``jsonl``
-    (``<run_dir>/<run>/traces.jsonl``, one span a line) or ``otlp`` (an OpenTelemetry
+    """Where spans and metrics go: ``none`` (neither), ``console`` (stdout), ``jsonl``
+    (``<run_dir>/<run>/traces.jsonl``, one span a line; ``otel-metrics.jsonl``) or ``otlp`` (an OpenTelemetry
     collector; the standard ``OTEL_EXPORTER_OTLP_*`` environment variables apply). Needs
     ``pip install 'rollart[trace]'``."""
     otlp_protocol: Literal["http", "grpc"] = "http"
@@ -21,7 +22,13 @@ class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     ``pip install opentelemetry-exporter-otlp-proto-grpc``)."""
     sample: float = 1.0
     """Fraction of traces kept, in [0, 1] (by trace id; a span follows its parent's choice)."""
+    metrics_interval_s: float = 10.0
+    """Seconds between two exports of the OpenTelemetry metrics (same exporter as the spans;
+    ``jsonl``: ``otel-metrics.jsonl``); the last export is at exit."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.sample) and 0.0 <= self.sample <= 1.0):
             raise ValueError(f"tracing.sample must be in [0, 1] (it is {self.sample!r})")
+        if not (math.isfinite(self.metrics_interval_s) and self.metrics_interval_s > 0):
+            raise ValueError(f"tracing.metrics_interval_s must be > 0 (it is "
+                             f"{self.metrics_interval_s!r})")

@@ -3,8 +3,10 @@
 :func:`plot` draws reward and success (distinct line styles and markers, so equal curves stay
 visible) with the final greedy evaluation marked; :func:`table` is a summary (first, best, last
 and every 10th step); :func:`report` writes both under a folder of its own choosing, so that
-``rollart report`` never touches the ``learning.png`` a live run keeps rewriting. All of them
-read a run that is still being written (a half-written last line is skipped).
+``rollart report`` never touches the ``learning.png`` a live run keeps rewriting, with
+``report.md`` and the figures of :mod:`rollart.telemetry.trace_report` (the trajectory Gantt
+and trainer step bars from ``traces.jsonl``, the staleness histogram). All of them read a run
+that is still being written (a half-written last line is skipped).
 """
 
 from __future__ import annotations
@@ -192,18 +194,108 @@ def table(run_path: str | Path, every: int | None = None, *, summary: dict | Non
     return "\n".join(lines)
 
 
+def _write_text(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+NO_TRACES = ("No `traces.jsonl` in this run folder: run with `tracing: {exporter: jsonl}` in the "
+             "config for the trajectory Gantt (`gantt.png`) and the trainer step bars "
+             "(`steps.png`); the staleness histogram below comes from `metrics.jsonl`.")
+
+
 def report(run_path: str | Path, out_dir: str | Path | None = None, *,
-           every: int | None = None) -> tuple[str, Path, Path]:
-    """Write ``report.txt`` (the :func:`table`) and ``report.png`` (the :func:`plot`) into
-    ``out_dir`` (default: the run folder), never ``learning.png``; returns (table, txt, png)."""
+           every: int | None = None) -> tuple[str, dict[str, Path]]:
+    """Write into ``out_dir`` (default: the run folder; never ``learning.png``):
+    ``report.txt`` (the :func:`table`), ``report.png`` (the :func:`plot`), ``report.md`` (the
+    summary, the time split, per-step seconds and links to the figures) and the figures of
+    :mod:`rollart.telemetry.trace_report`: ``staleness.png`` always, ``gantt.png`` and
+    ``steps.png`` when the run has a ``traces.jsonl``. Returns (table, {file name: path})."""
+    from rollart.telemetry import trace_report as tr
+
     run_path = Path(run_path)
     out = Path(out_dir) if out_dir is not None else run_path
     out.mkdir(parents=True, exist_ok=True)
     summary = read_summary(run_path)
     text = table(run_path, every, summary=summary)
-    txt = out / "report.txt"
-    tmp = txt.with_name(f".{txt.name}.{os.getpid()}.tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, txt)
-    png = plot(run_path, out / "report.png", summary=summary)
-    return text, txt, png
+    files = {"report.txt": _write_text(out / "report.txt", text + "\n"),
+             "report.png": plot(run_path, out / "report.png", summary=summary)}
+    rows = read_metrics(run_path)
+    traces = tr.load(run_path)
+    trajs = tr.trajectory_rows(traces) if traces is not None else []
+    steps = tr.step_rows(traces) if traces is not None else []
+    numbers = tr.summarize(traces, rows, trajs=trajs, steps=steps)
+    name = run_path.resolve().name
+    if trajs:
+        files["gantt.png"] = tr.plot_gantt(trajs, steps, out / "gantt.png", title=name,
+                                           wall_s=numbers["wall_s"])
+    if trajs or steps:
+        files["steps.png"] = tr.plot_steps(numbers, out / "steps.png", title=name)
+    files["staleness.png"] = tr.plot_staleness(numbers, out / "staleness.png", title=name)
+    md = markdown(name, summary, text, numbers, files, traced=traces is not None)
+    files["report.md"] = _write_text(out / "report.md", md)
+    return text, files
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v).replace("|", "\\|")
+
+
+def markdown(name: str, summary: dict, text: str, numbers: dict, files: dict[str, Path], *,
+             traced: bool) -> str:
+    """``report.md``: the run's summary, table, time split and per-step seconds, and links to
+    the figures in ``files`` (all in report.md's folder)."""
+    from rollart.telemetry.trace_report import LABELS, STEP_PARTS
+
+    md = [f"# rollart report: {name}", ""]
+    scalars = {k: v for k, v in summary.items() if isinstance(v, (str, int, float, bool))}
+    if scalars:
+        md += ["## Summary", "", "| | |", "|---|---|"]
+        md += [f"| {k} | {_cell(v)} |" for k, v in scalars.items()] + [""]
+    md += ["## Learning", "", "```", text, "```", "", "![reward and success](report.png)", ""]
+    md += ["## Where trajectory time went", ""]
+    if not traced:
+        md += [NO_TRACES, ""]
+    else:
+        n = numbers
+        md += [(f"From `traces.jsonl`: {n['spans']} spans ({n['bad_lines']} lines skipped) from "
+                f"{len(n['processes'])} process(es) on {len(n['hosts'])} host(s) "
+                f"({', '.join(n['hosts'])}); {n['trajectories']} trajectories, "
+                f"{n['traj_s']:.1f} s of trajectory time over {n['wall_s']:.1f} s of wall time."), ""]
+        md += ["| stage | seconds | share |", "|---|---:|---:|"]
+        md += [f"| {LABELS[k]} | {n['split_s'][k]:.2f} | {100 * f:.1f}% |"
+               for k, f in n["split"].items() if n["split_s"][k] > 0]
+        md += [f"| total | {n['traj_s']:.2f} | 100.0% |", ""]
+        if n["admission_mean_s"] is not None:
+            md += [(f"Before starting, a trajectory waited {n['admission_mean_s']:.3f} s on average "
+                    f"for an EnvManager (in JetStream; not in the split above)."), ""]
+        if "gantt.png" in files:
+            md += ["![trajectory Gantt](gantt.png)", ""]
+    if numbers["steps"]:
+        steps = numbers["steps"]
+        k = stride(len(steps))
+        keep = [s for i, s in enumerate(steps)
+                if len(steps) <= 20 or i in (0, len(steps) - 1) or s["step"] % k == 0]
+        parts = [p for p in STEP_PARTS if p != "other"]
+        md += ["## Trainer steps (seconds)", "",
+               "| step | " + " | ".join(parts) + " | total |", "|---:|" + "---:|" * (len(parts) + 1)]
+        md += [f"| {s['step']} | " + " | ".join(f"{s[p]:.3f}" for p in parts) + f" | {s['total']:.3f} |"
+               for s in keep]
+        mean = {p: sum(s[p] for s in steps) / len(steps) for p in [*parts, "total"]}
+        md += ["| mean | " + " | ".join(f"{mean[p]:.3f}" for p in parts) + f" | {mean['total']:.3f} |"]
+        if len(keep) < len(steps):
+            md += ["", f"({len(steps)} steps: first, last and every {k}th shown; the mean is over all)"]
+        md += [""] + (["![trainer step bars](steps.png)", ""] if "steps.png" in files else [])
+    st = numbers["staleness"]
+    md += ["## Staleness", ""]
+    if st["counts"]:
+        src = {"traces": "the `trainer.step` spans", "metrics": "`metrics.jsonl` (per sample)",
+               "metrics_max": "`metrics.jsonl` (steps by their max staleness)"}[st["source"]]
+        md += [f"From {src}:", "", f"| staleness | {st['unit']} |", "|---:|---:|"]
+        md += [f"| {k} | {c} |" for k, c in st["counts"].items()] + [""]
+    md += ["![staleness](staleness.png)", ""]
+    return "\n".join(md)

@@ -1,0 +1,159 @@
+"""What tracing costs: the learning job with ``tracing.exporter`` ``none`` against ``jsonl``.
+
+::
+
+    python benchmarks/tracing_overhead.py                 # 3 rounds x 30 steps, writes README + JSON
+    python benchmarks/tracing_overhead.py --quick         # 1 round x 4 steps; prints JSON only
+    python benchmarks/tracing_overhead.py --repeats 5 --steps 40
+
+Runs ``learning.py``'s variants ``alpha1`` (the quickstart job on the MemoryBus, α = 1, tracing
+off as configured) and ``alpha1-traced`` (the same with ``tracing: {exporter: jsonl}`` and the
+OpenTelemetry metrics beside it), each in a fresh process, interleaved (order reversed every
+other round, repeat k sampling with seed k), and reports seconds per step (the trainer's
+``wall_s`` over its steps: setup excluded), CPU seconds per step, the spans written per step
+and the size of ``traces.jsonl``. Greedy success is not evaluated (this measures cost, not
+learning). The machine is a shared 2-core one: the CPU other processes used meanwhile is
+reported beside each run. Writes ``benchmarks/results/tracing.json`` and the ``tracing``
+section of ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import learning  # noqa: E402  (benchmarks/ is not a package)
+from readme_section import markers, replace_section  # noqa: E402
+
+RESULTS = HERE / "results" / "tracing.json"
+VARIANTS = ("alpha1", "alpha1-traced")
+
+
+def one_run(res: dict) -> dict:
+    hist = res["history"]
+    n = len(hist)
+    last = hist[-1] if hist else {}
+    run = {
+        "steps": n,
+        "s_per_step": round(float(last["wall_s"]) / n, 4) if n else None,
+        "cpu_s_per_step": round(float(last["cpu_s"]) / n, 4) if n and "cpu_s" in last else None,
+        "others_cores_busy": (res.get("process") or {}).get("others_cores_busy"),
+    }
+    traces = Path(res.get("run_path", "")) / "traces.jsonl"
+    if traces.exists():
+        lines = traces.read_text().splitlines()
+        run["spans"] = len(lines)
+        run["spans_per_step"] = round(len(lines) / max(1, n), 1)
+        run["traces_mb"] = round(traces.stat().st_size / 1e6, 2)
+    metrics = Path(res.get("run_path", "")) / "otel-metrics.jsonl"
+    if metrics.exists():
+        run["otel_metric_points"] = sum(1 for _ in metrics.open())
+    return run
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def section(results: dict) -> str:
+    begin, end = markers("tracing")
+    v = results["variants"]
+    base, traced = v["alpha1"], v["alpha1-traced"]
+    lines = [
+        begin,
+        "## Tracing overhead: exporter `none` against `jsonl` (`tracing_overhead.py`)",
+        "",
+        f"`python benchmarks/tracing_overhead.py [--quick] [--steps N] [--repeats R]` runs the "
+        f"learning job (`{results['config']}`, α = 1, MemoryBus, {results['steps']} steps) with "
+        "tracing off and with `tracing: {exporter: jsonl}` (spans of every trajectory, turn, "
+        "engine batch and trainer step, plus the OpenTelemetry metrics), each in a fresh process, "
+        "interleaved, and compares seconds per step (setup excluded).",
+        "",
+        f"Last run {results['timestamp']}: {results['machine']['cpu_count']} CPUs, load "
+        f"{results['machine']['loadavg_start'][0]} at start; median of {results['repeats']} runs "
+        "each (every run in brackets).",
+        "",
+        "| Variant | s/step | CPU s/step | spans per step | traces.jsonl | others' cores |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in VARIANTS:
+        r = v[name]
+        runs = r["runs"]
+        each = ", ".join(f"{x['s_per_step']}" for x in runs)
+        mb = _median([x.get("traces_mb") for x in runs])
+        lines.append(
+            f"| {r['label']} | {r['s_per_step']} ({each}) | {r['cpu_s_per_step']} | "
+            f"{_median([x.get('spans_per_step') for x in runs]) or '–'} | "
+            f"{f'{mb} MB' if mb is not None else '–'} | "
+            f"{_median([x.get('others_cores_busy') for x in runs])} |")
+    ratio = results["ratio_s_per_step"]
+    lines += [
+        "",
+        f"Traced / untraced, s/step: **{ratio}** (median of per-round ratios; each round: "
+        f"{', '.join(str(x) for x in results['round_ratios'])}). "
+        "Off (`exporter: none`, the default) installs no SDK: every helper is one `None` check "
+        "(tests/telemetry/test_tracing.py checks that nothing is installed).",
+        "",
+        "Raw numbers: `benchmarks/results/tracing.json`.",
+        end,
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of both variants (default 3)")
+    p.add_argument("--quick", action="store_true", help="1 round of 4 steps; prints JSON only")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 4, 1
+    write = not (args.quick or args.no_write)
+    learning._quiet()
+    results: dict = {"benchmark": "tracing", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                     "config": args.config, "steps": args.steps, "repeats": args.repeats,
+                     "machine": {"cpu_count": os.cpu_count(),
+                                 "loadavg_start": [round(x, 2) for x in os.getloadavg()]}}
+    runs: dict[str, list[dict]] = {n: [] for n in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="rollart-tracing-") as workdir:
+        from rollart.engines.provision import model_dir
+
+        model_dir(learning.job_config(args.config, run_dir=workdir, steps=args.steps))
+        for k in range(args.repeats):
+            for name in (VARIANTS if k % 2 == 0 else VARIANTS[::-1]):
+                res = learning.run_variant(name, args, workdir, f"{name}-r{k}", k or None)
+                runs[name].append(one_run(res))
+    results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["variants"] = {
+        name: {"label": learning.VARIANTS[name]["label"], "runs": rs,
+               "s_per_step": _median([r["s_per_step"] for r in rs]),
+               "cpu_s_per_step": _median([r["cpu_s_per_step"] for r in rs])}
+        for name, rs in runs.items()}
+    results["round_ratios"] = [round(t["s_per_step"] / b["s_per_step"], 3)
+                               for b, t in zip(runs["alpha1"], runs["alpha1-traced"])]
+    results["ratio_s_per_step"] = _median(results["round_ratios"])
+    print(json.dumps(results, indent=2))
+    if write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+        replace_section("tracing", section(results))
+        learning.say(f"wrote {RESULTS.relative_to(learning.ROOT)} and the tracing section of "
+                     "benchmarks/README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
