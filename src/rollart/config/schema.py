@@ -356,19 +356,26 @@ class RolloutConfig(Base):
 
 
 class ProxyConfig(Base):
-    engine: str = "torch"
-    """Generation engine: ``torch`` (sglang needs a GPU and is not built in yet)."""
+    engine: Literal["torch", "vllm", "sglang"] = "torch"
+    """Generation engine of each LLMProxy: ``torch`` (built in, CPU or GPU), ``vllm``
+    (``pip install 'rollart[vllm]'``; its CPU build runs here) or ``sglang`` (an SGLang
+    server on a GPU, launched by the node or attached by URL). See ``engine_args``."""
+    engine_args: dict[str, Any] = {}
+    """Passed to the engine: for ``vllm`` fields of vLLM's ``AsyncEngineArgs``
+    (``max_model_len``, ``gpu_memory_utilization``...); for ``sglang`` ``url`` (attach to a
+    running server) or server arguments; unused by ``torch``."""
+    on_update: Literal["finish", "interrupt"] = "finish"
+    """When a new policy version arrives: ``finish`` lets the requests in flight finish on the
+    old weights, then loads; ``interrupt`` stops them, loads, and continues each from the
+    tokens it had (a partial rollout: every token keeps the version that produced it)."""
     gather_ms: float = 2.0
-    """Milliseconds to gather concurrent requests into one engine batch."""
+    """Milliseconds to gather concurrent requests into one engine batch (``torch``)."""
     max_batch: int = 128
-    """Requests per engine batch at most."""
+    """Requests per engine batch at most (``torch``)."""
     replicas: int = 1
     """LLMProxy replicas started by ``rollart run``."""
 
     def __post_init__(self) -> None:
-        if self.engine != "torch":
-            raise ValueError(f"proxy.engine must be 'torch' (sglang is not built in yet; "
-                             f"it is {self.engine!r})")
         _in_range(self, "proxy.", "gather_ms", ge=0)
         _in_range(self, "proxy.", "max_batch replicas", ge=1)
 

@@ -7,8 +7,13 @@ import torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .base import (
     FINISH_CHOICE,
+    FINISH_INTERRUPTED,
+    AsyncEngine,
+    EngineAborted,
     FINISH_LENGTH,
     FINISH_STOP,
     GenerationEngine,
@@ -19,6 +24,10 @@ from .base import (
 )
 
 __all__ = [
+    "AsyncEngine",
+    "EngineAborted",
+    "FINISH_INTERRUPTED",
+    "build_engine",
     "FINISH_CHOICE",
     "FINISH_LENGTH",
     "FINISH_STOP",
@@ -30,6 +39,30 @@ __all__ = [
     "TorchGenerationEngine",
     "build_tiny_model",
 ]
+
+
+def build_engine(name: str, model_dir: str, *, seed: int = 0, threads: int | None = 1,
+                 gather_s: float = 0.002, max_batch: int = 128,
+                 engine_args: dict[str, Any] | None = None) -> AsyncEngine:
+    """The :class:`AsyncEngine` ``proxy.engine`` names, not started yet (``await
+    engine.start()`` loads it). ``torch``: a :class:`BatchedEngine` (gather window
+    ``gather_s``, ``max_batch`` rows) around a ``TorchGenerationEngine``; ``vllm`` and
+    ``sglang`` take ``engine_args`` (``proxy.engine_args``)."""
+    args = dict(engine_args or {})
+    if name == "torch":
+        from .batched import BatchedEngine
+
+        return BatchedEngine.torch(model_dir, seed=seed, threads=threads, gather_s=gather_s,
+                                   max_batch=max_batch)
+    if name == "vllm":
+        from .vllm_engine import VllmEngine
+
+        return VllmEngine(model_dir, seed=seed, threads=threads, engine_args=args)
+    if name == "sglang":
+        from .sglang_engine import SglangEngine
+
+        return SglangEngine(model_dir, seed=seed, engine_args=args)
+    raise ValueError(f"proxy.engine {name!r} is not one of torch, vllm, sglang")
 
 
 def __getattr__(name: str):

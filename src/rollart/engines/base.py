@@ -1,8 +1,11 @@
-"""The generation-engine interface that the `LLMProxy` drives.
+"""The generation-engine interfaces.
 
-An engine is synchronous and batched: `generate(inputs)` takes one `GenInput` per turn
-(from any number of trajectories) and returns one `GenOutput` per input, in order. The proxy
-runs it in a worker thread. Engines work in token ids only; tokenization is the caller's.
+The `LLMProxy` drives an `AsyncEngine`: per request, async, abortable, with weight loads
+between `pause()` and `resume()` (vLLM and SGLang are ones; `BatchedEngine` makes one of a
+`GenerationEngine`). A `GenerationEngine` is synchronous and batched: `generate(inputs)`
+takes one `GenInput` per turn (from any number of trajectories) and returns one `GenOutput`
+per input, in order (the torch engine). Engines work in token ids only; tokenization is the
+caller's.
 
 Log-prob semantics (the contract with the trainer)
 --------------------------------------------------
@@ -41,6 +44,10 @@ __all__ = [
     "GenInput",
     "GenOutput",
     "GenerationEngine",
+    "AsyncEngine",
+    "EngineAborted",
+    "FINISH_INTERRUPTED",
+    "PAUSE_MODES",
     "FINISH_STOP",
     "FINISH_LENGTH",
     "FINISH_CHOICE",
@@ -82,7 +89,10 @@ class GenOutput:
     logprobs: list[float]
     """Per-token log-prob at temperature 1 over the allowed tokens (see module docstring)."""
     finish_reason: str
-    """"stop" | "length" | "choice"."""
+    """"stop" | "length" | "choice" (| "interrupted" in :class:`EngineAborted`)."""
+    version: int = -1
+    """Policy version of the weights that produced the tokens (set by an :class:`AsyncEngine`;
+    -1 from a :class:`GenerationEngine`, whose caller knows the version)."""
 
 
 def validate_choices(choices: list[list[int]]) -> None:
@@ -132,6 +142,83 @@ class GenerationEngine(abc.ABC):
 
     def close(self) -> None:
         """Release resources (optional)."""
+
+
+FINISH_INTERRUPTED = "interrupted"
+"""An :class:`AsyncEngine` stopped the row before it finished (``abort`` or an ``interrupt``
+pause): :class:`EngineAborted` carries what it generated so far."""
+
+
+class EngineAborted(RuntimeError):
+    """``AsyncEngine.generate`` of a request that :meth:`AsyncEngine.abort` (or a pause with
+    ``mode="abort"``) stopped. ``partial`` holds the tokens and log-probs generated so far
+    (``finish_reason`` :data:`FINISH_INTERRUPTED`), all under ``partial_version``; the LLMProxy
+    continues an interrupted turn from them under the new weights (``proxy.on_update:
+    interrupt``)."""
+
+    def __init__(self, request_id: str, partial: GenOutput | None = None,
+                 partial_version: int = 0) -> None:
+        super().__init__(f"request {request_id} was aborted")
+        self.request_id = request_id
+        self.partial = partial or GenOutput([], [], FINISH_INTERRUPTED)
+        self.partial_version = partial_version
+
+
+PAUSE_MODES = ("wait", "abort")
+
+
+class AsyncEngine(abc.ABC):
+    """A per-request, asynchronous generator: what the LLMProxy drives (``proxy.engine``).
+
+    Requests arrive one at a time from many trajectories; the engine batches them as it likes
+    (continuous batching in vLLM and SGLang; a gather window in :class:`BatchedEngine` around
+    a synchronous :class:`GenerationEngine`). Outputs follow the log-prob contract and the
+    stopping rules of this module's docstring. ``version`` is the policy version of the loaded
+    weights. All methods are called from one event loop.
+    """
+
+    version: int = 0
+    vocab_size: int | None = None
+    """Tokens the model embeds (a prompt or choice id at or above it is refused), if known."""
+
+    async def start(self) -> None:
+        """Load the model and start serving (may take minutes); called once, before anything
+        else. The default does nothing (an engine built ready)."""
+
+    @abc.abstractmethod
+    async def generate(self, inp: GenInput, request_id: str) -> GenOutput:
+        """Generate one response. ``request_id`` is unique among the requests in flight.
+        Raises :class:`EngineAborted` (with the partial output) if :meth:`abort` or a
+        ``pause(mode="abort")`` stopped it, ``ValueError`` for an input it cannot serve."""
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (ids not in flight are ignored): their ``generate`` raises
+        :class:`EngineAborted` soon after, with what they produced so far."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: str = "wait") -> None:
+        """Stop starting new work (new requests queue until :meth:`resume`). ``wait``: return
+        once every request in flight has finished; ``abort``: abort every request in flight
+        (:class:`EngineAborted` with their partial outputs) and return once they stopped."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Serve again after :meth:`pause` (queued requests start under the current weights)."""
+
+    @abc.abstractmethod
+    async def load_weights(self, source: str | Path | bytes, version: int) -> None:
+        """Load a full state dict, a safetensors file (path) or its bytes, and set ``version``.
+        Checks names and shapes first: on a mismatch it raises ``ValueError`` and keeps the
+        current weights and version (and keeps serving). Callers pause around it."""
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Tokens that always end a free response."""
+        return ()
+
+    async def close(self) -> None:
+        """Stop serving and release resources (processes, memory)."""
 
 
 def save_weights(state_dict: dict[str, Any], path: str | Path) -> Path:
