@@ -60,6 +60,26 @@ def one_run(res: dict) -> dict:
     return run
 
 
+def off_cost_ns(n: int = 200_000) -> dict:
+    """What one call site costs with tracing and metrics off (``exporter: none``), in ns:
+    a ``with tracing.span(...)`` block and one ``otel_metrics`` call, best of 5."""
+    import timeit
+
+    from rollart.telemetry import otel_metrics, tracing
+
+    assert not tracing.enabled() and not otel_metrics.enabled()
+
+    def site() -> None:
+        with tracing.span("generate", {"turn": 1}):
+            pass
+
+    def meter() -> None:
+        otel_metrics.trajectory("completed", "main")
+
+    return {"span_ns": round(min(timeit.repeat(site, number=n, repeat=5)) / n * 1e9, 1),
+            "metric_ns": round(min(timeit.repeat(meter, number=n, repeat=5)) / n * 1e9, 1)}
+
+
 def _median(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return round(statistics.median(xs), 4) if xs else None
@@ -97,12 +117,21 @@ def section(results: dict) -> str:
             f"{f'{mb} MB' if mb is not None else '–'} | "
             f"{_median([x.get('others_cores_busy') for x in runs])} |")
     ratio = results["ratio_s_per_step"]
+    off = results["off"]
+    spans = _median([x.get("spans_per_step") for x in traced["runs"]]) or 0
+    off_s = spans * off["span_ns"] * 1e-9
+    off_note = (f"Off, a span site costs {off['span_ns']} ns and a metric call {off['metric_ns']} ns "
+                f"(measured in-process); at {spans:.0f} span sites per step that is "
+                f"{off_s * 1e6:.0f} µs per step, {off_s / base['s_per_step'] * 100:.3f}% of a step: "
+                "nothing measurable. ")
     lines += [
         "",
         f"Traced / untraced, s/step: **{ratio}** (median of per-round ratios; each round: "
         f"{', '.join(str(x) for x in results['round_ratios'])}). "
-        "Off (`exporter: none`, the default) installs no SDK: every helper is one `None` check "
-        "(tests/telemetry/test_tracing.py checks that nothing is installed).",
+        + off_note + "Off (`exporter: none`, the default) installs no SDK: every helper is one "
+        "`None` check (tests/telemetry/test_tracing.py checks that nothing is installed). "
+        "`tracing.sample` below 1 writes only that share of the trees (its cost is not "
+        "measured here).",
         "",
         "Raw numbers: `benchmarks/results/tracing.json`.",
         end,
@@ -118,7 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="rounds of both variants (default 3)")
     p.add_argument("--quick", action="store_true", help="1 round of 4 steps; prints JSON only")
     p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--render", default=None, metavar="RESULTS_JSON",
+                   help="only rewrite the README section from a saved results file")
     args = p.parse_args(argv)
+    if args.render:
+        results = json.loads(Path(args.render).read_text())
+        results.setdefault("off", off_cost_ns())
+        replace_section("tracing", section(results))
+        return 0
     if args.quick:
         args.steps, args.repeats = 4, 1
     write = not (args.quick or args.no_write)
@@ -145,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     results["round_ratios"] = [round(t["s_per_step"] / b["s_per_step"], 3)
                                for b, t in zip(runs["alpha1"], runs["alpha1-traced"])]
     results["ratio_s_per_step"] = _median(results["round_ratios"])
+    results["off"] = off_cost_ns()
     print(json.dumps(results, indent=2))
     if write:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
