@@ -226,3 +226,40 @@ def test_otlp_http_reaches_a_collector(monkeypatch):
             for ss in rs.scope_spans:
                 names |= {s.name for s in ss.spans}
     assert names == {"trainer.step", "train"} and services == {"rollart-otlp-test"}
+
+
+def test_otlp_grpc_reaches_a_collector(monkeypatch):
+    """``otlp_protocol: grpc``: spans reach a real gRPC server implementing the OTLP trace
+    service (the official ``opentelemetry-proto`` stubs)."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    got = []
+
+    class Service(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - the generated name
+            got.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        cfg = convert({"tracing": {"exporter": "otlp", "otlp_protocol": "grpc"}}, RunConfig)
+        stop = tracing.setup_tracing(cfg, "rollart-grpc-test", None)
+        try:
+            with tracing.span("trajectory", {"traj_id": "g1-0"}):
+                with tracing.span("env.reset"):
+                    pass
+        finally:
+            stop()  # flushes
+    finally:
+        server.stop(None)
+    names = {s.name for req in got for rs in req.resource_spans for ss in rs.scope_spans
+             for s in ss.spans}
+    assert names == {"trajectory", "env.reset"}, names
