@@ -287,6 +287,7 @@ class ConsumerState:
         self.pending: dict[int, _Pending] = {}
         self._due: list[int] = []  # heap of stream seqs to redeliver
         self.waiters: list = []  # futures of parked fetches
+        self.deleted = False
 
     def update(self, spec: ConsumerSpec) -> None:
         """New updatable settings (see :func:`consumer_changes`). As in NATS, a new
@@ -443,6 +444,15 @@ class ConsumerState:
                 p.timer.cancel()
             self._released()
 
+    def delete(self) -> None:
+        """This durable was deleted: its bindings' fetches fail from now on."""
+        self.deleted = True
+        for p in self.pending.values():
+            if p.timer is not None:
+                p.timer.cancel()
+        self.pending.clear()
+        self.wake()
+
     def suspend(self) -> None:
         """Bus closing or stream deleted: cancel timers, wake parked fetches.
 
@@ -484,6 +494,8 @@ class ConsumerState:
     def check(self) -> None:
         if self.stream.deleted:
             raise BusError(f"stream {self.stream.spec.name!r} was deleted")
+        if self.deleted:
+            raise BusError(f"consumer {self.stream.spec.name}/{self.spec.durable} was deleted")
         self.stream.bus.check_connected()
 
 
