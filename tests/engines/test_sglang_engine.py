@@ -1,0 +1,591 @@
+"""SglangEngine (``proxy.engine: sglang``).
+
+Here, on any machine: the pure translation between rollart and SGLang's native HTTP API,
+checked with real inputs (the tiny model's logits and the torch engine's outputs, real
+safetensors files, the processor unpickled as the server does it). With a CUDA GPU and
+sglang installed (``$ROLLART_SGLANG_PYTHON`` may name another interpreter that has it): a
+real server launched on a tiny model, checked against a float32 forward pass in torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rollart.engines import build_engine  # noqa: E402
+from rollart.engines import sglang_engine as sg  # noqa: E402
+from rollart.engines.base import (  # noqa: E402
+    FINISH_CHOICE,
+    FINISH_INTERRUPTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineAborted,
+    GenInput,
+)
+
+SRC = str(Path(sg.__file__).resolve().parents[2])
+
+
+# -- helpers: the tiny model's own numbers ------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 local_files_only=True)
+    return model.eval()
+
+
+def next_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def triples(logprobs: torch.Tensor, ids: list[int]) -> list[list]:
+    """``[logprob, id, None]`` per id: SGLang's ``output_token_ids_logprobs`` entry shape."""
+    return [[float(logprobs[i]), int(i), None] for i in ids]
+
+
+def sglang_body(tokens, logprobs, finish, rid="r-1", prompt_tokens=5) -> dict:
+    """A ``/generate`` answer as SGLang's tokenizer manager builds it with
+    ``--skip-tokenizer-init`` (``_handle_batch_output``)."""
+    return {"output_ids": list(tokens),
+            "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
+                          "weight_version": "default", "total_retractions": 0,
+                          "output_token_logprobs": [[lp, t, None]
+                                                    for lp, t in zip(logprobs, tokens)],
+                          "completion_tokens": len(tokens), "cached_tokens": 0,
+                          "e2e_latency": 0.01}}
+
+
+PROMPT = [1, 40, 41, 42, 43, 44]
+
+
+# -- import and construction ---------------------------------------------------------------------
+def test_module_imports_without_torch_aiohttp_or_sglang():
+    code = ("import sys, rollart.engines.sglang_engine as m\n"
+            "bad = [k for k in ('torch', 'aiohttp', 'sglang', 'dill') if k in sys.modules]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": SRC})
+    assert r.returncode == 0, r.stderr
+
+
+def test_build_engine_makes_an_unstarted_sglang_engine(tiny_model_dir, engine):
+    eng = build_engine("sglang", str(tiny_model_dir), seed=3,
+                       engine_args={"mem_fraction_static": 0.3})
+    assert isinstance(eng, sg.SglangEngine)
+    assert eng.version == 0 and eng.seed == 3 and eng.url is None
+    assert eng.vocab_size == engine.vocab_size == 512
+    assert eng.eos_token_ids == engine.eos_token_ids  # the set SGLang stops on
+    assert eng.server_args == {"mem_fraction_static": 0.3}
+    with pytest.raises(ValueError, match="set by the sglang engine"):
+        build_engine("sglang", str(tiny_model_dir), engine_args={"port": 30000})
+    attached = build_engine("sglang", str(tiny_model_dir),
+                            engine_args={"url": "http://gpu-host:30000/"})
+    assert attached.url == "http://gpu-host:30000" and attached.startup_timeout_s == 120.0
+
+
+async def test_start_says_what_is_missing(tiny_model_dir):
+    eng = sg.SglangEngine(tiny_model_dir, engine_args={"startup_timeout_s": 5})
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match=r"pip install 'rollart\[sglang\]'"):
+            await eng.start()
+        return
+    if sg.sglang_unavailable_reason() is None:
+        pytest.skip("sglang is installed here: the GPU tests below start it")
+    if eng.python == sys.executable and __import__("importlib").util.find_spec("sglang"):
+        pytest.skip("sglang is importable; only CUDA is missing")
+    with pytest.raises(RuntimeError, match="sglang package is not available"):
+        await eng.start()
+    assert eng._proc is None and eng._session is None
+
+
+# -- the model folder ------------------------------------------------------------------------------
+def test_model_info_reads_the_folder(tiny_model_dir):
+    from safetensors import safe_open
+
+    info = sg.read_model_info(tiny_model_dir)
+    assert info.vocab_size == 512 and info.eos_token_ids == (2, 0) and not info.tied
+    assert info.head_dim == 32
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        want = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert info.shapes == want and "lm_head.weight" in want
+
+
+def test_safetensors_header_of_file_and_bytes(tiny_model_dir):
+    path = tiny_model_dir / "model.safetensors"
+    data = path.read_bytes()
+    assert sg.read_safetensors_header(path) == sg.safetensors_header(data)
+    for bad in (data[:4], data[: len(data) // 2], b"\x10\0\0\0\0\0\0\0{not json}      "):
+        with pytest.raises(ValueError, match="safetensors"):
+            sg.safetensors_header(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        sg.read_safetensors_header(tiny_model_dir / "missing.safetensors")
+
+
+def test_check_weights_names_and_shapes(tiny_model_dir):
+    shapes = sg.read_model_info(tiny_model_dir).shapes
+    sg.check_weights(shapes, dict(shapes))
+    missing = {k: v for k, v in shapes.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match=r"missing=\['model.norm.weight'\]"):
+        sg.check_weights(shapes, missing)
+    with pytest.raises(ValueError, match=r"unexpected=\['extra.weight'\]"):
+        sg.check_weights(shapes, {**shapes, "extra.weight": (1,)})
+    with pytest.raises(ValueError, match="lm_head.weight: \\(512, 129\\) != \\(512, 128\\)"):
+        sg.check_weights(shapes, {**shapes, "lm_head.weight": (512, 129)})
+    # tied embeddings: either name stands for both, none is missing
+    tied = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
+    sg.check_weights(tied, shapes, tied=True)
+    sg.check_weights(tied, tied, tied=True)
+    only_head = {k: v for k, v in shapes.items() if k != "model.embed_tokens.weight"}
+    sg.check_weights(tied, only_head, tied=True)
+    neither = {k: v for k, v in tied.items() if k != "model.embed_tokens.weight"}
+    with pytest.raises(ValueError, match="missing"):
+        sg.check_weights(tied, neither, tied=True)
+    with pytest.raises(ValueError, match="unexpected"):
+        sg.check_weights(tied, shapes, tied=False)
+
+
+def test_rename_tensor_keeps_the_data():
+    from safetensors.torch import load, save
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"lm_head.weight": torch.randn(7, 3, generator=g),
+               "model.norm.weight": torch.randn(3, generator=g)}
+    out = load(sg.rename_safetensors_tensor(save(tensors), "lm_head.weight",
+                                            "model.embed_tokens.weight"))
+    assert set(out) == {"model.embed_tokens.weight", "model.norm.weight"}
+    assert torch.equal(out["model.embed_tokens.weight"], tensors["lm_head.weight"])
+    assert torch.equal(out["model.norm.weight"], tensors["model.norm.weight"])
+
+
+async def test_load_weights_checks_names_and_shapes_first(tiny_model_dir):
+    """The check runs before anything reaches a server (here there is none)."""
+    from safetensors.torch import load, save
+
+    eng = sg.SglangEngine(tiny_model_dir)
+    good = (tiny_model_dir / "model.safetensors").read_bytes()
+    sd = load(good)
+    sd["lm_head.weight"] = torch.zeros(512, 64)
+    for bad, match in ((save(sd), "shape mismatches"), (b"junk", "safetensors"),
+                       (tiny_model_dir / "config.json", "safetensors")):
+        with pytest.raises(ValueError, match=match):
+            await eng.load_weights(bad, 1)
+    with pytest.raises(RuntimeError, match="not started"):
+        await eng.load_weights(good, 1)
+    assert eng.version == 0
+
+
+# -- requests --------------------------------------------------------------------------------------
+def test_free_row_payload():
+    inp = GenInput(prompt_ids=PROMPT, max_new_tokens=12, temperature=0.7, top_p=0.9,
+                   stop_token_ids=(7,))
+    body = sg.generate_payload(inp, "t1#0.abc", eos_token_ids=(2, 0))
+    assert body == {
+        "rid": "t1#0.abc", "input_ids": PROMPT, "return_logprob": True, "stream": False,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9,
+                            "stop_token_ids": [7, 2, 0]}}
+    json.dumps(body)
+    for greedy in (GenInput(prompt_ids=PROMPT, greedy=True, temperature=0.7),
+                   GenInput(prompt_ids=PROMPT, temperature=0.0)):
+        assert sg.generate_payload(greedy, "r")["sampling_params"]["temperature"] == 0.0
+
+
+def test_choice_step_payload():
+    inp = GenInput(prompt_ids=PROMPT, temperature=1.0, choices=[[5, 6], [5, 7, 8], [9]])
+    body = sg.choice_step_payload(inp, "r.1", [5], [6, 7])
+    assert body["input_ids"] == [*PROMPT, 5]
+    assert body["sampling_params"] == {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0,
+                                       "custom_params": {"allowed": [6, 7]}}
+    assert body["token_ids_logprob"] == [6, 7] and body["return_logprob"] is True
+    # SGLang's CustomLogitProcessor.to_str() format: {"callable": <hex of a pickle>}
+    data = json.loads(body["custom_logit_processor"])
+    assert set(data) == {"callable"} and bytes.fromhex(data["callable"])
+    assert body["custom_logit_processor"] == sg.processor_string()  # one string: cached there
+    json.dumps(body)
+
+
+def test_allowed_next_and_complete_choices():
+    choices = [[5, 6], [5, 7, 8], [9]]
+    assert sg.allowed_next(choices, []) == [5, 9]
+    assert sg.allowed_next(choices, [5]) == [6, 7]
+    assert sg.allowed_next(choices, [5, 7]) == [8]
+    assert sg.allowed_next(choices, [4]) == []
+    assert not sg.is_complete_choice(choices, [5, 7])
+    assert sg.is_complete_choice(choices, [5, 7, 8]) and sg.is_complete_choice(choices, [9])
+
+
+# -- the processor and the renormalisation, on the tiny model's logits -----------------------------
+ACTIONS = [[10], [11], [12], [13]]
+
+
+def test_processor_and_renormalisation_match_the_torch_engine(hf_model, engine):
+    """A constrained greedy step: the torch engine's token and log-prob (the contract:
+    ``logits[t] - logsumexp(logits[allowed])``) equal what the SGLang path computes from the
+    same logits, whether the server's log-probs are of the masked logits or not."""
+    out = engine.generate([GenInput(prompt_ids=PROMPT, choices=ACTIONS, greedy=True)])[0]
+    assert out.finish_reason == FINISH_CHOICE and len(out.token_ids) == 1
+    tok, want = out.token_ids[0], out.logprobs[0]
+    allowed = sg.allowed_next(ACTIONS, [])
+    logits = next_logits(hf_model, PROMPT)
+    proc = sg.build_processor()
+    masked = proc(logits[None].clone(), [{"allowed": allowed}])[0]
+    assert int(masked.argmax()) == tok
+    assert torch.isinf(masked[[i for i in range(512) if i not in allowed]]).all()
+    by_torch = torch.log_softmax(logits[allowed], -1)[allowed.index(tok)].item()
+    assert want == pytest.approx(by_torch, abs=1e-5)
+    # the server reports log_softmax of the masked logits (mask applied first) ...
+    lp_masked = torch.log_softmax(masked, -1)
+    assert lp_masked[tok].item() == pytest.approx(want, abs=1e-5)
+    assert sg.renormalized_logprob(tok, triples(lp_masked, allowed)) == pytest.approx(want,
+                                                                                     abs=1e-5)
+    # ... and renormalising the full distribution gives the same
+    lp_full = torch.log_softmax(logits, -1)
+    assert lp_full[tok].item() < want - 1.0  # over 512 tokens, not 4
+    assert sg.renormalized_logprob(tok, triples(lp_full, allowed)) == pytest.approx(want,
+                                                                                   abs=1e-5)
+
+
+def test_processor_rows_and_batches(hf_model):
+    """As SGLang calls it: the rows that carry this processor, one params dict per row
+    (``__req__`` added by the scheduler; rows without ``allowed`` left alone)."""
+    proc = sg.build_processor()
+    rows = torch.stack([next_logits(hf_model, PROMPT), next_logits(hf_model, PROMPT[:3]),
+                        next_logits(hf_model, PROMPT[1:])])
+    before = rows.clone()
+    out = proc(rows, [{"allowed": [3, 9], "__req__": object()}, {"__req__": object()},
+                      {"allowed": [100]}])
+    assert torch.equal(out[1], before[1])
+    assert torch.equal(out[0, [3, 9]], before[0, [3, 9]]) and torch.isinf(out[0]).sum() == 510
+    assert torch.equal(out[2, [100]], before[2, [100]]) and torch.isinf(out[2]).sum() == 511
+    assert proc(before[:1].clone(), None).equal(before[:1])
+
+
+def test_processor_unpickles_without_rollart():
+    """The server (no rollart there) turns the string into the class, with pickle or with
+    dill (what SGLang's ``CustomLogitProcessor.from_str`` uses)."""
+    code = f"""
+import json, pickle, sys
+sys.modules["rollart"] = None  # importing rollart fails from here on
+s = {sg.processor_string()!r}
+loaders = [pickle.loads]
+try:
+    import dill
+    loaders.append(dill.loads)
+except ImportError:
+    pass
+import torch
+for loads in loaders:
+    proc = loads(bytes.fromhex(json.loads(s)["callable"]))()
+    x = torch.zeros(2, 6)
+    y = proc(x, [{{"allowed": [1, 4]}}, None])
+    assert torch.isinf(y[0]).tolist() == [True, False, True, True, False, True], y
+    assert not torch.isinf(y[1]).any()
+print(type(proc).__name__, len(loaders))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == sg.PROCESSOR_CLASS
+
+
+# -- responses ------------------------------------------------------------------------------------
+def test_parse_free_rows_shaped_as_sglang_answers_them(engine):
+    outs = engine.generate([GenInput(prompt_ids=PROMPT, max_new_tokens=6),
+                            GenInput(prompt_ids=PROMPT[:4], max_new_tokens=6, greedy=True)])
+    for out in outs:
+        if out.finish_reason == FINISH_STOP:
+            finish = {"type": "stop", "matched": out.token_ids[-1]}
+        else:
+            finish = {"type": "length", "length": len(out.token_ids)}
+        ids, lps, kind = sg.parse_generate_response(
+            sglang_body(out.token_ids, out.logprobs, finish))
+        assert ids == out.token_ids and lps == out.logprobs
+        assert {"stop": FINISH_STOP, "length": FINISH_LENGTH}[kind] == out.finish_reason
+    out = outs[0]
+    # aborted while running: the tokens so far (one may lack its log-prob yet)
+    body = sglang_body(out.token_ids[:3], out.logprobs[:3], {"type": "abort", "message": "x"})
+    body["output_ids"] = out.token_ids[:4]
+    assert sg.parse_generate_response(body) == (out.token_ids[:3], out.logprobs[:3], "abort")
+    # aborted before prefill: the tokenizer manager's answer has no output_ids at all
+    before = {"text": "", "meta_info": {"id": "r", "prompt_tokens": 0, "completion_tokens": 0,
+                                        "finish_reason": {"type": "abort",
+                                                          "message": "Abort before prefill"}}}
+    assert sg.parse_generate_response(before) == ([], [], "abort")
+    bad = sglang_body(out.token_ids, out.logprobs, {"type": "length", "length": 6})
+    bad["meta_info"]["output_token_logprobs"][1][1] += 1
+    with pytest.raises(RuntimeError, match="log-prob 1 is of token"):
+        sg.parse_generate_response(bad)
+    short = sglang_body(out.token_ids, out.logprobs, {"type": "length", "length": 6})
+    short["meta_info"]["output_token_logprobs"].pop()
+    with pytest.raises(RuntimeError, match="log-probs"):
+        sg.parse_generate_response(short)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        sg.parse_generate_response({"output_ids": [], "meta_info": {"finish_reason": None}})
+
+
+def test_parse_choice_step(hf_model):
+    logits = next_logits(hf_model, PROMPT)
+    lp = torch.log_softmax(logits, -1)
+    allowed = [10, 11, 12]
+    tok = max(allowed, key=lambda t: float(logits[t]))
+    body = sglang_body([tok], [float(lp[tok])], {"type": "length", "length": 1})
+    body["meta_info"]["output_token_ids_logprobs"] = [triples(lp, allowed)]
+    got_tok, got_lp, finish = sg.parse_choice_step(body, allowed)
+    want = torch.log_softmax(logits[allowed], -1)[allowed.index(tok)].item()
+    assert (got_tok, finish) == (tok, "length") and got_lp == pytest.approx(want, abs=1e-6)
+    with pytest.raises(RuntimeError, match="--enable-custom-logit-processor"):
+        sg.parse_choice_step(body, [20, 21])
+    gone = {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}}}
+    assert sg.parse_choice_step(gone, allowed) == (None, None, "abort")
+
+
+def test_renormalisation_edge_cases():
+    assert sg.renormalized_logprob(4, [[-0.1, 4, None]]) == 0.0
+    two = [[math.log(0.2), 1, None], [math.log(0.6), 2, None]]
+    assert sg.renormalized_logprob(1, two) == pytest.approx(math.log(0.25))
+    with pytest.raises(RuntimeError, match="no log-prob of token 3"):
+        sg.renormalized_logprob(3, two)
+
+
+def test_error_text_of_sglang_error_bodies():
+    assert sg._error_text(b'{"object": "error", "message": "too long", "code": 400}') == "too long"
+    assert sg._error_text(b'{"error": {"message": "bad mode"}}') == "bad mode"
+    assert sg._error_text(b"Internal Server Error") == "Internal Server Error"
+
+
+# -- launching ------------------------------------------------------------------------------------
+def test_server_command(tiny_model_dir):
+    cmd = sg.server_command(tiny_model_dir, port=31234, seed=7, python="/opt/sgl/bin/python",
+                            args={"mem_fraction_static": 0.3, "disable_cuda_graph": True,
+                                  "enable_metrics": False, "cuda_graph_bs": [1, 2, 4],
+                                  "json_model_override_args": {"a": 1}},
+                            head_dim=32)
+    assert cmd[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    flat = " ".join(cmd)
+    for part in (f"--model-path {tiny_model_dir}", "--host 127.0.0.1", "--port 31234",
+                 "--skip-tokenizer-init", "--enable-custom-logit-processor",
+                 "--mem-fraction-static 0.3", "--disable-cuda-graph", "--cuda-graph-bs 1 2 4",
+                 "--random-seed 7", "--attention-backend triton",
+                 '--json-model-override-args {"a": 1}'):
+        assert part in flat, part
+    assert "--enable-metrics" not in flat
+    own = sg.server_command(tiny_model_dir, port=1, args={"random_seed": 1, "host": "0.0.0.0",
+                                                          "attention-backend": "fa3"},
+                            head_dim=32)
+    assert "--random-seed 1" in " ".join(own) and "--host 0.0.0.0" in " ".join(own)
+    assert "--attention-backend fa3" in " ".join(own)
+    assert "--attention-backend" not in " ".join(sg.server_command("m", port=1, head_dim=128))
+    with pytest.raises(ValueError, match="model_path"):
+        sg.server_command(tiny_model_dir, port=1, args={"model-path": "x"})
+
+
+def test_gpu_check_cpu_side():
+    """benchmarks/gpu_check.sh parses, its helper's pure parts work, and without a GPU it
+    stops at once with exit 2 and a JSON line saying why."""
+    root = Path(__file__).resolve().parents[2]
+    script = root / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = subprocess.run(["bash", str(script), "--self-test"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable}, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["self_test"] == "ok", r.stderr
+    if shutil.which("nvidia-smi"):
+        return
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 2 and "no NVIDIA GPU" in r.stderr
+    assert json.loads(r.stdout)["ok"] is False
+
+
+# ======================================================================================
+# With a CUDA GPU and sglang: a real server
+# ======================================================================================
+GPU_REASON = sg.sglang_unavailable_reason()
+gpu = pytest.mark.skipif(GPU_REASON is not None,
+                         reason=f"needs a CUDA GPU and sglang: {GPU_REASON}")
+GPU_ARGS = {"dtype": "float32", "mem_fraction_static": 0.25, "disable_cuda_graph": True,
+            "startup_timeout_s": 600}
+TOL = 2e-2  # float32 server kernels vs a float32 torch forward
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its output layer scaled up: log-probs spread over tens of nats,
+    so that temperature-scaled ones could not pass for raw ones."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("sglang") / "peaked"
+    shutil.copytree(tiny_model_dir, out)
+    sd = load_file(str(out / "model.safetensors"))
+    sd["lm_head.weight"] = sd["lm_head.weight"] * 6.0
+    save_file(sd, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def peaked_hf(peaked_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(peaked_model_dir, dtype=torch.float32,
+                                                local_files_only=True).eval()
+
+
+def forced_logprobs(model, prompt, tokens, allowed_steps=None) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt, *tokens]])).logits[0].float()
+    out = []
+    for i, t in enumerate(tokens):
+        row = logits[len(prompt) - 1 + i]
+        if allowed_steps is not None:
+            allowed = allowed_steps[i]
+            out.append(torch.log_softmax(row[allowed], -1)[allowed.index(t)].item())
+        else:
+            out.append(torch.log_softmax(row, -1)[t].item())
+    return out
+
+
+@pytest.fixture(scope="module")
+async def server(peaked_model_dir):
+    eng = sg.SglangEngine(peaked_model_dir, seed=0, engine_args=GPU_ARGS)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.close()
+
+
+@gpu
+async def test_gpu_free_rows_report_raw_logprobs(server, peaked_hf):
+    assert server.raw_logprobs is True, "the launched server must return pre-temperature ones"
+    for kw in ({"temperature": 1.0}, {"temperature": 0.5}, {"greedy": True},
+               {"temperature": 1.3, "top_p": 0.8}):
+        out = await server.generate(GenInput(prompt_ids=PROMPT, max_new_tokens=10, **kw), "free")
+        assert out.version == 0 and out.finish_reason in (FINISH_STOP, FINISH_LENGTH)
+        assert len(out.token_ids) == len(out.logprobs) >= 1
+        want = forced_logprobs(peaked_hf, PROMPT, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < TOL, (kw, out, want)
+
+
+@gpu
+async def test_gpu_stop_tokens_end_the_row(server):
+    first = await server.generate(GenInput(prompt_ids=PROMPT, max_new_tokens=8, greedy=True), "a")
+    stop = first.token_ids[2]
+    cut = first.token_ids.index(stop) + 1
+    out = await server.generate(GenInput(prompt_ids=PROMPT, max_new_tokens=8, greedy=True,
+                                         stop_token_ids=(stop,)), "b")
+    assert out.token_ids == first.token_ids[:cut] and out.finish_reason == FINISH_STOP
+
+
+@gpu
+@pytest.mark.parametrize("kw", [{"greedy": True}, {"temperature": 1.0}, {"temperature": 0.6}])
+async def test_gpu_choices(server, peaked_hf, kw):
+    choices = [[5, 6], [5, 7, 8], [9], [30, 31]]
+    for i in range(4):
+        out = await server.generate(GenInput(prompt_ids=PROMPT[i:], choices=choices, **kw),
+                                    f"c{i}")
+        assert out.token_ids in choices and out.finish_reason == FINISH_CHOICE
+        steps = [sg.allowed_next(choices, out.token_ids[:j]) for j in range(len(out.token_ids))]
+        want = forced_logprobs(peaked_hf, PROMPT[i:], out.token_ids, steps)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < TOL
+        assert [lp for s, lp in zip(steps, out.logprobs) if len(s) == 1] == \
+            [0.0] * sum(len(s) == 1 for s in steps)
+
+
+@pytest.fixture(scope="module")
+async def long_input(server):
+    """A greedy row that runs its full 1000 tokens (no eos on the way): seconds."""
+    import random
+
+    rng = random.Random(5)
+    for i in range(12):
+        inp = GenInput(prompt_ids=[1] + [rng.randrange(3, 500) for _ in range(8)],
+                       max_new_tokens=1000, greedy=True)
+        if (await server.generate(inp, f"find-long-{i}")).finish_reason == FINISH_LENGTH:
+            return inp
+    pytest.fail("no prompt found whose greedy continuation avoids eos for 1000 tokens")
+
+
+@gpu
+async def test_gpu_abort_returns_what_was_generated(server, long_input):
+    inp = long_input
+    task = asyncio.ensure_future(server.generate(inp, "long"))
+    await asyncio.sleep(0.3)
+    await server.abort(["long", "not-in-flight"])
+    with pytest.raises(EngineAborted) as ei:
+        await asyncio.wait_for(task, 30)
+    e = ei.value
+    assert e.request_id == "long" and e.partial_version == 0
+    assert e.partial.finish_reason == FINISH_INTERRUPTED
+    assert len(e.partial.token_ids) == len(e.partial.logprobs) < 1000
+    full = await server.generate(inp, "long-again")  # greedy: the partial is its prefix
+    assert full.token_ids[:len(e.partial.token_ids)] == e.partial.token_ids
+
+
+@gpu
+async def test_gpu_pause_modes(server, long_input):
+    long = long_input
+    short = GenInput(prompt_ids=PROMPT, max_new_tokens=4, greedy=True)
+    running = asyncio.ensure_future(server.generate(long, "run-1"))
+    await asyncio.sleep(0.2)
+    await server.pause("abort")
+    with pytest.raises(EngineAborted):
+        await running
+    queued = asyncio.ensure_future(server.generate(short, "q-1"))
+    await asyncio.sleep(0.3)
+    assert not queued.done(), "a paused engine starts no request"
+    await server.resume()
+    assert (await asyncio.wait_for(queued, 30)).finish_reason in (FINISH_STOP, FINISH_LENGTH)
+    # wait: returns once the request in flight has finished, which it does normally
+    running = asyncio.ensure_future(server.generate(GenInput(prompt_ids=PROMPT,
+                                                             max_new_tokens=64), "run-2"))
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(server.pause("wait"), 60)
+    assert running.done() and running.result().finish_reason in (FINISH_STOP, FINISH_LENGTH)
+    queued = asyncio.ensure_future(server.generate(short, "q-2"))
+    await asyncio.sleep(0.1)
+    await server.abort(["q-2"])  # a queued request aborted: nothing generated
+    with pytest.raises(EngineAborted) as ei:
+        await queued
+    assert ei.value.partial.token_ids == []
+    await server.resume()
+
+
+@gpu
+async def test_gpu_load_weights(server, peaked_model_dir, tmp_path):
+    from safetensors.torch import load_file, save
+
+    inp = GenInput(prompt_ids=PROMPT, max_new_tokens=8, greedy=True)
+    before = await server.generate(inp, "w0")
+    sd = load_file(str(peaked_model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+    await server.pause("wait")
+    await server.load_weights(save(new), 1)
+    await server.resume()
+    after = await server.generate(inp, "w1")
+    assert server.version == 1 and after.version == 1 and after.token_ids != before.token_ids
+    # a mismatch is refused before the server sees it: v1 keeps serving
+    bad = dict(new)
+    bad.pop("model.norm.weight")
+    with pytest.raises(ValueError, match="missing"):
+        await server.load_weights(save(bad), 2)
+    assert server.version == 1
+    assert (await server.generate(inp, "w1b")).token_ids == after.token_ids
+    # from a file, back to the original weights
+    await server.pause("wait")
+    await server.load_weights(peaked_model_dir / "model.safetensors", 2)
+    await server.resume()
+    again = await server.generate(inp, "w2")
+    assert again.version == 2 and again.token_ids == before.token_ids
