@@ -150,7 +150,7 @@ def summarize_throughput(alone: list[float], proxy: list[float]) -> dict:
 def self_test() -> None:
     """The CPU-side parts (what ``gpu_check.sh --self-test`` runs anywhere)."""
     from rollart.engines.base import GenInput
-    from rollart.engines.sglang_engine import generate_payload
+    from rollart.engines.sglang_protocol import generate_payload
 
     args = parse_args([])
     assert abs(param_count(model_spec(args)) / 1e9 - 0.51) < 0.01, param_count(model_spec(args))
@@ -186,7 +186,7 @@ def preflight(args: argparse.Namespace) -> dict:
         import aiohttp  # noqa: F401
     except ImportError:
         raise Unfit("aiohttp is missing: pip install -e '.[sglang]'") from None
-    from rollart.engines.sglang_engine import sglang_unavailable_reason
+    from rollart.engines.sglang_server import sglang_unavailable_reason
 
     why = sglang_unavailable_reason(args.sglang_python)
     if why is not None:
@@ -216,7 +216,7 @@ async def run_alone(url: str, eng, ps, max_new: int) -> tuple[float, int]:
     import aiohttp
 
     from rollart.engines.base import GenInput
-    from rollart.engines.sglang_engine import generate_payload, parse_generate_response
+    from rollart.engines.sglang_protocol import generate_payload, parse_generate_response
 
     tokens = 0
     conn = aiohttp.TCPConnector(limit=len(ps) + 8, limit_per_host=0)

@@ -300,9 +300,13 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
 
 async def _check_envs(cfg: RunConfig, names: list[str] | None = None) -> None:
     """Import, construct and reset every env of ``cfg`` (or ``names``; see rollart.envs.check);
-    raises a ConfigError naming the env when one is broken."""
+    raises a ConfigError naming the env when one is broken, or saying what ``proxy.engine``
+    needs that is not installed."""
+    from rollart.engines import missing_for
     from rollart.envs.check import check_envs_async
 
+    if (why := missing_for(cfg.proxy.engine)) is not None:
+        raise ConfigError(why)
     await check_envs_async(cfg, names)
 
 

@@ -101,7 +101,7 @@ BAD = [
     ("node", "bus_outage_max", -1),
     ("node", "bus_outage_max", NAN),
     ("envs.main", "max_abandoned_threads", 0),
-    ("proxy", "engine", "sglang"),
+    ("proxy", "engine", "tensorrt"),
     ("proxy", "gather_ms", -1),
     ("proxy", "max_batch", 0),
     ("proxy", "replicas", 0),

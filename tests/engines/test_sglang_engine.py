@@ -24,6 +24,9 @@ torch = pytest.importorskip("torch")
 
 from rollart.engines import build_engine  # noqa: E402
 from rollart.engines import sglang_engine as sg  # noqa: E402
+from rollart.engines import sglang_protocol as sgp  # noqa: E402
+from rollart.engines import sglang_server as sgs  # noqa: E402
+from rollart.engines import sglang_weights as sgw  # noqa: E402
 from rollart.engines.base import (  # noqa: E402
     FINISH_CHOICE,
     FINISH_INTERRUPTED,
@@ -104,7 +107,7 @@ async def test_start_says_what_is_missing(tiny_model_dir):
         with pytest.raises(RuntimeError, match=r"pip install 'rollart\[sglang\]'"):
             await eng.start()
         return
-    if sg.sglang_unavailable_reason() is None:
+    if sgs.sglang_unavailable_reason() is None:
         pytest.skip("sglang is installed here: the GPU tests below start it")
     if eng.python == sys.executable and __import__("importlib").util.find_spec("sglang"):
         pytest.skip("sglang is importable; only CUDA is missing")
@@ -117,7 +120,7 @@ async def test_start_says_what_is_missing(tiny_model_dir):
 def test_model_info_reads_the_folder(tiny_model_dir):
     from safetensors import safe_open
 
-    info = sg.read_model_info(tiny_model_dir)
+    info = sgw.read_model_info(tiny_model_dir)
     assert info.vocab_size == 512 and info.eos_token_ids == (2, 0) and not info.tied
     assert info.head_dim == 32
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
@@ -128,35 +131,35 @@ def test_model_info_reads_the_folder(tiny_model_dir):
 def test_safetensors_header_of_file_and_bytes(tiny_model_dir):
     path = tiny_model_dir / "model.safetensors"
     data = path.read_bytes()
-    assert sg.read_safetensors_header(path) == sg.safetensors_header(data)
+    assert sgw.read_safetensors_header(path) == sgw.safetensors_header(data)
     for bad in (data[:4], data[: len(data) // 2], b"\x10\0\0\0\0\0\0\0{not json}      "):
         with pytest.raises(ValueError, match="safetensors"):
-            sg.safetensors_header(bad)
+            sgw.safetensors_header(bad)
     with pytest.raises(ValueError, match="cannot read"):
-        sg.read_safetensors_header(tiny_model_dir / "missing.safetensors")
+        sgw.read_safetensors_header(tiny_model_dir / "missing.safetensors")
 
 
 def test_check_weights_names_and_shapes(tiny_model_dir):
-    shapes = sg.read_model_info(tiny_model_dir).shapes
-    sg.check_weights(shapes, dict(shapes))
+    shapes = sgw.read_model_info(tiny_model_dir).shapes
+    sgw.check_weights(shapes, dict(shapes))
     missing = {k: v for k, v in shapes.items() if k != "model.norm.weight"}
     with pytest.raises(ValueError, match=r"missing=\['model.norm.weight'\]"):
-        sg.check_weights(shapes, missing)
+        sgw.check_weights(shapes, missing)
     with pytest.raises(ValueError, match=r"unexpected=\['extra.weight'\]"):
-        sg.check_weights(shapes, {**shapes, "extra.weight": (1,)})
+        sgw.check_weights(shapes, {**shapes, "extra.weight": (1,)})
     with pytest.raises(ValueError, match="lm_head.weight: \\(512, 129\\) != \\(512, 128\\)"):
-        sg.check_weights(shapes, {**shapes, "lm_head.weight": (512, 129)})
+        sgw.check_weights(shapes, {**shapes, "lm_head.weight": (512, 129)})
     # tied embeddings: either name stands for both, none is missing
     tied = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
-    sg.check_weights(tied, shapes, tied=True)
-    sg.check_weights(tied, tied, tied=True)
+    sgw.check_weights(tied, shapes, tied=True)
+    sgw.check_weights(tied, tied, tied=True)
     only_head = {k: v for k, v in shapes.items() if k != "model.embed_tokens.weight"}
-    sg.check_weights(tied, only_head, tied=True)
+    sgw.check_weights(tied, only_head, tied=True)
     neither = {k: v for k, v in tied.items() if k != "model.embed_tokens.weight"}
     with pytest.raises(ValueError, match="missing"):
-        sg.check_weights(tied, neither, tied=True)
+        sgw.check_weights(tied, neither, tied=True)
     with pytest.raises(ValueError, match="unexpected"):
-        sg.check_weights(tied, shapes, tied=False)
+        sgw.check_weights(tied, shapes, tied=False)
 
 
 def test_rename_tensor_keeps_the_data():
@@ -165,8 +168,8 @@ def test_rename_tensor_keeps_the_data():
     g = torch.Generator().manual_seed(0)
     tensors = {"lm_head.weight": torch.randn(7, 3, generator=g),
                "model.norm.weight": torch.randn(3, generator=g)}
-    out = load(sg.rename_safetensors_tensor(save(tensors), "lm_head.weight",
-                                            "model.embed_tokens.weight"))
+    out = load(sgw.rename_safetensors_tensor(save(tensors), "lm_head.weight",
+                                             "model.embed_tokens.weight"))
     assert set(out) == {"model.embed_tokens.weight", "model.norm.weight"}
     assert torch.equal(out["model.embed_tokens.weight"], tensors["lm_head.weight"])
     assert torch.equal(out["model.norm.weight"], tensors["model.norm.weight"])
@@ -193,7 +196,7 @@ async def test_load_weights_checks_names_and_shapes_first(tiny_model_dir):
 def test_free_row_payload():
     inp = GenInput(prompt_ids=PROMPT, max_new_tokens=12, temperature=0.7, top_p=0.9,
                    stop_token_ids=(7,))
-    body = sg.generate_payload(inp, "t1#0.abc", eos_token_ids=(2, 0))
+    body = sgp.generate_payload(inp, "t1#0.abc", eos_token_ids=(2, 0))
     assert body == {
         "rid": "t1#0.abc", "input_ids": PROMPT, "return_logprob": True, "stream": False,
         "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9,
@@ -201,12 +204,12 @@ def test_free_row_payload():
     json.dumps(body)
     for greedy in (GenInput(prompt_ids=PROMPT, greedy=True, temperature=0.7),
                    GenInput(prompt_ids=PROMPT, temperature=0.0)):
-        assert sg.generate_payload(greedy, "r")["sampling_params"]["temperature"] == 0.0
+        assert sgp.generate_payload(greedy, "r")["sampling_params"]["temperature"] == 0.0
 
 
 def test_choice_step_payload():
     inp = GenInput(prompt_ids=PROMPT, temperature=1.0, choices=[[5, 6], [5, 7, 8], [9]])
-    body = sg.choice_step_payload(inp, "r.1", [5], [6, 7])
+    body = sgp.choice_step_payload(inp, "r.1", [5], [6, 7])
     assert body["input_ids"] == [*PROMPT, 5]
     assert body["sampling_params"] == {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0,
                                        "custom_params": {"allowed": [6, 7]}}
@@ -214,18 +217,18 @@ def test_choice_step_payload():
     # SGLang's CustomLogitProcessor.to_str() format: {"callable": <hex of a pickle>}
     data = json.loads(body["custom_logit_processor"])
     assert set(data) == {"callable"} and bytes.fromhex(data["callable"])
-    assert body["custom_logit_processor"] == sg.processor_string()  # one string: cached there
+    assert body["custom_logit_processor"] == sgp.processor_string()  # one string: cached there
     json.dumps(body)
 
 
 def test_allowed_next_and_complete_choices():
     choices = [[5, 6], [5, 7, 8], [9]]
-    assert sg.allowed_next(choices, []) == [5, 9]
-    assert sg.allowed_next(choices, [5]) == [6, 7]
-    assert sg.allowed_next(choices, [5, 7]) == [8]
-    assert sg.allowed_next(choices, [4]) == []
-    assert not sg.is_complete_choice(choices, [5, 7])
-    assert sg.is_complete_choice(choices, [5, 7, 8]) and sg.is_complete_choice(choices, [9])
+    assert sgp.allowed_next(choices, []) == [5, 9]
+    assert sgp.allowed_next(choices, [5]) == [6, 7]
+    assert sgp.allowed_next(choices, [5, 7]) == [8]
+    assert sgp.allowed_next(choices, [4]) == []
+    assert not sgp.is_complete_choice(choices, [5, 7])
+    assert sgp.is_complete_choice(choices, [5, 7, 8]) and sgp.is_complete_choice(choices, [9])
 
 
 # -- the processor and the renormalisation, on the tiny model's logits -----------------------------
@@ -239,9 +242,9 @@ def test_processor_and_renormalisation_match_the_torch_engine(hf_model, engine):
     out = engine.generate([GenInput(prompt_ids=PROMPT, choices=ACTIONS, greedy=True)])[0]
     assert out.finish_reason == FINISH_CHOICE and len(out.token_ids) == 1
     tok, want = out.token_ids[0], out.logprobs[0]
-    allowed = sg.allowed_next(ACTIONS, [])
+    allowed = sgp.allowed_next(ACTIONS, [])
     logits = next_logits(hf_model, PROMPT)
-    proc = sg.build_processor()
+    proc = sgp.build_processor()
     masked = proc(logits[None].clone(), [{"allowed": allowed}])[0]
     assert int(masked.argmax()) == tok
     assert torch.isinf(masked[[i for i in range(512) if i not in allowed]]).all()
@@ -250,19 +253,19 @@ def test_processor_and_renormalisation_match_the_torch_engine(hf_model, engine):
     # the server reports log_softmax of the masked logits (mask applied first) ...
     lp_masked = torch.log_softmax(masked, -1)
     assert lp_masked[tok].item() == pytest.approx(want, abs=1e-5)
-    assert sg.renormalized_logprob(tok, triples(lp_masked, allowed)) == pytest.approx(want,
-                                                                                     abs=1e-5)
+    assert sgp.renormalized_logprob(tok, triples(lp_masked, allowed)) == pytest.approx(want,
+                                                                                      abs=1e-5)
     # ... and renormalising the full distribution gives the same
     lp_full = torch.log_softmax(logits, -1)
     assert lp_full[tok].item() < want - 1.0  # over 512 tokens, not 4
-    assert sg.renormalized_logprob(tok, triples(lp_full, allowed)) == pytest.approx(want,
-                                                                                   abs=1e-5)
+    assert sgp.renormalized_logprob(tok, triples(lp_full, allowed)) == pytest.approx(want,
+                                                                                    abs=1e-5)
 
 
 def test_processor_rows_and_batches(hf_model):
     """As SGLang calls it: the rows that carry this processor, one params dict per row
     (``__req__`` added by the scheduler; rows without ``allowed`` left alone)."""
-    proc = sg.build_processor()
+    proc = sgp.build_processor()
     rows = torch.stack([next_logits(hf_model, PROMPT), next_logits(hf_model, PROMPT[:3]),
                         next_logits(hf_model, PROMPT[1:])])
     before = rows.clone()
@@ -280,7 +283,7 @@ def test_processor_unpickles_without_rollart():
     code = f"""
 import json, pickle, sys
 sys.modules["rollart"] = None  # importing rollart fails from here on
-s = {sg.processor_string()!r}
+s = {sgp.processor_string()!r}
 loaders = [pickle.loads]
 try:
     import dill
@@ -298,7 +301,7 @@ print(type(proc).__name__, len(loaders))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split()[0] == sg.PROCESSOR_CLASS
+    assert r.stdout.split()[0] == sgp.PROCESSOR_CLASS
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -310,7 +313,7 @@ def test_parse_free_rows_shaped_as_sglang_answers_them(engine):
             finish = {"type": "stop", "matched": out.token_ids[-1]}
         else:
             finish = {"type": "length", "length": len(out.token_ids)}
-        ids, lps, kind = sg.parse_generate_response(
+        ids, lps, kind = sgp.parse_generate_response(
             sglang_body(out.token_ids, out.logprobs, finish))
         assert ids == out.token_ids and lps == out.logprobs
         assert {"stop": FINISH_STOP, "length": FINISH_LENGTH}[kind] == out.finish_reason
@@ -318,22 +321,22 @@ def test_parse_free_rows_shaped_as_sglang_answers_them(engine):
     # aborted while running: the tokens so far (one may lack its log-prob yet)
     body = sglang_body(out.token_ids[:3], out.logprobs[:3], {"type": "abort", "message": "x"})
     body["output_ids"] = out.token_ids[:4]
-    assert sg.parse_generate_response(body) == (out.token_ids[:3], out.logprobs[:3], "abort")
+    assert sgp.parse_generate_response(body) == (out.token_ids[:3], out.logprobs[:3], "abort")
     # aborted before prefill: the tokenizer manager's answer has no output_ids at all
     before = {"text": "", "meta_info": {"id": "r", "prompt_tokens": 0, "completion_tokens": 0,
                                         "finish_reason": {"type": "abort",
                                                           "message": "Abort before prefill"}}}
-    assert sg.parse_generate_response(before) == ([], [], "abort")
+    assert sgp.parse_generate_response(before) == ([], [], "abort")
     bad = sglang_body(out.token_ids, out.logprobs, {"type": "length", "length": 6})
     bad["meta_info"]["output_token_logprobs"][1][1] += 1
     with pytest.raises(RuntimeError, match="log-prob 1 is of token"):
-        sg.parse_generate_response(bad)
+        sgp.parse_generate_response(bad)
     short = sglang_body(out.token_ids, out.logprobs, {"type": "length", "length": 6})
     short["meta_info"]["output_token_logprobs"].pop()
     with pytest.raises(RuntimeError, match="log-probs"):
-        sg.parse_generate_response(short)
+        sgp.parse_generate_response(short)
     with pytest.raises(RuntimeError, match="unfinished"):
-        sg.parse_generate_response({"output_ids": [], "meta_info": {"finish_reason": None}})
+        sgp.parse_generate_response({"output_ids": [], "meta_info": {"finish_reason": None}})
 
 
 def test_parse_choice_step(hf_model):
@@ -343,36 +346,36 @@ def test_parse_choice_step(hf_model):
     tok = max(allowed, key=lambda t: float(logits[t]))
     body = sglang_body([tok], [float(lp[tok])], {"type": "length", "length": 1})
     body["meta_info"]["output_token_ids_logprobs"] = [triples(lp, allowed)]
-    got_tok, got_lp, finish = sg.parse_choice_step(body, allowed)
+    got_tok, got_lp, finish = sgp.parse_choice_step(body, allowed)
     want = torch.log_softmax(logits[allowed], -1)[allowed.index(tok)].item()
     assert (got_tok, finish) == (tok, "length") and got_lp == pytest.approx(want, abs=1e-6)
     with pytest.raises(RuntimeError, match="--enable-custom-logit-processor"):
-        sg.parse_choice_step(body, [20, 21])
+        sgp.parse_choice_step(body, [20, 21])
     gone = {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}}}
-    assert sg.parse_choice_step(gone, allowed) == (None, None, "abort")
+    assert sgp.parse_choice_step(gone, allowed) == (None, None, "abort")
 
 
 def test_renormalisation_edge_cases():
-    assert sg.renormalized_logprob(4, [[-0.1, 4, None]]) == 0.0
+    assert sgp.renormalized_logprob(4, [[-0.1, 4, None]]) == 0.0
     two = [[math.log(0.2), 1, None], [math.log(0.6), 2, None]]
-    assert sg.renormalized_logprob(1, two) == pytest.approx(math.log(0.25))
+    assert sgp.renormalized_logprob(1, two) == pytest.approx(math.log(0.25))
     with pytest.raises(RuntimeError, match="no log-prob of token 3"):
-        sg.renormalized_logprob(3, two)
+        sgp.renormalized_logprob(3, two)
 
 
 def test_error_text_of_sglang_error_bodies():
-    assert sg._error_text(b'{"object": "error", "message": "too long", "code": 400}') == "too long"
-    assert sg._error_text(b'{"error": {"message": "bad mode"}}') == "bad mode"
-    assert sg._error_text(b"Internal Server Error") == "Internal Server Error"
+    assert sgp.error_text(b'{"object": "error", "message": "too long", "code": 400}') == "too long"
+    assert sgp.error_text(b'{"error": {"message": "bad mode"}}') == "bad mode"
+    assert sgp.error_text(b"Internal Server Error") == "Internal Server Error"
 
 
 # -- launching ------------------------------------------------------------------------------------
 def test_server_command(tiny_model_dir):
-    cmd = sg.server_command(tiny_model_dir, port=31234, seed=7, python="/opt/sgl/bin/python",
-                            args={"mem_fraction_static": 0.3, "disable_cuda_graph": True,
-                                  "enable_metrics": False, "cuda_graph_bs": [1, 2, 4],
-                                  "json_model_override_args": {"a": 1}},
-                            head_dim=32)
+    cmd = sgs.server_command(tiny_model_dir, port=31234, seed=7, python="/opt/sgl/bin/python",
+                             args={"mem_fraction_static": 0.3, "disable_cuda_graph": True,
+                                   "enable_metrics": False, "cuda_graph_bs": [1, 2, 4],
+                                   "json_model_override_args": {"a": 1}},
+                             head_dim=32)
     assert cmd[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     flat = " ".join(cmd)
     for part in (f"--model-path {tiny_model_dir}", "--host 127.0.0.1", "--port 31234",
@@ -382,14 +385,14 @@ def test_server_command(tiny_model_dir):
                  '--json-model-override-args {"a": 1}'):
         assert part in flat, part
     assert "--enable-metrics" not in flat
-    own = sg.server_command(tiny_model_dir, port=1, args={"random_seed": 1, "host": "0.0.0.0",
-                                                          "attention-backend": "fa3"},
-                            head_dim=32)
+    own = sgs.server_command(tiny_model_dir, port=1, args={"random_seed": 1, "host": "0.0.0.0",
+                                                           "attention-backend": "fa3"},
+                             head_dim=32)
     assert "--random-seed 1" in " ".join(own) and "--host 0.0.0.0" in " ".join(own)
     assert "--attention-backend fa3" in " ".join(own)
-    assert "--attention-backend" not in " ".join(sg.server_command("m", port=1, head_dim=128))
+    assert "--attention-backend" not in " ".join(sgs.server_command("m", port=1, head_dim=128))
     with pytest.raises(ValueError, match="model_path"):
-        sg.server_command(tiny_model_dir, port=1, args={"model-path": "x"})
+        sgs.server_command(tiny_model_dir, port=1, args={"model-path": "x"})
 
 
 def test_gpu_check_cpu_side():
@@ -412,7 +415,7 @@ def test_gpu_check_cpu_side():
 # ======================================================================================
 # With a CUDA GPU and sglang: a real server
 # ======================================================================================
-GPU_REASON = sg.sglang_unavailable_reason()
+GPU_REASON = sgs.sglang_unavailable_reason()
 gpu = pytest.mark.skipif(GPU_REASON is not None,
                          reason=f"needs a CUDA GPU and sglang: {GPU_REASON}")
 GPU_ARGS = {"dtype": "float32", "mem_fraction_static": 0.25, "disable_cuda_graph": True,
@@ -496,7 +499,7 @@ async def test_gpu_choices(server, peaked_hf, kw):
         out = await server.generate(GenInput(prompt_ids=PROMPT[i:], choices=choices, **kw),
                                     f"c{i}")
         assert out.token_ids in choices and out.finish_reason == FINISH_CHOICE
-        steps = [sg.allowed_next(choices, out.token_ids[:j]) for j in range(len(out.token_ids))]
+        steps = [sgp.allowed_next(choices, out.token_ids[:j]) for j in range(len(out.token_ids))]
         want = forced_logprobs(peaked_hf, PROMPT[i:], out.token_ids, steps)
         assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < TOL
         assert [lp for s, lp in zip(steps, out.logprobs) if len(s) == 1] == \

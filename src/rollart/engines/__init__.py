@@ -41,6 +41,20 @@ __all__ = [
 ]
 
 
+def missing_for(name: str) -> str | None:
+    """What ``proxy.engine: name`` needs that this Python lacks (an install hint), or None.
+    Cheap (no import of the engine): for a clear error before a run starts."""
+    from importlib.util import find_spec
+
+    if name == "vllm" and find_spec("vllm") is None:
+        return ("proxy.engine 'vllm' needs vLLM, which is not installed here: pip install "
+                "'rollart[vllm]' (GPU) or, on CPU, make setup-vllm (see README: Engines)")
+    if name == "sglang" and find_spec("aiohttp") is None:
+        return ("proxy.engine 'sglang' needs aiohttp to talk to the SGLang server: pip install "
+                "'rollart[sglang]'")
+    return None
+
+
 def build_engine(name: str, model_dir: str, *, seed: int = 0, threads: int | None = 1,
                  gather_s: float = 0.002, max_batch: int = 128,
                  engine_args: dict[str, Any] | None = None) -> AsyncEngine:

@@ -1,0 +1,316 @@
+"""What ``proxy.engine: sglang`` sends to SGLang and how it reads the answers.
+
+Pure translation, standard library only (no I/O, no torch, no aiohttp): the
+``/generate`` bodies of free rows and of constrained steps (:func:`generate_payload`,
+:func:`choice_step_payload`), the parsing of the answers (:func:`parse_generate_response`,
+:func:`parse_choice_step`), the renormalisation of a constrained step's log-prob over the
+allowed tokens (:func:`renormalized_logprob`), the custom logit processor and its
+serialisation (:func:`processor_string`, :func:`build_processor`), the checks of an input
+before it is sent (:func:`check_input`), the log-prob semantics probe's requests
+(:func:`probe_payload`, :func:`probe_spread`) and the text of SGLang's error bodies
+(:func:`error_text`). :class:`~rollart.engines.sglang_engine.SglangEngine` does the I/O.
+
+SGLang API facts this relies on (``python/sglang/srt``, SGLang 0.4.x-0.5.x)
+-----------------------------------------------------------------------
+- ``POST /generate`` (``entrypoints/http_server.py``) with a ``GenerateReqInput``
+  (``managers/io_struct.py``): ``input_ids``, ``rid``, ``sampling_params`` (``temperature``
+  (0 = greedy), ``top_p``, ``max_new_tokens``, ``stop_token_ids``, ``custom_params``),
+  ``return_logprob``, ``token_ids_logprob``, ``custom_logit_processor``. With
+  ``--skip-tokenizer-init`` the answer is ``{"output_ids": [...], "meta_info": {...}}``;
+  ``meta_info.output_token_logprobs`` is one ``[logprob, token_id, text|null]`` per output
+  token, ``meta_info.output_token_ids_logprobs`` one list of such triples (the requested
+  ids) per output token, ``meta_info.finish_reason`` ``{"type": "stop", "matched": id}``,
+  ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``. A request
+  aborted before prefill answers with no ``output_ids``; one aborted while running answers
+  with the tokens it has. A stop or eos token is in ``output_ids``. Invalid requests answer
+  HTTP 400 with ``{"message": ...}`` or ``{"error": {"message": ...}}``.
+- Log-probs (``layers/sampler.py``): the custom logit processor runs first, then the
+  returned log-probs are ``log_softmax(logits / T)`` (the temperature-scaled, processed
+  distribution) unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
+  (``RETURN_ORIGINAL_LOGPROB`` in older versions), which returns ``log_softmax(logits)``
+  of the processed logits before the temperature; greedy rows always get the latter; top-p
+  never changes them. The engine sets both variables on the server it launches and
+  :meth:`~rollart.engines.sglang_engine.SglangEngine.start` probes the semantics (greedy
+  vs T = 0.25 on one prompt): where the server returns scaled log-probs (an attached
+  server started without the variable) only T = 1 and greedy rows are served, others are
+  refused (``ValueError``).
+- Custom logit processors (``sampling/custom_logit_processor.py``, with
+  ``--enable-custom-logit-processor``): ``custom_logit_processor`` is
+  ``json.dumps({"callable": <hex of a dill pickle of a class>})``; the server unpickles it
+  (``dill.loads``, cached per string), instantiates it and calls
+  ``instance(logits[rows], [custom_params of each row])``. The processor here is a plain
+  class built by ``exec`` of its source from a standard pickle (``builtins.eval`` of a
+  small expression), so neither dill nor sglang nor rollart is needed to build it, and the
+  server needs no rollart to run it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import pickle
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .base import GenInput, validate_choices
+
+__all__ = [
+    "PROCESSOR_CLASS",
+    "PROCESSOR_SOURCE",
+    "processor_string",
+    "build_processor",
+    "allowed_next",
+    "is_complete_choice",
+    "check_input",
+    "generate_payload",
+    "choice_step_payload",
+    "probe_payload",
+    "probe_spread",
+    "parse_generate_response",
+    "parse_choice_step",
+    "renormalized_logprob",
+    "finish_kind",
+    "error_text",
+]
+
+
+# ======================================================================================
+# The custom logit processor (constrained turns)
+# ======================================================================================
+PROCESSOR_CLASS = "RollartAllowedTokens"
+PROCESSOR_SOURCE = '''
+class RollartAllowedTokens:
+    """rollart: keep only custom_params["allowed"] (token ids) of each row; rows without
+    it are left as they are. Built by rollart.engines.sglang_engine."""
+
+    def __call__(self, logits, custom_param_list=None):
+        import torch
+
+        for i, params in enumerate(custom_param_list or ()):
+            allowed = (params or {}).get("allowed") if hasattr(params, "get") else None
+            if allowed is None:
+                continue
+            idx = torch.as_tensor(list(allowed), dtype=torch.long, device=logits.device)
+            keep = logits[i].index_select(0, idx)
+            logits[i].fill_(float("-inf"))
+            logits[i].index_copy_(0, idx, keep)
+        return logits
+'''
+
+
+class _BuildFromSource:
+    """Pickles as ``builtins.eval(expr, {})``, whose value is the class ``PROCESSOR_SOURCE``
+    defines (``exec`` in a fresh namespace): a standard pickle that ``pickle.loads`` and
+    ``dill.loads`` both turn into the class, with no import of rollart."""
+
+    def __init__(self, source: str, name: str) -> None:
+        self.source, self.name = source, name
+
+    def __reduce__(self):
+        import builtins
+
+        expr = (f"(lambda ns: (exec({self.source!r}, ns), ns[{self.name!r}])[1])"
+                f"({{'__name__': 'rollart_sglang_processor'}})")
+        return (builtins.eval, (expr, {}))
+
+
+@functools.lru_cache(maxsize=None)
+def processor_string() -> str:
+    """The ``custom_logit_processor`` field: SGLang's ``CustomLogitProcessor.to_str()``
+    format, ``{"callable": <hex pickle of the class>}``."""
+    blob = pickle.dumps(_BuildFromSource(PROCESSOR_SOURCE, PROCESSOR_CLASS), protocol=4)
+    return json.dumps({"callable": blob.hex()})
+
+
+def build_processor(serialized: str | None = None, *, loads=pickle.loads):
+    """What the server does with the field (``CustomLogitProcessor.from_str``): the
+    processor instance. ``loads`` is ``dill.loads`` on the server."""
+    data = json.loads(serialized or processor_string())
+    return loads(bytes.fromhex(data["callable"]))()
+
+
+def allowed_next(choices: Iterable[Sequence[int]], prefix: Sequence[int]) -> list[int]:
+    """Sorted tokens that continue ``prefix`` towards some choice."""
+    n, pre = len(prefix), list(prefix)
+    return sorted({int(c[n]) for c in choices if len(c) > n and list(c[:n]) == pre})
+
+
+def is_complete_choice(choices: Iterable[Sequence[int]], prefix: Sequence[int]) -> bool:
+    pre = list(prefix)
+    return any(list(c) == pre for c in choices)
+
+
+# ======================================================================================
+# Requests and responses
+# ======================================================================================
+def _temperature(inp: GenInput) -> float:
+    return 0.0 if (inp.greedy or inp.temperature <= 0) else float(inp.temperature)
+
+
+def check_input(inp: GenInput, *, vocab_size: int | None, raw_logprobs: bool | None,
+                url: str | None) -> None:
+    """``ValueError`` unless ``inp`` can be sent: token ids within the vocabulary
+    (``vocab_size``), valid choices or ``max_new_tokens``, ``top_p`` in (0, 1], and a
+    temperature the server at ``url`` reports log-probs of (``raw_logprobs`` False: only
+    greedy and T = 1 rows)."""
+    if not inp.prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    vocab = vocab_size
+    top = max([*inp.prompt_ids, *(t for c in (inp.choices or ()) for t in c)], default=0)
+    if vocab is not None and top >= vocab:
+        raise ValueError(f"token id {top} is outside the model's vocabulary ({vocab} tokens)")
+    if min([*inp.prompt_ids, *(t for c in (inp.choices or ()) for t in c)], default=0) < 0:
+        raise ValueError("token ids must not be negative")
+    if inp.choices is not None:
+        validate_choices(inp.choices)
+    elif inp.max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    if not 0.0 < inp.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {inp.top_p}")
+    t = _temperature(inp)
+    if raw_logprobs is False and t not in (0.0, 1.0):
+        raise ValueError(
+            f"temperature {t}: the SGLang server at {url} returns temperature-scaled "
+            "log-probs, so only temperature 1 and greedy rows are served (start it with "
+            "SGLANG_RETURN_ORIGINAL_LOGPROB=1, as a launched server is)")
+
+
+def generate_payload(inp: GenInput, rid: str, *, eos_token_ids: Sequence[int] = ()) -> dict:
+    """The ``/generate`` body of a free (unconstrained) row."""
+    stops = list(dict.fromkeys([*(int(t) for t in inp.stop_token_ids),
+                                *(int(t) for t in eos_token_ids)]))
+    sp: dict[str, Any] = {"max_new_tokens": int(inp.max_new_tokens),
+                          "temperature": _temperature(inp), "top_p": float(inp.top_p)}
+    if stops:
+        sp["stop_token_ids"] = stops
+    return {"rid": rid, "input_ids": [int(t) for t in inp.prompt_ids], "sampling_params": sp,
+            "return_logprob": True, "stream": False}
+
+
+def choice_step_payload(inp: GenInput, rid: str, prefix: Sequence[int],
+                        allowed: Sequence[int]) -> dict:
+    """The ``/generate`` body of one step of a constrained row: the next token after
+    ``prompt + prefix``, among ``allowed``."""
+    allowed = [int(t) for t in allowed]
+    sp = {"max_new_tokens": 1, "temperature": _temperature(inp), "top_p": float(inp.top_p),
+          "custom_params": {"allowed": allowed}}
+    return {"rid": rid, "input_ids": [int(t) for t in (*inp.prompt_ids, *prefix)],
+            "sampling_params": sp, "return_logprob": True, "token_ids_logprob": allowed,
+            "custom_logit_processor": processor_string(), "stream": False}
+
+
+def probe_payload(vocab_size: int | None, temperature: float, rid: str) -> dict:
+    """The ``/generate`` body of one request of the log-prob semantics probe: one step at
+    ``temperature`` (0: greedy) on a fixed prompt, with the log-probs of the first (up to
+    32) token ids."""
+    n = min(int(vocab_size or 32), 32)
+    ids = list(range(n))
+    prompt = [min(3, n - 1)] * 4
+    return {"input_ids": prompt, "return_logprob": True, "token_ids_logprob": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": temperature},
+            "rid": rid}
+
+
+def finish_kind(reason: Any) -> str:
+    """``meta_info.finish_reason`` -> ``stop`` | ``length`` | ``abort``."""
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    if kind in ("stop", "length", "abort"):
+        return kind
+    if reason is None:
+        raise RuntimeError("sglang answered an unfinished request (finish_reason null)")
+    raise RuntimeError(f"sglang finish_reason {reason!r} is not stop, length or abort")
+
+
+def _triples(entries: Any, what: str) -> list[tuple[float, int | None]]:
+    out = []
+    for e in entries or ():
+        if not isinstance(e, (list, tuple)) or len(e) < 2:
+            raise RuntimeError(f"sglang {what}: {e!r} is not [logprob, token_id, text]")
+        out.append((float(e[0]) if e[0] is not None else -math.inf,
+                    int(e[1]) if e[1] is not None else None))
+    return out
+
+
+def parse_generate_response(resp: Mapping[str, Any]) -> tuple[list[int], list[float], str]:
+    """``(token_ids, logprobs, finish)`` of a ``/generate`` answer (``finish`` is ``stop``,
+    ``length`` or ``abort``; an aborted answer may hold fewer log-probs than tokens, and
+    only the tokens with one are kept)."""
+    meta = resp.get("meta_info") or {}
+    finish = finish_kind(meta.get("finish_reason"))
+    ids = resp.get("output_ids")
+    if ids is None:
+        ids = resp.get("token_ids") or []  # older servers with --skip-tokenizer-init
+    ids = [int(t) for t in ids]
+    lps = _triples(meta.get("output_token_logprobs"), "output_token_logprobs")
+    if len(lps) < len(ids):
+        if finish != "abort":
+            raise RuntimeError(f"sglang returned {len(ids)} tokens but {len(lps)} log-probs "
+                               "(is return_logprob honoured?)")
+        ids = ids[:len(lps)]
+    lps = lps[:len(ids)]
+    for i, (t, (_, lt)) in enumerate(zip(ids, lps)):
+        if lt is not None and lt != t:
+            raise RuntimeError(f"sglang log-prob {i} is of token {lt}, the output has {t}")
+    return ids, [lp for lp, _ in lps], finish
+
+
+def renormalized_logprob(token: int, pairs: Any) -> float:
+    """``logprob[token] - logsumexp(logprob[ids])`` over the ``[logprob, id, text]`` triples
+    of one position: the log-prob renormalised over those ids."""
+    vals: dict[int, float] = {}
+    for lp, t in _triples(pairs, "output_token_ids_logprobs"):
+        if t is not None:
+            vals[t] = lp
+    if token not in vals:
+        raise RuntimeError(f"sglang sent no log-prob of token {token} (got ids {sorted(vals)})")
+    m = max(vals.values())
+    if m == -math.inf:
+        raise RuntimeError("sglang gave every allowed token log-prob -inf")
+    lse = m + math.log(sum(math.exp(v - m) for v in vals.values()))
+    return vals[token] - lse
+
+
+def parse_choice_step(resp: Mapping[str, Any], allowed: Sequence[int]
+                      ) -> tuple[int | None, float | None, str]:
+    """``(token, logprob, finish)`` of one constrained step; ``token`` is None when the step
+    was aborted before producing one."""
+    ids, lps, finish = parse_generate_response(resp)
+    if not ids:
+        if finish == "abort":
+            return None, None, finish
+        raise RuntimeError("sglang answered a constrained step with no token")
+    tok = ids[0]
+    if tok not in set(int(a) for a in allowed):
+        raise RuntimeError(
+            f"sglang picked token {tok}, not one of the allowed {list(allowed)[:8]}: the custom "
+            "logit processor was not applied (the server needs --enable-custom-logit-processor)")
+    pairs = ((resp.get("meta_info") or {}).get("output_token_ids_logprobs") or [None])[0]
+    lp = renormalized_logprob(tok, pairs) if pairs else lps[0]
+    return tok, lp, finish
+
+
+def probe_spread(resp: Mapping[str, Any]) -> float | None:
+    """Max minus min of the requested log-probs in a probe answer (None: it has none)."""
+    pairs = ((resp.get("meta_info") or {}).get("output_token_ids_logprobs") or [None])[0]
+    vals = [lp for lp, _ in _triples(pairs, "output_token_ids_logprobs")]
+    if not vals:
+        return None
+    return max(vals) - min(vals)
+
+
+def error_text(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:500]
+    if isinstance(data, Mapping):
+        err = data.get("error")
+        if isinstance(err, Mapping) and err.get("message"):
+            return str(err["message"])
+        if data.get("message"):
+            return str(data["message"])
+        if data.get("detail"):
+            return str(data["detail"])
+    return json.dumps(data)[:500]
+

@@ -1,0 +1,250 @@
+"""The SGLang server process of ``proxy.engine: sglang`` (standard library only).
+
+:class:`~rollart.engines.sglang_engine.SglangEngine` either launches its server or attaches
+to one (``engine_args.url``). This module holds the server side of that: whether an
+interpreter has sglang (:func:`sglang_unavailable_reason`, :func:`require_sglang`), the
+``python -m sglang.launch_server`` command line (:func:`server_command`: the remaining
+``proxy.engine_args`` become its flags, see :func:`server_flags`), starting it in its own
+process group with its output in a log file (:func:`spawn_server`), waiting until it
+generates (:func:`wait_ready`, which says why when it exits or times out) and stopping its
+whole process group (:func:`kill_server`).
+
+SGLang API facts this relies on (``python/sglang/srt``, SGLang 0.4.x-0.5.x): ``GET
+/health_generate`` is 200 once the server generates; ``GET /get_server_info`` carries the
+SGLang ``version``. A launched server gets ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (and
+``RETURN_ORIGINAL_LOGPROB=1`` for older versions): log-probs of the distribution before the
+temperature (see :mod:`rollart.engines.sglang_protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "INSTALL_HINT",
+    "server_flags",
+    "server_command",
+    "free_port",
+    "sglang_unavailable_reason",
+    "require_sglang",
+    "spawn_server",
+    "exited_error",
+    "wait_ready",
+    "kill_server",
+]
+
+INSTALL_HINT = (
+    "install SGLang on the GPU machine per https://docs.sglang.io/get_started/install.html "
+    "(`pip install uv && uv pip install sglang`), in this environment or in another one whose "
+    "interpreter you give as proxy.engine_args.python (or $ROLLART_SGLANG_PYTHON); or attach "
+    "to a running server with proxy.engine_args.url"
+)
+FIXED_FLAGS = ("model_path", "port", "skip_tokenizer_init", "enable_custom_logit_processor")
+"""Server flags the engine sets itself (refused in ``engine_args``)."""
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
+"""Set on a launched server: log-probs of the distribution before the temperature."""
+
+
+# ======================================================================================
+# Launching a server
+# ======================================================================================
+def server_flags(args: Mapping[str, Any]) -> list[str]:
+    """``{"mem_fraction_static": 0.5, "disable_cuda_graph": True}`` ->
+    ``["--mem-fraction-static", "0.5", "--disable-cuda-graph"]``."""
+    out: list[str] = []
+    for key, val in args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if val is None or val is False:
+            continue
+        if val is True:
+            out.append(flag)
+        elif isinstance(val, (list, tuple)):
+            out += [flag, *(str(v) for v in val)]
+        elif isinstance(val, Mapping):
+            out += [flag, json.dumps(val)]
+        else:
+            out += [flag, str(val)]
+    return out
+
+
+def server_command(model_dir: str | os.PathLike, *, port: int, seed: int = 0,
+                   args: Mapping[str, Any] | None = None, python: str | None = None,
+                   head_dim: int | None = None) -> list[str]:
+    """The ``sglang.launch_server`` command line of a launched server."""
+    args = {str(k).replace("-", "_"): v for k, v in dict(args or {}).items()}
+    fixed = sorted(k for k in args if k in FIXED_FLAGS)
+    if fixed:
+        raise ValueError(f"proxy.engine_args: {fixed} are set by the sglang engine itself")
+    host = args.pop("host", "127.0.0.1")
+    args.setdefault("random_seed", int(seed))
+    if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        args.setdefault("attention_backend", "triton")
+    return [python or sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(model_dir), "--host", str(host), "--port", str(int(port)),
+            "--skip-tokenizer-init", "--enable-custom-logit-processor", *server_flags(args)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def tail(path: Path | None, lines: int = 30) -> str:
+    if path is None:
+        return ""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@functools.lru_cache(maxsize=8)
+def sglang_unavailable_reason(python: str | None = None) -> str | None:
+    """None when ``python`` (default ``$ROLLART_SGLANG_PYTHON`` or this interpreter) has
+    sglang and sees a CUDA GPU; else why not (a test's skip reason)."""
+    python = python or os.environ.get("ROLLART_SGLANG_PYTHON") or sys.executable
+    if python == sys.executable:
+        if importlib.util.find_spec("sglang") is None:
+            return ("sglang is not installed (pip install uv && uv pip install sglang, or "
+                    "$ROLLART_SGLANG_PYTHON naming an interpreter that has it)")
+        try:
+            import torch
+        except ImportError:
+            return "torch is not installed"
+        if not torch.cuda.is_available():
+            return "no CUDA GPU (SGLang serves on CUDA)"
+        return None
+    code = ("import importlib.util, sys\n"
+            "if importlib.util.find_spec('sglang') is None: sys.exit('sglang is not installed')\n"
+            "import torch\n"
+            "sys.exit(None if torch.cuda.is_available() else 'no CUDA GPU')\n")
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot run {python}: {e}"
+    if r.returncode:
+        return f"{python}: {(r.stderr.strip().splitlines() or ['failed'])[-1]}"
+    return None
+
+
+
+
+# ======================================================================================
+# The server process
+# ======================================================================================
+async def require_sglang(python: str) -> None:
+    """``RuntimeError`` (saying how to install it) unless ``python`` can import sglang."""
+    if python == sys.executable:
+        missing = importlib.util.find_spec("sglang") is None
+    else:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                python, "-c", "import importlib.util, sys; "
+                "sys.exit(importlib.util.find_spec('sglang') is None)",
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        except OSError as e:
+            raise RuntimeError(f"proxy.engine sglang: cannot run the interpreter "
+                               f"{python!r} (proxy.engine_args.python or "
+                               f"$ROLLART_SGLANG_PYTHON): {e}") from None
+        missing = (await proc.wait()) != 0
+    if missing:
+        raise RuntimeError(f"proxy.engine sglang: the sglang package is not available to "
+                           f"{python}: {INSTALL_HINT}")
+
+
+def spawn_server(command: list[str], log_path: Path, env: Mapping[str, str]
+                 ) -> subprocess.Popen:
+    """Start the server ``command`` with its output in ``log_path``; its environment is
+    this process's, :data:`LOGPROB_ENV` and ``env`` (``engine_args.env``)."""
+    full_env = {**os.environ, **LOGPROB_ENV, **env}
+    with open(log_path, "wb") as out:
+        # its own session: close() signals the whole group (scheduler, detokenizer);
+        # on Linux it also gets SIGTERM if this (main) thread dies without close()
+        tie = (sys.platform.startswith("linux")
+               and threading.current_thread() is threading.main_thread())
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, start_new_session=True, preexec_fn=_die_with_parent if tie else None)
+
+
+def exited_error(proc: subprocess.Popen | None, command: list[str] | None,
+                 log_path: Path | None) -> RuntimeError | None:
+    """The error to raise when the launched server ``proc`` has exited (None: it runs, or
+    there is none), with the last lines of its log."""
+    if proc is None or proc.poll() is None:
+        return None
+    return RuntimeError(
+        f"the SGLang server exited with code {proc.returncode} before it was ready: "
+        f"{' '.join(command or [])}\n--- last lines of {log_path}:\n"
+        f"{tail(log_path)}")
+
+
+async def wait_ready(session: Any, aiohttp: Any, url: str, *, startup_timeout_s: float,
+                     proc: subprocess.Popen | None, command: list[str] | None,
+                     log_path: Path | None) -> None:
+    """Poll ``/health_generate`` on ``session`` (an ``aiohttp.ClientSession``) until it
+    answers 200 (the server generates); ``RuntimeError`` when the launched server ``proc``
+    (None: attached) exits first, or after ``startup_timeout_s``."""
+    deadline = time.monotonic() + startup_timeout_s
+    last = "no answer yet"
+    while True:
+        err = exited_error(proc, command, log_path)
+        if err is not None:
+            raise err
+        try:
+            async with session.get(url + "/health_generate",
+                                   timeout=aiohttp.ClientTimeout(total=60)) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() > deadline:
+            what = (f"the SGLang server it launched ({' '.join(command or [])})"
+                    if proc is not None else "the SGLang server")
+            log_tail = (f"\n--- last lines of {log_path}:\n{tail(log_path)}"
+                        if log_path else "")
+            raise RuntimeError(
+                f"proxy.engine sglang: {what} at {url} was not ready after "
+                f"{startup_timeout_s:.0f} s (GET /health_generate: {last}; raise "
+                f"proxy.engine_args.startup_timeout_s if it is only slow){log_tail}")
+        await asyncio.sleep(0.5)
+
+
+def kill_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (it has scheduler and detokenizer children),
+    then SIGKILL what is left after 15 s."""
+    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # children outliving the leader
