@@ -59,7 +59,6 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
         sched.name = f"scheduler-{prefix.strip('-')}"
         sched.settings = {h: {"durable": f"{sched.name}-{h}".replace("_", "-")}
                           for h in ("on_completed", "on_cancelled", "on_dead")}
-        sched.transient = True  # its durables go when it drains (one set per evaluation)
     sched.total_groups, sched.bounded, sched.keep_results = groups, bounded, keep_results
     sched.greedy, sched.eval, sched.env, sched.prefix = greedy, eval, env, prefix
     if eval:

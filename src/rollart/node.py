@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from rollart import messages as m
 from rollart.actors.base import Actor
 from rollart.actors.runtime import ConsumerLoop, Service
-from rollart.bus import Bus, BusError, BusTimeout, StreamSpec
+from rollart.bus import Bus, BusTimeout, StreamSpec
 from rollart.bus.codec import encode
 
 log = logging.getLogger(__name__)
@@ -206,26 +206,12 @@ class Node:
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
-            await self._forget_transient()
             for actor in self.actors:
                 try:
                     await actor.teardown()
                 except Exception:  # noqa: BLE001 - teardown must not hide the drain
                     log.exception("teardown of %s failed", actor.name)
         log.info("node %s drained: %s", self.node_id, self.outcomes() or "no handlers")
-
-    async def _forget_transient(self) -> None:
-        """Delete the durables of transient actors (one-off evaluation schedulers), so the
-        run's streams do not collect one set per evaluation. A failure is logged, not raised:
-        a leftover durable costs the server a little state, never a message."""
-        for loop in self.loops:
-            if not (loop.actor.transient and loop.durable):
-                continue
-            try:
-                await asyncio.wait_for(self.bus.delete_consumer(loop.stream, loop.durable), 10)
-            except (BusError, TimeoutError) as e:
-                log.warning("%s: durable %s/%s not deleted: %s", loop.actor.name, loop.stream,
-                            loop.durable, e)
 
     def outcomes(self) -> str:
         """One phrase per handler: ``echo.on_request acked 9, nak'ed 0, dead 0``."""

@@ -71,24 +71,6 @@ async def test_a_delivery_says_when_its_message_was_stored(bus, names):
     await again.ack()
 
 
-async def test_delete_consumer_forgets_its_state_and_keeps_the_messages(bus, names):
-    stream, p = await _stream(bus, names)
-    for i in range(3):
-        await bus.publish(f"{p}.a", f"m{i}".encode())
-    spec = ConsumerSpec(durable="gone", filter_subject=f"{p}.a")
-    c = await bus.pull_consumer(stream, spec)
-    for d in await fetch_until(c, 3):
-        await d.ack()
-    await bus.pull_consumer(stream, ConsumerSpec(durable="stays", filter_subject=f"{p}.a"))
-    await bus.delete_consumer(stream, "gone")
-    assert [x["name"] for x in await bus.consumers_info(stream)] == ["stays"]
-    await bus.delete_consumer(stream, "gone")  # missing: a no-op
-    await bus.delete_consumer(f"{stream}X", "gone")  # missing stream: a no-op
-    again = await bus.pull_consumer(stream, spec)  # a new durable: from the first message
-    assert [d.data for d in await fetch_until(again, 3)] == [b"m0", b"m1", b"m2"]
-    assert (await bus.stream_info(stream))["messages"] == 3
-
-
 async def test_filter_subject_only_sees_its_subject(bus, names):
     stream, p = await _stream(bus, names)
     await bus.publish(f"{p}.x", b"x")

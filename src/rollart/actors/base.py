@@ -127,9 +127,6 @@ class Actor:
     pool: str = "default"
     name: str = ""
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
-    transient: bool = False
-    """Its durable consumers are deleted when its node drains (a one-off evaluation
-    scheduler: its durables would otherwise stay on the server for the run's lifetime)."""
     bus: Bus | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

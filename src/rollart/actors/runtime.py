@@ -97,7 +97,6 @@ class ConsumerLoop:
         self.bus, self.actor, self.h, self.stream = bus, actor, h, stream
         self.stats = Stats()
         self.consumer: PullConsumer | None = None
-        self.durable = ""
         self._stopping = asyncio.Event()
         self._inflight: set[asyncio.Task] = set()
 
@@ -112,7 +111,6 @@ class ConsumerLoop:
             max_deliver=s.max_deliver + 1 if s.max_deliver > 0 else -1,
             max_ack_pending=s.max_ack_pending or max(s.max_inflight * 4, 64),
         )
-        self.durable = spec.durable
         end, attempt = time.monotonic() + BIND_PATIENCE_S, 0
         while True:
             try:

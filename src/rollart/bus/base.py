@@ -268,11 +268,6 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def delete_stream(self, stream: str) -> None: ...
 
-    @abc.abstractmethod
-    async def delete_consumer(self, stream: str, durable: str) -> None:
-        """Delete the durable ``durable`` of ``stream`` (its delivery state; the messages stay).
-        A missing stream or durable is a no-op. Its bindings' fetches fail afterwards."""
-
     # -- core (fire and forget, request/reply) --------------------------------
     @abc.abstractmethod
     async def publish_core(

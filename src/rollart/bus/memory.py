@@ -227,13 +227,6 @@ class MemoryBus(Bus):
         st.expire()
         return [c.info() for c in st.consumers.values()]
 
-    async def delete_consumer(self, stream: str, durable: str) -> None:
-        self.check_connected()
-        st = self._streams.get(stream)
-        c = st.consumers.pop(durable, None) if st is not None else None
-        if c is not None:
-            c.delete()
-
     async def delete_stream(self, stream: str) -> None:
         """Delete ``stream`` and its consumers; a missing stream is a no-op."""
         self.check_connected()

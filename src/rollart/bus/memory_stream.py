@@ -287,7 +287,6 @@ class ConsumerState:
         self.pending: dict[int, _Pending] = {}
         self._due: list[int] = []  # heap of stream seqs to redeliver
         self.waiters: list = []  # futures of parked fetches
-        self.deleted = False
 
     def update(self, spec: ConsumerSpec) -> None:
         """New updatable settings (see :func:`consumer_changes`). As in NATS, a new
@@ -444,15 +443,6 @@ class ConsumerState:
                 p.timer.cancel()
             self._released()
 
-    def delete(self) -> None:
-        """This durable was deleted: its bindings' fetches fail from now on."""
-        self.deleted = True
-        for p in self.pending.values():
-            if p.timer is not None:
-                p.timer.cancel()
-        self.pending.clear()
-        self.wake()
-
     def suspend(self) -> None:
         """Bus closing or stream deleted: cancel timers, wake parked fetches.
 
@@ -494,8 +484,6 @@ class ConsumerState:
     def check(self) -> None:
         if self.stream.deleted:
             raise BusError(f"stream {self.stream.spec.name!r} was deleted")
-        if self.deleted:
-            raise BusError(f"consumer {self.stream.spec.name}/{self.spec.durable} was deleted")
         self.stream.bus.check_connected()
 
 

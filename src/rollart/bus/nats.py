@@ -673,13 +673,6 @@ class NatsBus(Bus):
             except nats.js.errors.NotFoundError:
                 pass
 
-    async def delete_consumer(self, stream: str, durable: str) -> None:
-        with _translated(f"delete consumer {stream}/{durable}"):
-            try:
-                await self._jetstream().delete_consumer(stream, durable)
-            except nats.js.errors.NotFoundError:
-                pass
-
     # -- core -----------------------------------------------------------------------
     async def publish_core(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None) -> None:
         with _translated(f"publish to {subject}"):
