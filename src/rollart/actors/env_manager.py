@@ -299,6 +299,8 @@ class EnvManager(Actor):
                     self._generate(req, cfg, tr, legal, turn), cancel)
                 start = len(tr.token_ids)
                 tr.add_response(res.token_ids, res.logprobs, res.version)
+                if len(res.token_versions) == len(res.token_ids) > 0:  # an interrupted turn:
+                    tr.versions[start:] = res.token_versions  # each token's own version
                 text = self.chat.decode(res.token_ids)
                 action = text.strip() if legal else parse_action(text, cfg.action_pattern)
                 format_ok = action is not None

@@ -1,28 +1,42 @@
 """LLMProxy: generation as a request/reply service in a queue group.
 
-Concurrent requests from many trajectories are gathered into engine batches (a short
-``gather_ms`` window; a lone request never waits for a batch to fill). New policy
-versions are loaded between batches after a digest check; every reply carries the
-version that produced it, and a request whose ``min_version`` is newer than the loaded
-weights waits for the load instead of being served stale.
+The proxy drives an :class:`~rollart.engines.base.AsyncEngine` (``proxy.engine``): each
+request is one ``await engine.generate(...)``; the engine batches concurrent requests as it
+likes (the torch engine gathers them for ``gather_ms``; a lone request never waits for a
+batch to fill). New policy versions are loaded between ``pause()`` and ``resume()`` after a
+digest check: ``proxy.on_update: finish`` lets the requests in flight finish on the old
+weights; ``interrupt`` stops them, and each continues from the tokens it had under the new
+weights (its reply's ``token_versions`` say which version produced each token). Every reply
+carries the version that produced it, and a request whose ``min_version`` is newer than the
+loaded weights waits for the load instead of being served stale. A cancelled group
+(``rollout.cancel``) aborts its trajectories' requests in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollart import messages as m
 from rollart.actors.base import Actor, replica_suffix, serve
-from rollart.actors.batching import Batcher
 from rollart.actors.policy import fetch_weights
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
-from rollart.telemetry import otel_metrics, tracing
+from rollart.engines.base import (
+    FINISH_CHOICE,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    AsyncEngine,
+    EngineAborted,
+    GenInput,
+    GenOutput,
+)
+from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +45,29 @@ class StalePolicy(RuntimeError):
     """The proxy cannot serve a version as new as the request needs."""
 
 
+CANCELLED_GROUPS_KEPT = 8192
+"""Cancelled groups remembered (the newest), to refuse their requests that arrive late."""
+MAX_FRUITLESS_ABORTS = 16
+"""An engine that aborts one request this many times in a row without a new token fails it."""
+
+
+class GroupCancelled(ServiceUnavailable):
+    """The request's trajectory belongs to a cancelled group: nobody waits for the answer
+    (its EnvManager cancelled the trajectory on the same ``rollout.cancel``)."""
+
+
 @dataclass(kw_only=True, eq=False)
 class LLMProxy(Actor):
     role = "generate"
     model_dir: str
     """Local HF model folder (version 0 weights and tokenizer)."""
     engine: str = "torch"
+    """``proxy.engine``: torch | vllm | sglang (see :func:`rollart.engines.build_engine`)."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """``proxy.engine_args``, passed to the engine."""
+    on_update: str = "finish"
+    """``proxy.on_update``: ``finish`` (requests in flight finish on the old weights, then the
+    load) or ``interrupt`` (they stop, and continue from their tokens on the new weights)."""
     gather_ms: float = 2.0
     max_batch: int = 128
     threads: int | None = 1
@@ -46,7 +77,10 @@ class LLMProxy(Actor):
     initial_weights: str | None = None
     """A safetensors file to load (as version 0) instead of the model folder's weights."""
     engine_obj: Any = field(default=None, repr=False)
-    """An engine instance to use instead of building one (embedding, tests)."""
+    """An engine instance to use instead of building one (embedding, tests): an
+    :class:`AsyncEngine` not started yet (the proxy starts it; its owner closes it) or a
+    synchronous ``GenerationEngine`` (wrapped in a ``BatchedEngine`` with ``gather_ms`` and
+    ``max_batch``; the proxy never closes it)."""
     progress_every: float = 1.0
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
 
@@ -55,42 +89,88 @@ class LLMProxy(Actor):
         from rollart.engines.provision import model_dir
 
         px = run_cfg.proxy
-        kw = dict(model_dir=str(model_dir(run_cfg)), engine=px.engine, gather_ms=px.gather_ms,
-                  max_batch=px.max_batch, threads=run_cfg.model.threads, seed=index)
+        kw = dict(model_dir=str(model_dir(run_cfg)), engine=px.engine,
+                  engine_args=dict(px.engine_args), on_update=px.on_update,
+                  gather_ms=px.gather_ms, max_batch=px.max_batch, threads=run_cfg.model.threads,
+                  seed=index)
         kw.update(actor_cfg.args)
         name = f"generate-{pool}-{replica_suffix()}-{index}"  # unique across hosts
         settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
         return cls(run=run_cfg.run, pool=pool, name=name, settings=settings, **kw)
 
     async def setup(self) -> None:
-        if self.engine_obj is None:
-            if self.engine != "torch":
-                raise ValueError(f"proxy.engine {self.engine!r} is not available; use 'torch'")
-            from rollart.engines.torch_engine import TorchGenerationEngine
+        from rollart.engines import build_engine
+        from rollart.engines.batched import BatchedEngine
 
-            self.engine_obj = await asyncio.to_thread(
-                TorchGenerationEngine, self.model_dir, threads=self.threads, seed=self.seed)
+        if self.on_update not in ("finish", "interrupt"):
+            raise ValueError(f"proxy.on_update {self.on_update!r} is not finish or interrupt")
+        eng, self._owns_engine = self.engine_obj, True
+        if eng is None:
+            eng = build_engine(self.engine, self.model_dir, seed=self.seed, threads=self.threads,
+                               gather_s=self.gather_ms / 1e3, max_batch=self.max_batch,
+                               engine_args=self.engine_args)
+        elif not isinstance(eng, AsyncEngine):  # a synchronous engine: batch it here
+            eng = BatchedEngine(eng, gather_s=self.gather_ms / 1e3, max_batch=self.max_batch,
+                                owns=False)
+        else:
+            self._owns_engine = False
+        self._engine_reports_start = isinstance(eng, BatchedEngine)
+        if isinstance(eng, BatchedEngine):
+            eng.replica, eng.pool = self.name, self.pool
+            eng.on_start = self._engine_started
+        self.async_engine: AsyncEngine = eng
+        """The engine this proxy drives (``engine_obj`` itself, or built or wrapped)."""
+        self._stopping = False
+        await eng.start()
         if self.initial_weights:
-            await asyncio.to_thread(self.engine_obj.load_weights, self.initial_weights, 0)
+            await eng.load_weights(self.initial_weights, 0)
         self._lock = asyncio.Lock()
         self._loaded = asyncio.Condition()
         self._target: m.PolicyPublished | None = None
         self.gate = PolicyGate(digests=True)
-        self.batcher: Batcher = Batcher(self._engine_call, gather_s=self.gather_ms / 1e3,
-                                        max_batch=self.max_batch, before_batch=self._maybe_load)
         self.loads: list[tuple[int, float]] = []
+        self.interrupted = 0
+        """Engine requests stopped by an ``interrupt`` update (or the engine) and continued."""
+        self._seq = itertools.count()
+        self._inflight: dict[str, str] = {}
+        """Engine request id -> traj_id, for the requests in the engine."""
+        self._cancelled: set[str] = set()
+        """Engine request ids aborted because their group was cancelled."""
+        self._cancel_groups: dict[str, set[str]] = {}
+        self._trace_started: dict[str, float | None] = {}
+        """Tracing on: engine request id -> when the engine started it (None: not yet)."""
         self.progress = ProgressReporter(self, "generate.request", every=self.progress_every,
                                          pool=self.settings_of("generate").pool or self.pool)
+        self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"),
+                                                    self._on_cancel)
+
+    async def teardown(self) -> None:
+        sub = getattr(self, "_cancel_sub", None)
+        if sub is not None:
+            await sub.unsubscribe()
 
     @property
     def version(self) -> int:
-        return int(self.engine_obj.version)
+        return int(self.async_engine.version)
+
+    @property
+    def batcher(self) -> Any:
+        """The ``BatchedEngine`` (its batch statistics: ``sizes``, ``items``, ``batches``,
+        ``busy_s``, ``mean_batch``), or None for an engine that batches on its own."""
+        from rollart.engines.batched import BatchedEngine
+
+        eng = getattr(self, "async_engine", None)
+        return eng if isinstance(eng, BatchedEngine) else None
 
     async def main(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.batcher.run())
-            tg.create_task(self._watch())
-            tg.create_task(self.progress.run())
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._watch())
+                tg.create_task(self.progress.run())
+        finally:  # stopping: requests still in the engine are answered "unavailable"
+            self._stopping = True
+            if self._owns_engine:
+                await self.async_engine.close()
 
     async def _watch(self) -> None:
         """Follow KV ``policy.version`` through the policy gate (:class:`PolicyGate`: only
@@ -129,9 +209,10 @@ class LLMProxy(Actor):
             tg.create_task(loads())
 
     async def _maybe_load(self) -> None:
-        """Load ``self._target`` if it is newer than the loaded weights (between batches:
-        this is the batcher's ``before_batch``). Never raises for a bad record or a failed
-        status publish: a refused record keeps the old weights serving."""
+        """Load ``self._target`` if it is newer than the loaded weights: fetch it, then
+        ``pause`` the engine (``wait`` or ``abort`` by ``on_update``), load, ``resume``.
+        Never raises for a bad record or a failed status publish: a refused record keeps
+        the old weights serving."""
         follow = self._follow
         pub = self._target
         if pub is None or not follow.wanted(pub, self.version) or follow.blocked(pub):
@@ -141,9 +222,10 @@ class LLMProxy(Actor):
                 return
             t0 = time.perf_counter()
             try:
-                with tracing.span("policy.load", {"version": pub.version, "replica": self.name}):
-                    data = await fetch_weights(self.bus, pub)
-                    await asyncio.to_thread(self._load_bytes, data, pub.version)
+                with tracing.span("policy.load", {"version": pub.version, "replica": self.name,
+                                                  "on_update": self.on_update}):
+                    data = await fetch_weights(self.bus, pub)  # the engine serves meanwhile
+                    await self._load_paused(data, pub.version)
             except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
                 tries, delay = follow.refuse(pub)
                 log.error("%s refused policy v%s (try %d, again in %.0fs or when announced "
@@ -182,82 +264,184 @@ class LLMProxy(Actor):
             f = self.__dict__["_policy_follow"] = _PolicyFollow()
         return f
 
-    def _load_bytes(self, data: bytes, version: int) -> None:
-        from safetensors.torch import load as load_safetensors
-
-        self.engine_obj.load_state_dict(load_safetensors(data), version)
-
-    async def _engine_call(self, reqs: list[m.GenerateRequest]) -> list[m.GenerateResult]:
-        """The batcher's call: run a batch; ``rollart.engine.*`` metrics of each one served."""
-        waiting = self.batcher.queued  # left queued when this batch was cut
-        out = await self._run_batch(reqs)
-        otel_metrics.engine_batch(len(reqs), waiting, self.pool)
-        return out
-
-    async def _run_batch(self, reqs: list[m.GenerateRequest]) -> list[m.GenerateResult]:
-        from rollart.engines.base import GenInput
-
-        inputs = [GenInput(prompt_ids=list(r.prompt_ids), max_new_tokens=r.sampling.max_new_tokens,
-                           temperature=r.sampling.temperature, top_p=r.sampling.top_p,
-                           stop_token_ids=tuple(r.sampling.stop_token_ids),
-                           choices=[list(c) for c in r.choices] or None, greedy=r.greedy)
-                  for r in reqs]
-        heads = self.__dict__.get("_trace_heads")  # tracing on: request id -> its span's headers
-        with tracing.span("generate.batch", {"batch_size": len(reqs), "replica": self.name},
-                          links=[heads[r.request_id] for r in reqs if r.request_id in heads]
-                          if heads else None) as sp:
-            async with self._lock:
-                version = self.version
-                if heads:  # when each request left the queue: its span's queue_wait_s
-                    started = self.__dict__.setdefault("_trace_started", {})
-                    now = time.monotonic()
-                    started.update((r.request_id, now) for r in reqs if r.request_id in heads)
-                outs = await asyncio.to_thread(self.engine_obj.generate, inputs)
-            if sp is not None:
-                sp.set_attribute("version", version)
-        return [m.GenerateResult(token_ids=o.token_ids, logprobs=o.logprobs, version=version,
-                                 finish_reason=o.finish_reason, replica=self.name) for o in outs]
+    async def _load_paused(self, data: bytes, version: int) -> None:
+        """Load weights between ``pause()`` and ``resume()`` of the engine: ``finish`` waits
+        for the requests in flight, ``interrupt`` aborts them (they continue afterwards, see
+        :meth:`_serve`). A refused file raises; the engine resumes on its old weights."""
+        eng = self.async_engine
+        await eng.pause("abort" if self.on_update == "interrupt" else "wait")
+        try:
+            await eng.load_weights(data, version)
+        finally:
+            await eng.resume()
 
     @serve("generate.request", max_inflight=1024)
     async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
+        rid = f"{req.request_id or req.traj_id}#{next(self._seq)}"  # unique in the engine
         if tracing.enabled():
-            return await self._generate_traced(req)
-        return await self._generate(req)
+            return await self._generate_traced(req, rid)
+        return await self._generate(req, rid)
 
-    async def _generate_traced(self, req: m.GenerateRequest) -> m.GenerateResult:
+    async def _generate_traced(self, req: m.GenerateRequest, rid: str) -> m.GenerateResult:
         """:meth:`_generate` in a ``generate.request`` span: a child of the requester's span
-        (the runtime made the request's ``traceparent`` current), linked from its batch's."""
-        heads = self.__dict__.setdefault("_trace_heads", {})
+        (the runtime made the request's ``traceparent`` current), linked from its batches'
+        (``generate.batch``, by the engine). ``queue_wait_s``: arrival here to the start of
+        the engine's work on it."""
         with tracing.span("generate.request", {"traj_id": req.traj_id, "replica": self.name,
                                                "prompt_tokens": len(req.prompt_ids)}) as sp:
-            heads[req.request_id] = tracing.headers() or {}
             t0 = time.monotonic()
+            self._trace_started[rid] = None
             try:
-                res = await self._generate(req)
+                res = await self._generate(req, rid)
             finally:
-                heads.pop(req.request_id, None)
-                started = self.__dict__.get("_trace_started", {}).pop(req.request_id, None)
+                started = self._trace_started.pop(rid, None)
             if started is not None:
                 sp.set_attribute("queue_wait_s", max(0.0, started - t0))
             sp.set_attribute("version", res.version)
             sp.set_attribute("response_tokens", len(res.token_ids))
+            if res.token_versions:
+                sp.set_attribute("versions", sorted(set(res.token_versions)))
             return res
 
-    async def _generate(self, req: m.GenerateRequest) -> m.GenerateResult:
+    def _engine_started(self, request_ids: list[str]) -> None:
+        """The ``BatchedEngine``'s ``on_start``: when each traced request's work began."""
+        t = self._trace_started
+        if t:
+            now = time.monotonic()
+            for rid in request_ids:
+                if rid in t and t[rid] is None:
+                    t[rid] = now
+
+    async def _generate(self, req: m.GenerateRequest, rid: str) -> m.GenerateResult:
         # the runtime lists req.request_id in self.progress while it is queued or here
-        if self.batcher.stopped:
+        if self._stopping:
             raise ServiceUnavailable(f"{self.name} is stopping")
         self._check_tokens(req)
-        if req.min_version > self.version:
-            await self._check_reachable(req.min_version)
-            await self._wait_for_version(req.min_version)
-        return await self.batcher.submit_or_unavailable(
-            req, lambda why: ServiceUnavailable(f"{self.name} {why}"))
+        self._check_not_cancelled(req.traj_id)
+        self._inflight[rid] = req.traj_id  # from here a cancel of its group reaches it
+        try:
+            if req.min_version > self.version:
+                await self._check_reachable(req.min_version)
+                await self._wait_for_version(req.min_version)
+            inp = GenInput(prompt_ids=list(req.prompt_ids),
+                           max_new_tokens=req.sampling.max_new_tokens,
+                           temperature=req.sampling.temperature, top_p=req.sampling.top_p,
+                           stop_token_ids=tuple(req.sampling.stop_token_ids),
+                           choices=[list(c) for c in req.choices] or None, greedy=req.greedy)
+            return await self._serve(req, inp, rid)
+        except Exception as e:
+            if self._stopping and not isinstance(e, ServiceUnavailable):
+                # the engine closed under it: its requester asks another replica
+                raise ServiceUnavailable(f"{self.name} is stopping: {e}") from e
+            raise
+        finally:
+            self._inflight.pop(rid, None)
+            self._cancelled.discard(rid)
+
+    async def _serve(self, req: m.GenerateRequest, inp: GenInput, rid: str) -> m.GenerateResult:
+        """One engine request, or several when updates interrupt it: each continues from the
+        tokens so far (prompt + partial response, the choices left, fewer new tokens) under
+        the new weights; tokens, log-probs and per-token versions are concatenated."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        cur, fruitless = inp, 0
+        while True:
+            if rid in self._cancelled:
+                raise GroupCancelled(f"{self.name}: the group of {req.traj_id} was cancelled")
+            if not self._engine_reports_start and self._trace_started.get(rid, 0.0) is None:
+                self._trace_started[rid] = time.monotonic()  # the engine's queue is its own
+            try:
+                out = await self._engine_generate(req, cur, rid)
+            except EngineAborted as e:
+                if rid in self._cancelled:
+                    raise GroupCancelled(f"{self.name}: the group of {req.traj_id} was "
+                                         "cancelled") from None
+                if self._stopping:
+                    raise ServiceUnavailable(f"{self.name} is stopping") from None
+                part = e.partial
+                fruitless = 0 if part.token_ids else fruitless + 1
+                if fruitless >= MAX_FRUITLESS_ABORTS:
+                    raise RuntimeError(f"the engine aborted {req.traj_id}'s request "
+                                       f"{fruitless} times without a token") from None
+                self.interrupted += 1
+                tokens += part.token_ids
+                logprobs += part.logprobs
+                versions += [int(e.partial_version)] * len(part.token_ids)
+                nxt = self._continuation(inp, tokens)
+                if isinstance(nxt, str):  # the partial response was complete after all
+                    return self._result(tokens, logprobs, versions, nxt)
+                cur = nxt
+                continue
+            tokens += out.token_ids
+            logprobs += out.logprobs
+            v = int(out.version) if out.version >= 0 else self.version
+            versions += [v] * len(out.token_ids)
+            return self._result(tokens, logprobs, versions, out.finish_reason, v)
+
+    async def _engine_generate(self, req: m.GenerateRequest, inp: GenInput, rid: str) -> GenOutput:
+        """One engine call (a test double's hook: ``tests/faults/slow_proxy.py``)."""
+        return await self.async_engine.generate(inp, rid)
+
+    def _continuation(self, inp: GenInput, tokens: list[int]) -> GenInput | str:
+        """The input that continues ``inp`` after the response ``tokens``, or the finish
+        reason when they already are a whole response."""
+        n = len(tokens)
+        if inp.choices is not None:
+            rest = [c[n:] for c in inp.choices if c[:n] == tokens]
+            if not rest:
+                raise RuntimeError(f"the engine's partial response {tokens} starts no choice")
+            if any(not c for c in rest):
+                return FINISH_CHOICE
+            return replace(inp, prompt_ids=[*inp.prompt_ids, *tokens], choices=rest)
+        stops = set(inp.stop_token_ids) | set(self.async_engine.eos_token_ids)
+        if tokens and tokens[-1] in stops:
+            return FINISH_STOP
+        if n >= inp.max_new_tokens:
+            return FINISH_LENGTH
+        return replace(inp, prompt_ids=[*inp.prompt_ids, *tokens],
+                       max_new_tokens=inp.max_new_tokens - n)
+
+    def _result(self, tokens: list[int], logprobs: list[float], versions: list[int],
+                finish: str, version: int | None = None) -> m.GenerateResult:
+        if version is None:
+            version = versions[-1] if versions else self.version
+        mixed = any(v != version for v in versions)
+        return m.GenerateResult(token_ids=tokens, logprobs=logprobs, version=version,
+                                finish_reason=finish, replica=self.name,
+                                token_versions=versions if mixed else [])
+
+    # -- group cancel --------------------------------------------------------------------
+    async def _on_cancel(self, msg) -> None:
+        """``rollout.cancel``: abort the requests in flight of the group's unfinished
+        trajectories (those not in ``keep``), and refuse ones that arrive later."""
+        from rollart.actors.runtime import decode_core
+
+        cmd = decode_core(m.CancelGroup, msg)
+        if cmd is None:  # junk on a core subject: counted and dropped
+            return
+        keep = set(cmd.keep)
+        self._cancel_groups.pop(cmd.group_id, None)  # re-inserted as the newest
+        self._cancel_groups[cmd.group_id] = keep
+        while len(self._cancel_groups) > CANCELLED_GROUPS_KEPT:
+            del self._cancel_groups[next(iter(self._cancel_groups))]  # the oldest
+        ids = [rid for rid, tid in self._inflight.items()
+               if _group_of(tid) == cmd.group_id and tid not in keep]
+        if ids:
+            self._cancelled.update(ids)
+            log.debug("%s: group %s cancelled, aborting %d request(s)", self.name,
+                      cmd.group_id, len(ids))
+            await self.async_engine.abort(ids)
+
+    def _check_not_cancelled(self, traj_id: str) -> None:
+        keep = self._cancel_groups.get(_group_of(traj_id))
+        if keep is not None and traj_id not in keep:
+            raise GroupCancelled(f"{self.name}: the group of {traj_id} was cancelled")
 
     def _check_tokens(self, req: m.GenerateRequest) -> None:
         """Token ids the engine cannot embed would fail the whole batch they share: refuse
         the one request instead (the runtime already checked the rest of its form)."""
-        vocab = getattr(self.engine_obj, "vocab_size", None)
+        vocab = self.async_engine.vocab_size
         if vocab is None:
             return
         top = max([*req.prompt_ids, *(t for c in req.choices for t in c)], default=-1)
@@ -294,6 +478,11 @@ class LLMProxy(Actor):
                     await asyncio.wait_for(self._loaded.wait(), left)
                 except TimeoutError:
                     pass
+
+
+def _group_of(traj_id: str) -> str:
+    """The group id of a trajectory id (``<group id>-<index>``)."""
+    return traj_id.rsplit("-", 1)[0]
 
 
 class _PolicyFollow:

@@ -121,7 +121,13 @@ class GenerationEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, inputs: list[GenInput]) -> list[GenOutput]:
-        """Generate a response for every input; outputs are in input order."""
+        """Generate a response for every input; outputs are in input order.
+
+        An engine may take a keyword ``stop_rows``: a collection of input indices that
+        another thread adds to while the call runs; a row found in it at a decode step ends
+        there with :data:`FINISH_INTERRUPTED` and its partial output (the torch engine does;
+        :class:`~rollart.engines.batched.BatchedEngine` uses it to abort running requests).
+        """
 
     @abc.abstractmethod
     def load_weights(self, path: str | Path, version: int) -> None:
@@ -194,13 +200,16 @@ class AsyncEngine(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_ids: list[str]) -> None:
         """Stop these requests (ids not in flight are ignored): their ``generate`` raises
-        :class:`EngineAborted` soon after, with what they produced so far."""
+        :class:`EngineAborted` soon after, with what they produced so far (one that completed
+        before the abort took effect may still return its output normally)."""
 
     @abc.abstractmethod
     async def pause(self, mode: str = "wait") -> None:
         """Stop starting new work (new requests queue until :meth:`resume`). ``wait``: return
         once every request in flight has finished; ``abort``: abort every request in flight
-        (:class:`EngineAborted` with their partial outputs) and return once they stopped."""
+        (:class:`EngineAborted` with their partial outputs) and return once they stopped.
+        Requests the engine had not started yet may either stay queued for after
+        :meth:`resume` or be aborted with an empty partial output."""
 
     @abc.abstractmethod
     async def resume(self) -> None:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
 from .base import (
     FINISH_CHOICE,
+    FINISH_INTERRUPTED,
     FINISH_LENGTH,
     FINISH_STOP,
     GenerationEngine,
@@ -156,7 +158,12 @@ class TorchGenerationEngine(GenerationEngine):
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
-    def generate(self, inputs: list[GenInput]) -> list[GenOutput]:
+    def generate(self, inputs: list[GenInput],
+                 stop_rows: Collection[int] | None = None) -> list[GenOutput]:
+        """See :meth:`GenerationEngine.generate`. ``stop_rows``: indices of ``inputs`` to stop
+        early, which another thread may add to while this runs (e.g. a ``set``); read once
+        per decode step: a row in it that has not finished ends with
+        :data:`FINISH_INTERRUPTED` and the tokens and log-probs it has so far."""
         n = len(inputs)
         tries: list[Trie | None] = [None] * n
         for i, inp in enumerate(inputs):
@@ -215,6 +222,7 @@ class TorchGenerationEngine(GenerationEngine):
             tok_list = tok.tolist()
             lp_list = lp.tolist()
             keep: list[int] = []
+            halt = bool(stop_rows)  # once per step: nothing more when no row is stopped
             for r, i in enumerate(rows):
                 t = tok_list[r]
                 out_tokens[i].append(t)
@@ -229,6 +237,8 @@ class TorchGenerationEngine(GenerationEngine):
                     finish[i] = FINISH_STOP
                 elif len(out_tokens[i]) >= inputs[i].max_new_tokens:
                     finish[i] = FINISH_LENGTH
+                if finish[i] is None and halt and i in stop_rows:
+                    finish[i] = FINISH_INTERRUPTED
                 if finish[i] is None:
                     keep.append(r)
             if not keep:

@@ -64,7 +64,7 @@ USES: dict[str, dict[str, str]] = {
     "rollout.requested": {"scheduler": "publish", "trainer": "publish", "env": "consume"},
     "rollout.completed": {"env": "publish", "trainer": "consume", "scheduler": "consume"},
     "rollout.cancelled": {"env": "publish", "trainer": "consume", "scheduler": "consume"},
-    "rollout.cancel": {"scheduler": "publish", "env": "subscribe"},
+    "rollout.cancel": {"scheduler": "publish", "env": "subscribe", "generate": "subscribe"},
     "generate.request": {"env": "request", "generate": "serve"},
     "reward.request": {"env": "request", "reward": "serve"},
     "service.progress": {"generate": "publish", "reward": "publish", "env": "subscribe"},
