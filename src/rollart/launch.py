@@ -43,6 +43,10 @@ def role_pool(cfg: RunConfig, role: str, pool: str) -> str:
                      f"{mapped[0]}, or add {pool!r} to mapping.{role}")
 
 
+TRANSIENT_DURABLE_IDLE_S = 300.0
+"""Idle seconds after which the server deletes an evaluation scheduler's durables."""
+
+
 def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
                    keep_results: bool = False, greedy: bool = False, eval: bool = False,
                    env: str | None = None, pool: str = "default",
@@ -57,7 +61,10 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
                                          pool=role_pool(cfg, "scheduler", pool))
     if prefix != "g":  # a second scheduler on the same run reads every outcome itself
         sched.name = f"scheduler-{prefix.strip('-')}"
-        sched.settings = {h: {"durable": f"{sched.name}-{h}".replace("_", "-")}
+        # one-off durables: the server deletes them once idle (a long run's evaluations
+        # would otherwise leave three each on the run's stream)
+        sched.settings = {h: {"durable": f"{sched.name}-{h}".replace("_", "-"),
+                              "inactive_threshold": TRANSIENT_DURABLE_IDLE_S}
                           for h in ("on_completed", "on_cancelled", "on_dead")}
     sched.total_groups, sched.bounded, sched.keep_results = groups, bounded, keep_results
     sched.greedy, sched.eval, sched.env, sched.prefix = greedy, eval, env, prefix

@@ -71,6 +71,28 @@ async def test_a_delivery_says_when_its_message_was_stored(bus, names):
     await again.ack()
 
 
+async def test_an_idle_durable_with_an_inactive_threshold_is_deleted(bus, names):
+    """The server deletes a durable nobody fetched from for ``inactive_threshold`` seconds;
+    one that is fetched from, and one without a threshold, stay; the messages stay."""
+    stream, p = await _stream(bus, names)
+    await bus.publish(f"{p}.a", b"x")
+    await bus.pull_consumer(stream, ConsumerSpec(durable="idle", filter_subject=f"{p}.a",
+                                                 inactive_threshold=1.0))
+    busy = await bus.pull_consumer(stream, ConsumerSpec(durable="busy", filter_subject=f"{p}.a",
+                                                        inactive_threshold=1.0))
+    await bus.pull_consumer(stream, ConsumerSpec(durable="kept", filter_subject=f"{p}.a"))
+    names_now: list[str] = []
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        for d in await busy.fetch(1, timeout=0.3):
+            await d.ack()
+        names_now = sorted(x["name"] for x in await bus.consumers_info(stream))
+        if "idle" not in names_now:
+            break
+    assert names_now == ["busy", "kept"], names_now
+    assert (await bus.stream_info(stream))["messages"] == 1
+
+
 async def test_filter_subject_only_sees_its_subject(bus, names):
     stream, p = await _stream(bus, names)
     await bus.publish(f"{p}.x", b"x")

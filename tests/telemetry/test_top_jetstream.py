@@ -56,7 +56,7 @@ def monitored_server(tmp_path_factory):
 
 def jsz_consumers(http: str) -> dict[tuple[str, str], dict]:
     """(stream, consumer) -> the server's own consumer detail (``/jsz?consumers=true``)."""
-    with urllib.request.urlopen(f"{http}/jsz?consumers=true", timeout=5) as r:
+    with urllib.request.urlopen(f"{http}/jsz?consumers=true&config=true", timeout=5) as r:
         doc = json.load(r)
     out = {}
     for acc in doc.get("account_details", []):
@@ -301,6 +301,13 @@ async def test_tap_and_top_on_a_live_run_agree_with_the_server(monitored_server,
     mine = {k: v for k, v in server_says.items() if k[0] == base or k[0].startswith(base + "_")}
     cons = {(c["stream"], c["name"]): c for c in snap["consumers"]}
     assert set(cons) == set(mine) and events in cons, (sorted(cons), sorted(mine))
+    # the final evaluation's scheduler left durables that the server deletes once idle
+    from rollart.launch import TRANSIENT_DURABLE_IDLE_S
+
+    evals = [k for k in mine if "eval" in k[1]]
+    assert len(evals) == 3 and all(
+        mine[k]["config"]["inactive_threshold"] == TRANSIENT_DURABLE_IDLE_S * 1e9 for k in evals)
+    assert all(not mine[k]["config"].get("inactive_threshold") for k in mine if k not in evals)
     for key, c in cons.items():
         for f in ("num_pending", "num_ack_pending", "num_redelivered"):
             assert c[f] == mine[key][f], (key, f, c, mine[key])

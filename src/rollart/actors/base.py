@@ -69,6 +69,9 @@ class HandlerSettings:
     queue: str | None = None
     pool: str | None = None
     """Pool token of pooled subjects; None means the actor's pool."""
+    inactive_threshold: float | None = None
+    """Seconds without a fetch after which the server deletes the durable (one-off
+    consumers such as an evaluation's scheduler); None: kept for the run's lifetime."""
 
     def override(self, values: dict[str, Any]) -> "HandlerSettings":
         known = {f.name for f in dataclasses.fields(self)} - {"kind", "subject"}

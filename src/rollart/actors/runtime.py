@@ -110,6 +110,7 @@ class ConsumerLoop:
             # handler never returned (the process died): see _handle
             max_deliver=s.max_deliver + 1 if s.max_deliver > 0 else -1,
             max_ack_pending=s.max_ack_pending or max(s.max_inflight * 4, 64),
+            inactive_threshold=s.inactive_threshold,
         )
         end, attempt = time.monotonic() + BIND_PATIENCE_S, 0
         while True:

@@ -63,6 +63,10 @@ class ConsumerSpec:
     """Deliveries outstanding (not yet acked) at most: the backpressure knob."""
     deliver_all: bool = True
     """Start at the first stored message (True) or only new ones (False)."""
+    inactive_threshold: float | None = None
+    """Seconds without a fetch after which the server deletes the durable (its delivery state;
+    the messages stay); None: never. For one-off consumers (an evaluation's scheduler), so a
+    long run's streams do not collect them. Fixed once the durable exists."""
 
 
 UPDATABLE_CONSUMER_SETTINGS = ("ack_wait", "max_deliver", "max_ack_pending")

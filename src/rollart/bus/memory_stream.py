@@ -134,6 +134,7 @@ class Stream:
         self._dedupe_q: deque[tuple[float, str]] = deque()
         self.consumers: dict[str, ConsumerState] = {}
         self.deleted = False
+        self._idle_limits = False  # some durable has an inactive_threshold
         self.update(spec)
 
     def update(self, spec: StreamSpec) -> None:
@@ -157,7 +158,10 @@ class Stream:
         return any(m(subject) for m in self._matchers)
 
     def expire(self) -> None:
-        """Forget dedupe ids past the window and messages past ``max_age``."""
+        """Forget dedupe ids past the window, messages past ``max_age`` and durables idle past
+        their ``inactive_threshold``."""
+        if self._idle_limits:
+            self._reap_idle()
         if not (self._dedupe_q or self._aging):
             return
         now = self.bus.loop.time()
@@ -175,6 +179,16 @@ class Stream:
             if self.remove(seq):
                 for c in self.consumers.values():
                     c.forget(seq)
+
+    def _reap_idle(self) -> None:
+        now = self.bus.loop.time()
+        for name, c in list(self.consumers.items()):
+            limit = c.spec.inactive_threshold
+            if limit is not None and not c.waiters and now - c.last_active >= limit:
+                del self.consumers[name]
+                c.delete()
+        self._idle_limits = any(c.spec.inactive_threshold is not None
+                                for c in self.consumers.values())
 
     def store(self, subject: str, data: bytes, headers: dict[str, str], msg_id: str | None) -> int:
         self.expire()
@@ -249,6 +263,7 @@ class Stream:
                         f"{other.spec.durable!r} overlapping filter {spec.filter_subject!r}"
                     )
         state = self.consumers[spec.durable] = ConsumerState(self, spec)
+        self._idle_limits = self._idle_limits or spec.inactive_threshold is not None
         return state
 
     def close(self, *, delete: bool) -> None:
@@ -287,6 +302,8 @@ class ConsumerState:
         self.pending: dict[int, _Pending] = {}
         self._due: list[int] = []  # heap of stream seqs to redeliver
         self.waiters: list = []  # futures of parked fetches
+        self.last_active = stream.bus.loop.time()  # last fetch (inactive_threshold)
+        self.deleted = False
 
     def update(self, spec: ConsumerSpec) -> None:
         """New updatable settings (see :func:`consumer_changes`). As in NATS, a new
@@ -329,6 +346,7 @@ class ConsumerState:
     # -- delivering
     def take(self, batch: int) -> list[MemoryDelivery]:
         stream = self.stream
+        self.last_active = stream.bus.loop.time()
         stream.expire()
         msgs, pending, out = stream.messages, self.pending, []
         due = self._due
@@ -443,6 +461,16 @@ class ConsumerState:
                 p.timer.cancel()
             self._released()
 
+    def delete(self) -> None:
+        """The durable was deleted (idle past its ``inactive_threshold``): its bindings'
+        fetches fail from now on."""
+        self.deleted = True
+        for p in self.pending.values():
+            if p.timer is not None:
+                p.timer.cancel()
+        self.pending.clear()
+        self.wake()
+
     def suspend(self) -> None:
         """Bus closing or stream deleted: cancel timers, wake parked fetches.
 
@@ -484,6 +512,9 @@ class ConsumerState:
     def check(self) -> None:
         if self.stream.deleted:
             raise BusError(f"stream {self.stream.spec.name!r} was deleted")
+        if self.deleted:
+            raise BusError(f"consumer {self.stream.spec.name}/{self.spec.durable} was deleted "
+                           f"(idle past its inactive_threshold)")
         self.stream.bus.check_connected()
 
 

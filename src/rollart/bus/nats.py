@@ -163,6 +163,7 @@ class _NatsPullConsumer(PullConsumer):
             max_deliver=_limit(spec.max_deliver), max_ack_pending=_limit(spec.max_ack_pending),
             filter_subject=spec.filter_subject,
             deliver_policy=DeliverPolicy.ALL if spec.deliver_all else DeliverPolicy.NEW,
+            inactive_threshold=spec.inactive_threshold,
         )
         what = f"consumer {self._stream}/{spec.durable}"
         with _translated(what):
