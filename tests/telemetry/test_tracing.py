@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from rollart.config import RunConfig, convert
 from rollart.config.tracing import TracingConfig
 from rollart.telemetry import tracing
 from tests.actors.sample_actors import collect, new_run
+from tests.telemetry.otlp_receiver import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -176,37 +175,9 @@ def test_a_run_on_two_nodes_writes_connected_trace_trees(tmp_path, tiny_model, n
         assert {"get_batch", "train", "checkpoint", "publish"} <= kids, kids
 
 
-class _Collector(http.server.BaseHTTPRequestHandler):
-    got: list = []
-
-    def do_POST(self):  # noqa: N802 - http.server's name
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-            ExportTraceServiceResponse,
-        )
-
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        req = ExportTraceServiceRequest()
-        req.ParseFromString(body)
-        self.got.append((self.path, req))
-        data = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
-
 def test_otlp_http_reaches_a_collector(monkeypatch):
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    _Collector.got = []
-    try:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
+    with OtlpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.url)
         cfg = convert({"tracing": {"exporter": "otlp"}}, RunConfig)
         stop = tracing.setup_tracing(cfg, "rollart-otlp-test", None)
         try:
@@ -215,12 +186,9 @@ def test_otlp_http_reaches_a_collector(monkeypatch):
                     pass
         finally:
             stop()  # flushes
-    finally:
-        srv.shutdown()
-        srv.server_close()
-    assert _Collector.got and all(p == "/v1/traces" for p, _ in _Collector.got)
+    assert rx.got and all(p == "/v1/traces" for p, _, _ in rx.got)
     names, services = set(), set()
-    for _, req in _Collector.got:
+    for _, req, _ in rx.got:
         for rs in req.resource_spans:
             services |= {a.value.string_value for a in rs.resource.attributes if a.key == "service.name"}
             for ss in rs.scope_spans:
