@@ -62,14 +62,26 @@ class _Traj(Trace):
     choices: list[list[int]] = field(default_factory=list)
 
 
+def session_of(traj_id: str) -> dict:
+    """``{"session": traj_id}`` where ``GenInput`` has sessions (the torch engine then keeps
+    each trajectory's KV cache between its turns, as it does behind the LLMProxy)."""
+    from dataclasses import fields
+
+    from rollart.engines.base import GenInput
+
+    return {"session": traj_id} if any(f.name == "session" for f in fields(GenInput)) else {}
+
+
 def rollout_lockstep(engine: Any, chat: ChatFormat, env_cfg: Any, tasks: list[tuple[str, int, int]],
-                     *, greedy: bool = False, eval: bool = False) -> list[m.RolloutCompleted]:
+                     *, greedy: bool = False, eval: bool = False,
+                     counts: dict | None = None) -> list[m.RolloutCompleted]:
     """Roll out one trajectory per ``(traj_id, group_index, seed)`` in lock step.
 
     Turn by turn this does what :class:`rollart.actors.env_manager.EnvManager` does for one
     trajectory (chat template deltas at token level, constrained decoding to the env's
     legal actions, ``format_penalty``, ``max_context_tokens``, ``max_turns``), but with one
-    batched engine call per turn over every trajectory still running.
+    batched engine call per turn over every trajectory still running. ``counts``, if given,
+    gains ``engine_calls`` and ``engine_rows``.
     """
     from rollart.engines.base import GenInput
 
@@ -107,8 +119,12 @@ def rollout_lockstep(engine: Any, chat: ChatFormat, env_cfg: Any, tasks: list[tu
                 t.choices = []
             inputs.append(GenInput(prompt_ids=list(t.token_ids), max_new_tokens=s.max_new_tokens,
                                    temperature=s.temperature, top_p=s.top_p,
-                                   choices=[list(c) for c in t.choices] or None, greedy=greedy))
+                                   choices=[list(c) for c in t.choices] or None, greedy=greedy,
+                                   **session_of(t.traj_id)))
         outs = engine.generate(inputs)
+        if counts is not None:
+            counts["engine_calls"] = counts.get("engine_calls", 0) + 1
+            counts["engine_rows"] = counts.get("engine_rows", 0) + len(inputs)
         for t, o in zip(live, outs):
             start = len(t.token_ids)
             t.add_response(o.token_ids, o.logprobs, version)
@@ -139,9 +155,10 @@ def rollout_lockstep(engine: Any, chat: ChatFormat, env_cfg: Any, tasks: list[tu
         stop_reason=t.stop, eval=eval, group_index=t.group_index) for t in trajs]
 
 
-def build(cfg: RunConfig, *, model_dir: str | None = None):
+def build(cfg: RunConfig, *, model_dir: str | None = None, kv_cache: bool = True):
     """The generation engine, the training backend and the chat format of ``cfg``, set up
-    like the LLMProxy (replica 0) and the Trainer of a rollart run."""
+    like the LLMProxy (replica 0) and the Trainer of a rollart run. ``kv_cache=False``: the
+    engine re-reads every prompt (no multi-turn KV reuse)."""
     from rollart.engines.provision import model_dir as provision
     from rollart.engines.torch_engine import TorchGenerationEngine
     from rollart.engines.torch_trainer import TorchTrainBackend
@@ -150,7 +167,8 @@ def build(cfg: RunConfig, *, model_dir: str | None = None):
     t = cfg.trainer
     gen = cfg.actors.get("generate")
     seed = int((gen.args if gen is not None else {}).get("seed", 0))  # LLMProxy replica 0's seed
-    engine = TorchGenerationEngine(md, threads=cfg.model.threads, seed=seed)
+    kw = {} if kv_cache else {"kv_cache_mb": 0}
+    engine = TorchGenerationEngine(md, threads=cfg.model.threads, seed=seed, **kw)
     backend = TorchTrainBackend(md, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                                 warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
                                 threads=cfg.model.threads, seed=t.seed,
@@ -160,7 +178,8 @@ def build(cfg: RunConfig, *, model_dir: str | None = None):
 
 def run_plain(cfg: RunConfig, steps: int | None = None,
               on_step: Callable[[dict], None] | None = None, *,
-              snapshot_dir: str | Path | None = None, model_dir: str | None = None) -> list[dict]:
+              snapshot_dir: str | Path | None = None, model_dir: str | None = None,
+              kv_cache: bool = True) -> list[dict]:
     """Train ``cfg`` for ``steps`` (default ``cfg.trainer.steps``) plain synchronous steps.
 
     Returns one record per step: ``step``/``version``, ``wall_s`` (from the first step's
@@ -175,7 +194,7 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
     steps = cfg.trainer.steps if steps is None else steps
     r = cfg.rollout
     env_cfg = cfg.envs[r.env]
-    engine, backend, chat = build(cfg, model_dir=model_dir)
+    engine, backend, chat = build(cfg, model_dir=model_dir, kv_cache=kv_cache)
     lcfg = loss_config(cfg.trainer)
     snap = Path(snapshot_dir) if snapshot_dir is not None else None
     if snap is not None:
@@ -194,7 +213,8 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
             for i in range(r.group_size):
                 tasks.append((f"g{gi:06d}-{i}", gi,
                               seed if r.same_seed_per_group else r.seed + gi * r.group_size + i))
-        trajs = rollout_lockstep(engine, chat, env_cfg, tasks)
+        counts: dict = {}
+        trajs = rollout_lockstep(engine, chat, env_cfg, tasks, counts=counts)
         t1 = time.perf_counter()
         samples = build_samples(trajs, [t.group_index for t in trajs], cfg.trainer.advantage)
         tm = backend.train_step(samples, loss_cfg=lcfg)
@@ -202,7 +222,7 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
         cpu = time.process_time() - cpu0
         rec = {"step": backend.version, "version": backend.version, "wall_s": t2 - t_start - paused,
                "cpu_s": cpu - paused_cpu,
-               "gen_s": t1 - t0, "train_s": t2 - t1, "sync_s_before": sync_s,
+               "gen_s": t1 - t0, "train_s": t2 - t1, "sync_s_before": sync_s, **counts,
                **trajectory_stats(trajs, v),
                **{f"train_{k2}": float(x) for k2, x in tm.items() if isinstance(x, (int, float))}}
         history.append(rec)

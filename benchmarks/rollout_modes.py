@@ -5,6 +5,7 @@
     python benchmarks/rollout_modes.py               # full suite (a few minutes)
     python benchmarks/rollout_modes.py --quick       # smoke run; prints JSON, writes nothing
     python benchmarks/rollout_modes.py --bus nats    # the same over an embedded nats-server
+    python benchmarks/rollout_modes.py --proxy-vs-direct   # only generation via the proxy vs direct
 
 The paper (ROLLART, arXiv 2512.22560) compares trajectory-level with batch-level env
 interaction while injecting Gaussian latency into env steps, and reports a 1.23-2.27x
@@ -31,6 +32,16 @@ embedded ``nats-server`` with ``--bus nats``).
   together, then step their envs together (each phase waits for the slowest), and the next
   wave starts when the whole wave is done.
 
+**Proxy vs direct** (part of every run; alone with ``--proxy-vs-direct``, which writes only
+with ``--write`` and then keeps the rest of the results file): 64 trajectories (8 groups x 8,
+``rollout.concurrency`` 64, all in flight), no env latency, greedy, the same task seeds,
+rolled out (a) by ``plain_loop.rollout_lockstep`` calling the same torch engine directly, one
+call per turn with every live trajectory, (b) by the actors through the ``LLMProxy`` in
+``rollout.mode: trajectory`` and (c) the same in ``rollout.mode: batch``. Reported per path:
+wall seconds, generated tokens, tokens/s, engine calls, rows per call, requests waiting when a
+call was cut / queued when a call ended, engine seconds, and the ratio proxy / direct
+tokens/s against the 0.9 target (medians over ``--pvd-reps``, path order rotating).
+
 Reported: rollout time per batch (span from the first admission to the last group done,
 divided by the number of batches) for each mode and sigma, and the ratio batch / trajectory
 (how many times longer a batch takes in batch mode; the paper's speed-up). Modes alternate
@@ -44,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -57,17 +69,17 @@ from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import replace_section  # noqa: E402
+from readme_section import replace_section
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # so that "benchmarks.latency_envs:..." imports
     sys.path.insert(0, str(ROOT))
 
-from rollart.bus.memory import MemoryBus  # noqa: E402
-from rollart.config import RunConfig, convert  # noqa: E402
-from rollart.launch import rollout_actors  # noqa: E402
-from rollart.node import Node  # noqa: E402
+from rollart.bus.memory import MemoryBus
+from rollart.config import RunConfig, convert
+from rollart.launch import rollout_actors
+from rollart.node import Node
 
 RESULTS = HERE / "results" / "rollout_modes.json"
 README = HERE / "README.md"
@@ -151,8 +163,9 @@ async def open_bus(kind: str, url: str | None):
 
 
 async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run_dir: Path,
-                  url: str | None, label: str) -> dict:
-    """Roll out ``args.batches`` batches in ``mode``; return timings and the trajectories."""
+                  url: str | None, label: str, on_ready=None) -> dict:
+    """Roll out ``args.batches`` batches in ``mode``; return timings and the trajectories.
+    ``on_ready(proxies)``, if given, is called once the actors are set up."""
     cfg = make_cfg(args, mode=mode, sigma=sigma, model_dir=model_dir, run_dir=run_dir)
     groups = args.batches * args.batch_groups
     load_start = loadavg()
@@ -166,6 +179,8 @@ async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run
         t_node = time.perf_counter()
         async with Node(bus, actors, heartbeat_every=0):
             t_ready = time.perf_counter()
+            if on_ready is not None:
+                on_ready(proxies)
             deadline = time.monotonic() + args.timeout
             shown = 0
             while not sched.all_done.is_set():
@@ -223,6 +238,8 @@ async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run
         "loadavg_start": load_start,
         "loadavg_end": loadavg(),
     }
+    waiting = [getattr(p.batcher, "waiting_sizes", None) for p in proxies]
+    out["_waiting"] = None if any(w is None for w in waiting) else [x for w in waiting for x in w]
     out["_trajs"], out["_shape"] = trajs, shape
     return out
 
@@ -252,6 +269,13 @@ def env_only(args, sigma: float, shape: list[tuple[int, int, int]]) -> dict:
 def _same(a: dict, b: dict) -> float:
     keys = set(a) | set(b)
     return sum(a.get(k) == b.get(k) for k in keys) / max(1, len(keys))
+
+
+async def measurements(args, url: str | None, engine, model_dir: Path,
+                       run_dir: Path) -> tuple[list[dict], dict]:
+    """The rollout modes (unless ``--proxy-vs-direct``), then proxy vs direct."""
+    runs = [] if args.proxy_vs_direct else await suite(args, url, engine, model_dir, run_dir)
+    return runs, await proxy_vs_direct(args, url, engine, model_dir, run_dir)
 
 
 async def suite(args, url: str | None, engine, model_dir: Path, run_dir: Path) -> list[dict]:
@@ -313,8 +337,361 @@ def summarize(args, runs: list[dict]) -> list[dict]:
     return rows
 
 
+# -- through the LLMProxy vs the engine called directly --------------------------------------
+PVD_TARGET = 0.9
+"""Tokens/s through the LLMProxy over tokens/s of the engine called directly in lock step."""
+PVD_PATHS = ("direct", "proxy", "proxy_batch")
+"""direct: ``rollout_lockstep`` on the engine; proxy: the actors in ``rollout.mode:
+trajectory`` (the measurement the target is about); proxy_batch: the actors in ``rollout.mode:
+batch`` (one wave of every trajectory: full engine calls, so it shows the cost of the actors
+and the bus alone)."""
+PVD_MODES = {"proxy": "trajectory", "proxy_batch": "batch"}
+
+
+class CountingEngine:
+    """The synchronous engine, counting what passes through ``generate``: calls, rows per
+    call, generated tokens, seconds in calls, rows that named a ``session``, and (once
+    ``queued`` is set to the BatchedEngine's queue length) the requests queued when each call
+    ended, i.e. those that arrived while it ran. Everything else is the engine's own."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        try:
+            self._stoppable = "stop_rows" in inspect.signature(engine.generate).parameters
+        except (TypeError, ValueError):
+            self._stoppable = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: list[int] = []
+        self.tokens = 0
+        self.busy_s = 0.0
+        self.with_session = 0
+        self.queued_after: list[int] = []
+        self.queued = None
+
+    def __getattr__(self, name: str):
+        if name == "_engine":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+    def generate(self, inputs, stop_rows=None):
+        t0 = time.perf_counter()
+        if stop_rows is not None and self._stoppable:
+            outs = self._engine.generate(inputs, stop_rows=stop_rows)
+        else:
+            outs = self._engine.generate(inputs)
+        self.busy_s += time.perf_counter() - t0
+        self.rows.append(len(inputs))
+        self.tokens += sum(len(o.token_ids) for o in outs)
+        self.with_session += sum(bool(getattr(i, "session", "")) for i in inputs)
+        if self.queued is not None:
+            self.queued_after.append(int(self.queued()))
+        return outs
+
+
+def clear_kv(engine) -> bool | None:
+    """Forget every session's K/V in the engine, so that neither path starts from the other's
+    cache (both name sessions by trajectory id). True if it found a session cache."""
+    try:
+        from rollart.engines.kv_cache import SessionKVCache
+    except ImportError:
+        return None
+    found = False
+    for v in vars(engine).values():
+        if isinstance(v, SessionKVCache):
+            v.clear()
+            found = True
+    return found
+
+
+def kv_counters(engine) -> dict[str, float]:
+    fn = getattr(engine, "kv_stats", None)
+    if not callable(fn):
+        return {}
+    try:
+        return {k: float(v) for k, v in fn().items() if isinstance(v, (int, float))}
+    except Exception:  # noqa: BLE001 - statistics only
+        return {}
+
+
+def warm_rows(args, engine, model_dir: Path, n: int) -> None:
+    """One untimed engine call of ``n`` first-turn rows (the first call of a size allocates)."""
+    from rollart.actors.chat import ChatFormat
+    from rollart.engines.base import GenInput
+    from rollart.envs.frozenlake import INSTRUCTION, FrozenLakeEnv
+
+    chat = ChatFormat.load(model_dir)
+    env = FrozenLakeEnv(random_map=True)
+    prompt = chat.first_prompt(args.instruction or INSTRUCTION, env.reset(0)[0])
+    choices = [chat.encode(a) for a in env.legal_actions()]
+    engine.generate([GenInput(prompt_ids=prompt, max_new_tokens=1, choices=choices, greedy=True)
+                     for _ in range(n)])
+
+
+def pvd_args(args) -> argparse.Namespace:
+    """The settings of this measurement: the script's, with no env latency and
+    ``pvd_groups`` x ``group_size`` trajectories all in flight at once, in one batch."""
+    a = argparse.Namespace(**vars(args))
+    a.batch_groups = args.pvd_groups
+    a.concurrency = args.pvd_groups * args.group_size
+    a.batches, a.mu = 1, 0.0
+    return a
+
+
+def _path_stats(path: str, wall: float, eng: CountingEngine, kv0: dict, kv1: dict,
+                trajs: dict, load: tuple[list[float], list[float]]) -> dict:
+    rows = eng.rows
+    n = max(1, len(rows))
+    out = {
+        "path": path,
+        "wall_s": round(wall, 3),
+        "tokens": eng.tokens,
+        "tokens_per_s": round(eng.tokens / wall, 2) if wall > 0 else None,
+        "engine_calls": len(rows),
+        "mean_rows": round(sum(rows) / n, 2),
+        "rows_hist": {str(k): rows.count(k) for k in sorted(set(rows))},
+        "engine_s": round(eng.busy_s, 3),
+        "engine_tokens_per_s": round(eng.tokens / eng.busy_s, 2) if eng.busy_s > 0 else None,
+        "rows_with_session": round(eng.with_session / max(1, sum(rows)), 3),
+        "turns": sum(len(v) for v in trajs.values()),
+        "trajectories": len(trajs),
+        "loadavg_start": load[0],
+        "loadavg_end": load[1],
+    }
+    reused = kv1.get("reused_tokens", 0.0) - kv0.get("reused_tokens", 0.0)
+    pre = kv1.get("prefilled_tokens", 0.0) - kv0.get("prefilled_tokens", 0.0)
+    out["kv_reused_share"] = round(reused / (reused + pre), 3) if reused + pre > 0 else None
+    return out
+
+
+def run_direct(args, eng: CountingEngine, model_dir: Path, run_dir: Path) -> dict:
+    """The same trajectories as the proxy path, rolled out by ``plain_loop.rollout_lockstep``:
+    one engine call per turn over every live trajectory, in this thread."""
+    from plain_loop import rollout_lockstep
+
+    from rollart.actors.admission import group_id, member_seed
+    from rollart.actors.chat import ChatFormat
+
+    a = pvd_args(args)
+    cfg = make_cfg(a, mode="trajectory", sigma=0.0, model_dir=model_dir, run_dir=run_dir)
+    r = cfg.rollout
+    tasks = [(f"{group_id(g)}-{i}", g, member_seed(r, g, i))
+             for g in range(a.batch_groups) for i in range(r.group_size)]
+    kw: dict = {}
+    params = inspect.signature(rollout_lockstep).parameters
+    if "sessions" in params:  # else rollout_lockstep names the sessions itself (or cannot)
+        kw["sessions"] = (True if isinstance(params["sessions"].default, bool)
+                          else [t[0] for t in tasks])
+    chat = ChatFormat.load(model_dir)
+    eng.reset()
+    kv_cleared = clear_kv(eng._engine)
+    kv0, load0 = kv_counters(eng), loadavg()
+    t0 = time.perf_counter()
+    res = rollout_lockstep(eng, chat, cfg.envs[r.env], tasks, greedy=not args.sample, **kw)
+    wall = time.perf_counter() - t0
+    trajs = {x.seed: [t.action for t in x.turns] for x in res}
+    out = _path_stats("direct", wall, eng, kv0, kv_counters(eng), trajs, (load0, loadavg()))
+    out["kv_cleared_before"] = kv_cleared
+    out["_trajs"] = trajs
+    return out
+
+
+async def run_proxy(args, path: str, eng: CountingEngine, model_dir: Path, run_dir: Path,
+                    url: str | None, label: str) -> dict:
+    """The real actors (scheduler, EnvManager, LLMProxy on the bus) in ``PVD_MODES[path]``."""
+    a = pvd_args(args)
+    eng.reset()
+    kv_cleared = clear_kv(eng._engine)
+    kv0 = kv_counters(eng)
+
+    def ready(proxies) -> None:
+        b = proxies[0].batcher
+        if b is not None:
+            eng.queued = lambda: b.queued
+
+    r = await measure(a, mode=PVD_MODES[path], sigma=0.0, engine=eng, model_dir=model_dir,
+                      run_dir=run_dir, url=url, label=label, on_ready=ready)
+    out = _path_stats(path, r["span_s"], eng, kv0, kv_counters(eng), r["_trajs"],
+                      (r["loadavg_start"], r["loadavg_end"]))
+    w, q = r["_waiting"], eng.queued_after
+    out.update({
+        "node_wall_s": r["node_wall_s"],
+        "batcher_calls": r["generate_batches"],
+        "mean_waiting_at_cut": round(statistics.mean(w), 2) if w else None,
+        "max_waiting_at_cut": max(w) if w else None,
+        "mean_queued_at_call_end": round(statistics.mean(q), 2) if q else None,
+        "mean_stage_s": r["mean_stage_s"],
+        "kv_cleared_before": kv_cleared,
+        "outcomes": r["outcomes"],
+    })
+    out["_trajs"] = r["_trajs"]
+    return out
+
+
+async def proxy_vs_direct(args, url: str | None, engine, model_dir: Path,
+                          run_dir: Path) -> dict:
+    """Generation through the LLMProxy against the engine called directly in lock step:
+    ``args.pvd_reps`` repetitions, the order of the paths rotating."""
+    a = pvd_args(args)
+    n = a.batch_groups * a.group_size
+    eng = CountingEngine(engine)
+    runs: list[dict] = []
+    t0 = time.perf_counter()
+    await asyncio.to_thread(warm_rows, args, engine, model_dir, n)
+    for rep in range(args.pvd_reps):
+        k = rep % len(PVD_PATHS)
+        order = PVD_PATHS[k:] + PVD_PATHS[:k]
+        for path in order:
+            label = f"proxy-vs-direct rep {rep + 1}/{args.pvd_reps} {path}"
+            PROGRESS.say(f"{label}: {n} trajectories in flight, load {loadavg()[0]}")
+            if path == "direct":
+                r = await asyncio.to_thread(run_direct, args, eng, model_dir, run_dir)
+            else:
+                r = await run_proxy(args, path, eng, model_dir, run_dir, url, label)
+            r["rep"], r["order"] = rep, order.index(path)
+            PROGRESS.say(f"{label}: {r['wall_s']:.2f} s, {r['tokens']} tokens, "
+                         f"{r['tokens_per_s']:.1f} tok/s, {r['engine_calls']} engine calls, "
+                         f"{r['mean_rows']:.1f} rows/call"
+                         + (f", {r['mean_queued_at_call_end']} queued at call end"
+                            if r.get("mean_queued_at_call_end") is not None else ""))
+            runs.append(r)
+    by = {p: [r for r in runs if r["path"] == p] for p in PVD_PATHS}
+    med = {p: {k: statistics.median(r[k] for r in by[p])
+               for k in ("wall_s", "tokens", "tokens_per_s", "engine_calls", "mean_rows",
+                         "engine_s")} for p in PVD_PATHS}
+    ratio = med["proxy"]["tokens_per_s"] / med["direct"]["tokens_per_s"]
+    same = [_same(d["_trajs"], p["_trajs"]) for d, *ps in zip(*(by[q] for q in PVD_PATHS))
+            for p in ps]
+
+    def _med(path: str, key: str):
+        vals = [r[key] for r in by[path] if r.get(key) is not None]
+        return round(statistics.median(vals), 2) if vals else None
+
+    def _ratios(path: str) -> list[float]:
+        return [round(p["tokens_per_s"] / d["tokens_per_s"], 3)
+                for d, p in zip(by["direct"], by[path])]
+
+    summary = {
+        "trajectories": n,
+        "median": {p: {k: round(v, 3) for k, v in med[p].items()} for p in PVD_PATHS},
+        "ratio": round(ratio, 3),
+        "ratio_per_rep": _ratios("proxy"),
+        "engine_s_ratio": round(med["proxy"]["engine_s"] / med["direct"]["engine_s"], 3),
+        "target": PVD_TARGET,
+        "pass": ratio >= PVD_TARGET,
+        "ratio_batch_mode": round(med["proxy_batch"]["tokens_per_s"]
+                                  / med["direct"]["tokens_per_s"], 3),
+        "ratio_batch_mode_per_rep": _ratios("proxy_batch"),
+        "engine_s_ratio_batch_mode": round(med["proxy_batch"]["engine_s"]
+                                           / med["direct"]["engine_s"], 3),
+        "same_trajectories": round(min(same), 3),
+        "mean_waiting_at_cut": {q: _med(q, "mean_waiting_at_cut") for q in PVD_MODES},
+        "mean_queued_at_call_end": {q: _med(q, "mean_queued_at_call_end") for q in PVD_MODES},
+        "rows_with_session": {p: by[p][0]["rows_with_session"] for p in PVD_PATHS},
+        "kv_reused_share": {p: by[p][0]["kv_reused_share"] for p in PVD_PATHS},
+        "turns": by["direct"][0]["turns"],
+    }
+    for r in runs:
+        r.pop("_trajs", None)
+    return {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": {"groups": a.batch_groups, "group_size": a.group_size,
+                   "concurrency": a.concurrency, "env": ENV_TYPES[a.env_kind],
+                   "mu": a.mu, "sigma": 0.0, "max_turns": a.max_turns, "reps": args.pvd_reps,
+                   "greedy": not args.sample, "bus": args.bus, "gather_ms": args.gather_ms,
+                   "max_batch": args.max_batch, "threads": args.threads, "seed": args.seed},
+        "summary": summary,
+        "runs": runs,
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def pvd_lines(pvd: dict) -> list[str]:
+    """The README lines of the proxy-vs-direct measurement."""
+    c, s = pvd["config"], pvd["summary"]
+    loads = [x for r in pvd["runs"] for x in (r["loadavg_start"][0], r["loadavg_end"][0])]
+    names = {"direct": "direct (`rollout_lockstep`)", "proxy": "proxy, `rollout.mode: trajectory`",
+             "proxy_batch": "proxy, `rollout.mode: batch`"}
+
+    def hist(path: str) -> str:
+        """Rows per call in the path's first run, largest first."""
+        r = next(r for r in pvd["runs"] if r["path"] == path)
+        return ", ".join(f"{k} x{v}" for k, v in sorted(r["rows_hist"].items(),
+                                                         key=lambda kv: -int(kv[0])))
+
+    def opt(x, fmt="{:.1f}"):
+        return "n/a" if x is None else fmt.format(x)
+
+    def per_rep(xs: list[float]) -> str:
+        return ", ".join(f"{x:.2f}" for x in xs)
+
+    rows = []
+    for path in PVD_PATHS:
+        m = s["median"][path]
+        ratio = {"direct": "1.00", "proxy": f"**{s['ratio']:.2f}**",
+                 "proxy_batch": f"{s['ratio_batch_mode']:.2f}"}[path]
+        rows.append(
+            f"| {names[path]} | {m['wall_s']:.2f} | {m['tokens']:.0f} | {m['tokens_per_s']:.1f} | "
+            f"{ratio} | {m['engine_calls']:.0f} | {m['mean_rows']:.1f} | "
+            f"{opt(s['mean_waiting_at_cut'].get(path))} | "
+            f"{opt(s['mean_queued_at_call_end'].get(path))} | {m['engine_s']:.2f} |")
+    kv = s["kv_reused_share"]
+    return [
+        "",
+        "### Through the LLMProxy vs the engine called directly",
+        "",
+        (f"`python benchmarks/rollout_modes.py --proxy-vs-direct [--pvd-reps R]` (also part of "
+         f"the full run) rolls out {s['trajectories']} trajectories ({c['groups']} groups x "
+         f"{c['group_size']}, all in flight: `rollout.concurrency` {c['concurrency']}) with no "
+         f"env latency (LatencyLake, mu = sigma = 0), up to {c['max_turns']} turns, greedy, "
+         "the same task seeds, on the same warm torch engine (1 thread):"),
+        "",
+        ("- **direct**: `plain_loop.rollout_lockstep` calls the engine itself, one call per turn "
+         "with every live trajectory (no bus, no actors, no asyncio)."),
+        ("- **proxy**: the real actors (`RolloutScheduler`, one `EnvManager`, one `LLMProxy` "
+         f"with its `BatchedEngine`, `gather_ms` {c['gather_ms']:g}, `max_batch` {c['max_batch']}) "
+         f"on the {'MemoryBus' if c['bus'] == 'memory' else 'NatsBus'}, `rollout.mode: "
+         "trajectory`. The target is about this row."),
+        ("- **proxy, batch mode**: the same actors in `rollout.mode: batch` (the "
+         f"{s['trajectories']} trajectories generate together at each turn), for comparison: "
+         "full engine calls, so what it loses against direct is the cost of the actors and the "
+         "bus."),
+        "",
+        ("Tokens/s = generated tokens / wall seconds (direct: the `rollout_lockstep` call; proxy: "
+         f"first admission to last group done). Medians over {c['reps']} repetition(s), the "
+         "order of the paths rotating; the session KV cache is cleared before each run. "
+         "*Waiting at cut*: requests left in the queue when a call was cut "
+         "(`BatchedEngine.waiting_sizes`); *queued at call end*: requests in the queue when a "
+         "call returned (they arrived while it ran). "
+         f"Last run {pvd['timestamp']}, load {min(loads)}-{max(loads)} (1-min averages), "
+         f"total {pvd['total_s']:.0f} s."),
+        "",
+        ("| path | wall (s) | generated tokens | tokens/s | / direct | engine calls "
+         "| rows per call | waiting at cut | queued at call end | engine time (s) |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        (f"Proxy / direct tokens/s: **{s['ratio']:.2f}** (per repetition "
+         f"{per_rep(s['ratio_per_rep'])}; target >= {s['target']}: "
+         f"{'pass' if s['pass'] else '**fail**'}); batch mode / direct "
+         f"{s['ratio_batch_mode']:.2f} ({per_rep(s['ratio_batch_mode_per_rep'])}). Engine time "
+         f"/ direct: {s['engine_s_ratio']:.2f} (trajectory mode), "
+         f"{s['engine_s_ratio_batch_mode']:.2f} (batch mode). Same trajectories (moves) on all "
+         f"paths: {s['same_trajectories']:.0%}; {s['turns']} turns per run."),
+        "",
+        (f"Engine calls per turn ({s['turns'] / s['trajectories']:.3g} turns per trajectory): "
+         + ", ".join(f"{p} {s['median'][p]['engine_calls'] * s['trajectories'] / s['turns']:.2f}"
+                     for p in PVD_PATHS)
+         + f". Rows per call through the proxy in the first repetition (rows x calls): "
+         f"trajectory mode {hist('proxy')}; batch mode {hist('proxy_batch')}. Prompt tokens "
+         "served from the session KV cache: "
+         + ", ".join(f"{p} {opt(kv.get(p), '{:.0%}')}" for p in PVD_PATHS) + "."),
+    ]
+
+
 # -- README ---------------------------------------------------------------------------------
-def readme_section(results: dict) -> str:
+def modes_lines(results: dict) -> list[str]:
     c, mi, rows = results["config"], results["machine"], results["summary"]
     wave = c["batch_groups"] * c["group_size"]
     sig_units = ", ".join(f"{s:g}" for s in c["sigmas"])
@@ -326,41 +703,41 @@ def readme_section(results: dict) -> str:
         BEGIN,
         "## Rollout modes: trajectory-level vs batch-level env interaction (`rollout_modes.py`)",
         "",
-        "`python benchmarks/rollout_modes.py [--quick] [--bus memory|nats] [--sigmas 1,2,5,10] "
+        ("`python benchmarks/rollout_modes.py [--quick] [--bus memory|nats] [--sigmas 1,2,5,10] "
         "[--reps R] [--batches B]` rolls out the same groups in `rollout.mode: trajectory` and "
         "`rollout.mode: batch` with the real actors (`RolloutScheduler`, one `EnvManager`, one "
         f"`LLMProxy` serving the tiny torch model) on the {bus}, while every env step "
-        "sleeps a Gaussian latency, as in the paper's experiment.",
+        "sleeps a Gaussian latency, as in the paper's experiment."),
         "",
-        f"- **Env**: FrozenLake 4x4, a random map per seed, up to {c['max_turns']} turns; each step "
+        (f"- **Env**: FrozenLake 4x4, a random map per seed, up to {c['max_turns']} turns; each step "
         f"sleeps max(0, N(mu, sigma)) x unit with mu = {c['mu']:g}, unit = {c['unit'] * 1e3:g} ms "
         f"(mean step {c['mu'] * c['unit'] * 1e3:g} ms; sigma {sig_units} = {sig_ms} ms), "
         f"{where}; "
-        "the draws are seeded by the task seed, so a trajectory meets the same latencies in both modes.",
-        f"- **Constant across modes**: {c['batches']} batches of {c['batch_groups']} groups x "
+        "the draws are seeded by the task seed, so a trajectory meets the same latencies in both modes."),
+        (f"- **Constant across modes**: {c['batches']} batches of {c['batch_groups']} groups x "
         f"{c['group_size']} trajectories ({wave} per batch), one task seed per trajectory, the "
         f"same seeds, {'greedy' if not c['sample'] else 'sampled'} decoding from one warm engine "
         f"(so the trajectories are the same: `same_trajectories` below), "
         f"`rollout.concurrency` = {c['concurrency']} trajectories at once, one generation replica "
-        f"(torch, {c['threads']} thread, `gather_ms` {c['gather_ms']:g}).",
-        "- **trajectory**: each trajectory advances on its own; a finished one frees its slot for "
+        f"(torch, {c['threads']} thread, `gather_ms` {c['gather_ms']:g})."),
+        ("- **trajectory**: each trajectory advances on its own; a finished one frees its slot for "
         "the next at once. **batch**: a wave of "
         f"{c['batch_groups']} groups generates together, then steps together (each phase waits "
-        "for the slowest trajectory), and the next wave starts when the wave is done.",
-        "- **Per batch**: the span from the first admission to the last group done, divided by "
+        "for the slowest trajectory), and the next wave starts when the wave is done."),
+        ("- **Per batch**: the span from the first admission to the last group done, divided by "
         "the number of batches (median over repetitions; modes alternate in order). "
         "**Ratio** = batch / trajectory: how many times longer a batch takes in batch mode, "
-        "the paper's speed-up of trajectory-level interaction.",
+        "the paper's speed-up of trajectory-level interaction."),
         "",
-        f"Last run {results['timestamp']}: {mi['cpu_count']} CPUs ({mi['cpu_model']}), load "
+        (f"Last run {results['timestamp']}: {mi['cpu_count']} CPUs ({mi['cpu_model']}), load "
         f"{mi['loadavg_start'][0]} at start, {mi['loadavg_end'][0]} at end "
         f"(1-min averages during the measurements: {mi['loadavg_min']}-{mi['loadavg_max']}), "
         f"Python {mi['python']}, torch {mi['torch']}, {c['reps']} repetition(s) per mode and sigma, "
-        f"total {results['total_s']:.0f} s.",
+        f"total {results['total_s']:.0f} s."),
         "",
-        "| sigma (units / ms) | trajectory (s/batch) | batch (s/batch) | ratio | per repetition "
+        ("| sigma (units / ms) | trajectory (s/batch) | batch (s/batch) | ratio | per repetition "
         "| paper | result | env latency only: batch / trajectory (s/batch) | engine busy traj / batch "
-        "(s/batch) | gen. batch mean traj / batch |",
+        "(s/batch) | gen. batch mean traj / batch |"),
         "|---|---:|---:|---:|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
@@ -382,16 +759,16 @@ def readme_section(results: dict) -> str:
              f"{last['mean_turns']:.2f} turns per trajectory on average")
     lines += [
         "",
-        f"Per trajectory at sigma {last['sigma']:g} (seconds, mean over the run): trajectory mode "
+        (f"Per trajectory at sigma {last['sigma']:g} (seconds, mean over the run): trajectory mode "
         f"generate {st['trajectory']['generate']:.2f}, step {st['trajectory']['step']:.2f}; batch "
         f"mode generate {st['batch']['generate']:.2f}, step {st['batch']['step']:.2f}, waiting at "
         f"the lock-step barriers {st['batch']['wait']:.2f}. {turns[0].upper() + turns[1:]}; the "
         f"same trajectories (moves) in both modes: {min(r['same_trajectories'] for r in rows):.0%}. "
         f"Before the suite one engine call took {probe['generate_1_s'] * 1e3:.0f} ms for 1 row and "
         f"{probe[f'generate_{wave}_s'] * 1e3:.0f} ms for {wave} rows ({probe['prompt_tokens']}-token "
-        "first prompt; every turn re-reads the whole context).",
+        "first prompt; every turn re-reads the whole context)."),
         "",
-        "What the ratio is made of: batch mode pays, at every turn, the slowest env step of "
+        ("What the ratio is made of: batch mode pays, at every turn, the slowest env step of "
         f"the wave (about mu + 2 sigma for {wave} draws) and its generation and env phases never "
         "overlap; trajectory mode overlaps one trajectory's env step with other trajectories' "
         "generation and refills a slot as soon as a trajectory ends. *Env latency only* replays "
@@ -401,10 +778,23 @@ def readme_section(results: dict) -> str:
         "overlap of generation with env steps, less the tail of the last batch in trajectory mode. "
         "The machine is a shared 2-core host whose load (above) comes mostly from other jobs: "
         "generation competes with them for the CPU, so absolute times move from run to run (the "
-        "env sleeps do not). Raw numbers: `benchmarks/results/rollout_modes.json`.",
-        END,
+        "env sleeps do not). Raw numbers: `benchmarks/results/rollout_modes.json`."),
     ]
-    return "\n".join(lines)
+    return lines
+
+
+def readme_section(results: dict) -> str:
+    """The README section: the rollout modes (if measured) and proxy vs direct (if measured)."""
+    if results.get("summary"):
+        lines = modes_lines(results)
+    else:
+        lines = [BEGIN, ("## Rollout modes: trajectory-level vs batch-level env interaction "
+                 "(`rollout_modes.py`)"), "",
+                 ("Trajectory vs batch level: not measured yet (run `python "
+                 "benchmarks/rollout_modes.py`).")]
+    if results.get("proxy_vs_direct"):
+        lines += pvd_lines(results["proxy_vs_direct"])
+    return "\n".join([*lines, END])
 
 
 def write_readme(section: str, path: Path = README) -> None:
@@ -465,6 +855,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: sigma 1 and 10, 1 batch, 1 repetition; writes nothing "
                         "unless --write")
+    p.add_argument("--proxy-vs-direct", action="store_true",
+                   help="only the proxy-vs-direct measurement (no rollout modes); writes "
+                        "nothing unless --write (then it replaces that part of the results "
+                        "file and README section, keeping the rest)")
+    p.add_argument("--pvd-reps", type=int, default=None,
+                   help="proxy-vs-direct repetitions per path (default 6, --quick 1)")
+    p.add_argument("--pvd-groups", type=int, default=8,
+                   help="proxy-vs-direct groups, all in flight at once (default 8, x group size)")
     p.add_argument("--write", action="store_true", help="write results and README even with --quick")
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--bus", choices=("memory", "nats"), default="memory",
@@ -503,7 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < wave:
         p.error(f"--concurrency {args.concurrency} < {wave} trajectories per batch: batch mode "
                 "needs a whole wave on the EnvManager")
-    write = not args.no_write and (args.write or not args.quick)
+    args.pvd_reps = args.pvd_reps or (1 if args.quick else 6)
+    write = not args.no_write and (args.write or not (args.quick or args.proxy_vs_direct))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     with contextlib.suppress(ImportError):
         from transformers.utils import logging as hf_logging
@@ -525,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: getattr(args, k) for k in (
             "bus", "sigmas", "mu", "unit", "reps", "batches", "batch_groups", "group_size",
             "concurrency", "max_turns", "env_kind", "instruction", "sample", "threads",
-            "gather_ms", "max_batch", "seed")},
+            "gather_ms", "max_batch", "seed", "proxy_vs_direct", "pvd_reps", "pvd_groups")},
         "paper": PAPER,
         "machine": machine_info(loop_name),
     }
@@ -545,33 +944,52 @@ def main(argv: list[str] | None = None) -> int:
             url = server.url
             PROGRESS.say(f"nats-server at {url}")
         try:
-            runs = run(suite(args, url, engine, model_dir, Path(tmp) / "runs"))
+            runs, pvd = run(measurements(args, url, engine, model_dir, Path(tmp) / "runs"))
         finally:
             if server is not None:
                 server.stop()
-    results["summary"] = summarize(args, runs)
-    for r in runs:
-        r.pop("_trajs", None)
-        r.pop("_shape", None)
-    results["runs"] = runs
-    loads = [x for r in runs for x in (r["loadavg_start"][0], r["loadavg_end"][0])]
-    results["machine"].update(loadavg_end=loadavg(), loadavg_min=min(loads), loadavg_max=max(loads))
+    if runs:
+        results["summary"] = summarize(args, runs)
+        for r in runs:
+            r.pop("_trajs", None)
+            r.pop("_shape", None)
+        results["runs"] = runs
+        loads = [x for r in runs for x in (r["loadavg_start"][0], r["loadavg_end"][0])]
+        results["machine"].update(loadavg_end=loadavg(), loadavg_min=min(loads),
+                                  loadavg_max=max(loads))
+        results["all_pass"] = all(r["pass"] for r in results["summary"])
+    else:
+        results["machine"].update(loadavg_end=loadavg())
+    results["proxy_vs_direct"] = pvd
+    results["proxy_vs_direct_pass"] = pvd["summary"]["pass"]
     results["total_s"] = round(time.perf_counter() - t_start, 1)
-    results["all_pass"] = all(r["pass"] for r in results["summary"])
 
     text = json.dumps(results, indent=2)
     print(text)
     if write:
+        if not runs and RESULTS.exists():  # --proxy-vs-direct alone: keep the modes' results
+            with contextlib.suppress(ValueError):
+                old = json.loads(RESULTS.read_text())
+                old.update(proxy_vs_direct=pvd, proxy_vs_direct_pass=pvd["summary"]["pass"])
+                results = old
+                text = json.dumps(results, indent=2)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(text + "\n")
         write_readme(readme_section(results))
         PROGRESS.say(f"wrote {RESULTS.relative_to(ROOT)} and the rollout_modes section of "
                      f"{README.relative_to(ROOT)}")
-    for r in results["summary"]:
+    for r in results["summary"] if runs else []:
         PROGRESS.say(f"sigma {r['sigma']:g}: trajectory {r['trajectory_per_batch_s']:.2f} s/batch, "
                      f"batch {r['batch_per_batch_s']:.2f} s/batch, ratio {r['ratio']:.2f}x "
                      f"(>= {r['target']}x: {'pass' if r['pass'] else 'FAIL'})")
-    PROGRESS.say(f"total {results['total_s']:.0f} s")
+    ps = pvd["summary"]
+    PROGRESS.say(f"proxy vs direct ({ps['trajectories']} in flight): direct "
+                 f"{ps['median']['direct']['tokens_per_s']:.1f} tok/s, proxy "
+                 f"{ps['median']['proxy']['tokens_per_s']:.1f} tok/s, ratio {ps['ratio']:.2f} "
+                 f"(>= {ps['target']}: {'pass' if ps['pass'] else 'FAIL'}); batch mode "
+                 f"{ps['median']['proxy_batch']['tokens_per_s']:.1f} tok/s, ratio "
+                 f"{ps['ratio_batch_mode']:.2f}; same trajectories {ps['same_trajectories']:.0%}")
+    PROGRESS.say(f"total {time.perf_counter() - t_start:.0f} s")
     return 0
 
 

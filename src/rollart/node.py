@@ -242,6 +242,13 @@ class Node:
             out.update(loop.stats.as_dict(f"{loop.actor.name}.{loop.h.name}"))
         for svc in self.services:
             out.update(svc.stats.as_dict(f"{svc.actor.name}.{svc.h.name}"))
+        for a in self.actors:  # an actor's own numbers (the LLMProxy: engine occupancy)
+            hook = getattr(a, "node_stats", None)
+            if callable(hook):
+                try:
+                    out.update(hook())
+                except Exception:  # noqa: BLE001 - statistics never stop a heartbeat
+                    log.debug("%s.node_stats failed", a.name, exc_info=True)
         return out
 
     async def _watch_bus(self) -> None:

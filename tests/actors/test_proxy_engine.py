@@ -150,3 +150,21 @@ async def test_a_cancelled_group_aborts_its_requests_in_flight(memory_bus_only, 
         with pytest.raises(RemoteError, match="cancelled"):
             await proxy.request("generate.request", request("g000001-2", prompt, 4), timeout=30)
         assert not proxy._inflight and not proxy._cancelled
+
+
+async def test_engine_occupancy_reaches_the_node_heartbeat(memory_bus_only, tiny_model, prompt):
+    """``<replica>.engine.*`` in the node's stats (what its heartbeats carry): calls, rows,
+    rows per call against requests waiting, busy seconds."""
+    bus, run = memory_bus_only, new_run()
+    proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model), gather_ms=50)
+    async with Node(bus, [proxy], heartbeat_every=0) as node:
+        outs = await asyncio.gather(*(
+            proxy.request("generate.request", request(f"g000001-{i}", prompt, 2), timeout=60)
+            for i in range(3)))
+        assert all(len(o.token_ids) == 2 for o in outs)
+        st = node.stats()
+    b = proxy.batcher
+    assert st["gen-0.engine.batches"] == b.batches >= 1
+    assert st["gen-0.engine.rows"] == 3
+    assert st["gen-0.engine.mean_rows"] == pytest.approx(3 / b.batches)
+    assert st["gen-0.engine.busy_s"] > 0

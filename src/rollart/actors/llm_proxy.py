@@ -162,6 +162,13 @@ class LLMProxy(Actor):
         eng = getattr(self, "async_engine", None)
         return eng if isinstance(eng, BatchedEngine) else None
 
+    def node_stats(self) -> dict[str, float]:
+        """Engine occupancy for the node's heartbeat: ``<name>.engine.<stat>`` (see
+        :meth:`BatchedEngine.stats`: calls, rows, mean rows per call against the mean
+        requests waiting when a call was cut, busy seconds, KV-cache counters)."""
+        b = self.batcher
+        return {} if b is None else {f"{self.name}.engine.{k}": v for k, v in b.stats().items()}
+
     async def main(self) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
@@ -169,6 +176,15 @@ class LLMProxy(Actor):
                 tg.create_task(self.progress.run())
         finally:  # stopping: requests still in the engine are answered "unavailable"
             self._stopping = True
+            b = self.batcher
+            if b is not None and b.batches:
+                st = b.stats()
+                log.info("%s: %d engine calls, %.1f rows per call (%.1f more waiting when cut), "
+                         "engine busy %.1f s%s", self.name, b.batches, st["mean_rows"],
+                         st["mean_waiting"], st["busy_s"],
+                         f", KV cache reused {st['kv_reused_tokens']:.0f} of "
+                         f"{st['kv_reused_tokens'] + st['kv_prefilled_tokens']:.0f} prompt tokens"
+                         if "kv_reused_tokens" in st and "kv_prefilled_tokens" in st else "")
             if self._owns_engine:
                 await self.async_engine.close()
 
@@ -327,7 +343,8 @@ class LLMProxy(Actor):
                            max_new_tokens=req.sampling.max_new_tokens,
                            temperature=req.sampling.temperature, top_p=req.sampling.top_p,
                            stop_token_ids=tuple(req.sampling.stop_token_ids),
-                           choices=[list(c) for c in req.choices] or None, greedy=req.greedy)
+                           choices=[list(c) for c in req.choices] or None, greedy=req.greedy,
+                           session=req.traj_id)  # the engine may keep its KV cache between turns
             return await self._serve(req, inp, rid)
         except Exception as e:
             if self._stopping and not isinstance(e, ServiceUnavailable):

@@ -7,6 +7,10 @@ takes one `GenInput` per turn (from any number of trajectories) and returns one 
 per input, in order (the torch engine). Engines work in token ids only; tokenization is the
 caller's.
 
+A `GenInput` may name its `session` (the trajectory it belongs to): a multi-turn prompt is the
+previous prompt + response + new tokens, so an engine that caches K/V per session (the torch
+engine does) prefills only the new tokens. The session is a hint for speed, never for results.
+
 Log-prob semantics (the contract with the trainer)
 --------------------------------------------------
 `GenOutput.logprobs[i]` is the log-probability of `token_ids[i]` under the policy's own
@@ -78,6 +82,10 @@ class GenInput:
     """If given, the response is exactly one of these token sequences."""
     greedy: bool = False
     """Pick the most likely (allowed) token at each step."""
+    session: str = ""
+    """An opaque key of the conversation this input continues (the trajectory id). Engines
+    that keep a KV cache per session reuse it when the prompt extends the cached tokens;
+    empty: no reuse. Never changes the tokens or log-probs, only the work done."""
 
 
 @dataclass

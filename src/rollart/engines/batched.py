@@ -1,8 +1,14 @@
 """BatchedEngine: an :class:`AsyncEngine` around a synchronous, batched `GenerationEngine`.
 
-Requests that arrive while a batch runs, or within ``gather_s`` of the first one, share the
-next engine call (at most ``max_batch`` rows); a lone request waits at most ``gather_s``. The
-engine runs in one worker thread of its own, one batch (or weight load) at a time, so the
+Requests that arrive while a batch runs share the next engine call (at most ``max_batch``
+rows). Before a call the engine gathers adaptively: it keeps waiting while requests keep
+arriving (each within ``gather_s`` of the one before; within a quarter of the window while
+fewer are queued than the last round had requesters), up to ``gather_max_s`` after the first
+(by default the duration of the last engine call, at most 50 ms), so trajectories that drift
+apart still share calls; a lone request waits only ``gather_s``. Why: a call's fixed cost
+(Python, kernel launches) is most of a small model's step, so rows that join an existing call
+are nearly free, and CPU not burnt on tiny calls goes to the other processes of the host.
+The engine runs in one worker thread of its own, one batch (or weight load) at a time, so the
 event loop keeps serving meanwhile.
 
 - ``abort``: a queued request is removed at once; a running one stops at the engine's next
@@ -71,29 +77,35 @@ class BatchedEngine(AsyncEngine):
         engine: the engine to drive (not closed by :meth:`close` unless ``owns``), or None
             with ``factory``.
         factory: builds the engine in the worker thread on :meth:`start` (then owned).
-        gather_s: seconds a batch waits for more requests after the first (not when full).
+        gather_s: the quiet gap: a gathering batch is cut once no request arrived for this
+            many seconds (not when full).
+        gather_max_s: the longest a batch gathers after its first request; None: the
+            duration of the last engine call, at most 50 ms (and at least ``gather_s``).
         max_batch: rows per engine call at most.
         replica, pool: the ``replica`` attribute of ``generate.batch`` spans and the ``pool``
             of the engine metrics (the LLMProxy sets them).
 
     Statistics (read by benchmarks and tests): ``batches``, ``items``, ``sizes`` (rows per
-    batch), ``busy_s`` (seconds in engine calls), :attr:`mean_batch`, :attr:`queued`.
+    batch), ``waiting_sizes`` (requests left queued when each batch was cut), ``busy_s``
+    (seconds in engine calls), :attr:`mean_batch`, :attr:`queued`, :meth:`stats`.
     ``on_start``, if set, is called with the request ids of each batch as it starts.
     """
 
     def __init__(self, engine: GenerationEngine | None = None, *,
                  factory: Callable[[], GenerationEngine] | None = None,
                  gather_s: float = 0.002, max_batch: int = 128, owns: bool | None = None,
-                 replica: str = "", pool: str = "default") -> None:
+                 replica: str = "", pool: str = "default",
+                 gather_max_s: float | None = None) -> None:
         if (engine is None) == (factory is None):
             raise ValueError("give an engine or a factory, not both or neither")
-        if max_batch < 1 or gather_s < 0:
-            raise ValueError(f"max_batch must be >= 1 and gather_s >= 0, got {max_batch}, "
-                             f"{gather_s}")
+        if max_batch < 1 or gather_s < 0 or (gather_max_s is not None and gather_max_s < 0):
+            raise ValueError(f"max_batch must be >= 1 and gather_s, gather_max_s >= 0, got "
+                             f"{max_batch}, {gather_s}, {gather_max_s}")
         self.engine = engine
         self._factory = factory
         self.owns = engine is None if owns is None else owns
         self.gather_s = gather_s
+        self.gather_max_s = gather_max_s
         self.max_batch = max_batch
         self.replica = replica
         self.pool = pool
@@ -114,7 +126,14 @@ class BatchedEngine(AsyncEngine):
         self.batches = 0
         self.items = 0
         self.sizes: list[int] = []
+        self.waiting_sizes: list[int] = []
+        self.waited = 0
+        """Sum of ``waiting_sizes``."""
         self.busy_s = 0.0
+        self._last_call_s = 0.0
+        self._last_arrival = 0.0
+        self._expect = 0
+        """Requesters of the last round: its call's rows plus what queued during the call."""
 
     @classmethod
     def torch(cls, model_dir: str | os.PathLike, *, seed: int = 0, threads: int | None = 1,
@@ -150,6 +169,22 @@ class BatchedEngine(AsyncEngine):
     @property
     def mean_batch(self) -> float:
         return self.items / self.batches if self.batches else 0.0
+
+    def stats(self) -> dict[str, float]:
+        """Engine occupancy so far: calls, rows, mean rows per call against the mean requests
+        left waiting when a call was cut, seconds busy; plus the engine's own ``kv_stats()``
+        (prefix-cache counters) when it has them."""
+        n = self.batches
+        out = {"batches": float(n), "rows": float(self.items), "mean_rows": self.mean_batch,
+               "mean_waiting": self.waited / n if n else 0.0,
+               "busy_s": self.busy_s}
+        kv = getattr(self.engine, "kv_stats", None)
+        if callable(kv):
+            try:
+                out.update({f"kv_{k}": float(v) for k, v in kv().items()})
+            except Exception:  # noqa: BLE001 - statistics must never fail the caller
+                log.debug("kv_stats failed", exc_info=True)
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -216,6 +251,7 @@ class BatchedEngine(AsyncEngine):
         req = _Req(inp, request_id, asyncio.get_running_loop().create_future(),
                    tracing.headers() if tracing.enabled() else None)
         self._queue.append(req)
+        self._last_arrival = time.monotonic()
         self._wake.set()
         try:
             return await req.fut
@@ -317,7 +353,7 @@ class BatchedEngine(AsyncEngine):
                 await self._resumed.wait()
                 continue
             if len(self._queue) < self.max_batch and self.gather_s > 0:
-                await asyncio.sleep(self.gather_s)
+                await self._gather()
                 if not self._resumed.is_set():
                     continue  # paused while gathering
             take, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
@@ -326,6 +362,29 @@ class BatchedEngine(AsyncEngine):
             take = [r for r in take if not r.fut.done()]  # requester gave up
             if take:
                 await self._run(take)
+
+    async def _gather(self) -> None:
+        """Wait while requests keep arriving, the queue is not full, and the window
+        (:attr:`gather_max_s`, else the last call's duration, at most 50 ms) is not over.
+
+        "Keep arriving": a gap under ``gather_s``; while fewer are queued than the last round
+        had requesters (the last call's rows, which come back for their next turn, plus what
+        queued during it), a gap under a quarter of the window: the rows that just returned
+        need a bus round trip and an env step before they ask again, which is longer than
+        ``gather_s``, and a call without them would split the round in two for good."""
+        t0 = time.monotonic()
+        window = self.gather_max_s
+        if window is None:
+            window = min(0.05, self._last_call_s)
+        window = max(window, self.gather_s)
+        end, slow_gap = t0 + window, max(self.gather_s, window / 4)
+        while len(self._queue) < self.max_batch:
+            now = time.monotonic()
+            gap = slow_gap if len(self._queue) < self._expect else self.gather_s
+            wait = min(max(self._last_arrival, t0) + gap, end) - now
+            if wait <= 0:
+                return
+            await asyncio.sleep(wait)
 
     async def _run(self, take: list[_Req]) -> None:
         version = self.version
@@ -361,7 +420,8 @@ class BatchedEngine(AsyncEngine):
                     r.fut.set_exception(e)
             return
         finally:
-            self.busy_s += time.perf_counter() - t0
+            self._last_call_s = time.perf_counter() - t0
+            self.busy_s += self._last_call_s
             for r in take:
                 if self._running.get(r.request_id) is r:
                     del self._running[r.request_id]
@@ -369,6 +429,9 @@ class BatchedEngine(AsyncEngine):
         self.batches += 1
         self.items += len(take)
         self.sizes.append(len(take))
+        self.waiting_sizes.append(waiting)
+        self.waited += waiting
+        self._expect = min(self.max_batch, len(take) + len(self._queue))
         otel_metrics.engine_batch(len(take), waiting, self.pool)
         for r, o in zip(take, outs):
             if r.fut.done():

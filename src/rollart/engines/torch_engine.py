@@ -7,6 +7,18 @@ dropped from the batch (and from the KV cache) at once; a finished row produces 
 tokens. Sampling uses one `torch.Generator` seeded at construction, so a given sequence of
 `generate` calls is reproducible.
 
+Multi-turn KV reuse: a multi-turn prompt is the previous prompt + response + new tokens, so
+re-reading it each turn costs a prefill that grows with the conversation. Inputs that name a
+`session` look up a `SessionKVCache` (`kv_cache.py`); a row that hits takes the stored K/V of
+the common prefix and prefills only the rest. In such a batch row r holds c_r cached and n_r new
+tokens: the cached K/V are left-padded to C = max c_r, the new tokens to N = max n_r, the
+attention mask is 1 exactly on real positions (the pads in the middle are just masked keys) and
+the position ids continue at c_r, so each row sees exactly what an uncached prefill would have
+given it (up to float rounding). A row that finishes normally stores the K/V of its prompt and
+response (all but the last token, which was never fed) under its session. Without a hit the
+prefill is the plain one. The cache holds K/V of the current weights only: loading weights
+clears it.
+
 See `rollart.engines.base` for the log-prob, stopping and constrained-decoding contract.
 """
 
@@ -30,8 +42,9 @@ from .base import (
     GenOutput,
     validate_choices,
 )
+from .kv_cache import SessionKVCache
 
-__all__ = ["TorchGenerationEngine", "build_choice_trie", "allowed_after"]
+__all__ = ["TorchGenerationEngine", "allowed_after", "build_choice_trie"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +100,10 @@ class TorchGenerationEngine(GenerationEngine):
         dtype: "float32" | "bfloat16" | "float16" for the weights; sampling math is float32.
         attn_implementation: passed to `from_pretrained` ("sdpa" or "eager").
         version: the policy version of the weights in `model_dir`.
+        kv_cache_mb: size cap of the per-session KV cache in MiB (0 disables it). It is also
+            off for models whose HF cache is not a plain full-attention `DynamicCache`
+            (sliding windows, linear attention), whose cached layers hold other than one K/V
+            per position.
     """
 
     def __init__(
@@ -99,6 +116,7 @@ class TorchGenerationEngine(GenerationEngine):
         dtype: str = "float32",
         attn_implementation: str = "sdpa",
         version: int = 0,
+        kv_cache_mb: float = 256,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -106,6 +124,8 @@ class TorchGenerationEngine(GenerationEngine):
             torch.set_num_threads(int(threads))
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if not kv_cache_mb >= 0:
+            raise ValueError(f"kv_cache_mb must be >= 0, got {kv_cache_mb}")
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
@@ -141,6 +161,32 @@ class TorchGenerationEngine(GenerationEngine):
         # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
         params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._kv: SessionKVCache | None = None
+        if kv_cache_mb > 0:
+            if self._plain_dynamic_cache():
+                self._kv = SessionKVCache(int(kv_cache_mb * 2**20))
+            else:
+                log.warning("KV reuse is off: this model's cache layers are not plain "
+                            "full-attention DynamicLayers")
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _plain_dynamic_cache(self) -> bool:
+        """Whether the model's cache keeps one K/V per position in every layer (what the
+        session cache stores and rebuilds)."""
+        try:
+            from transformers.cache_utils import DynamicLayer
+
+            cache = self._new_cache()
+        except (ImportError, TypeError, ValueError):
+            return False
+        layers = getattr(cache, "layers", None)
+        if layers is None or not hasattr(cache, "batch_select_indices"):
+            return False
+        return all(type(layer) is DynamicLayer for layer in layers)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -163,7 +209,10 @@ class TorchGenerationEngine(GenerationEngine):
         """See :meth:`GenerationEngine.generate`. ``stop_rows``: indices of ``inputs`` to stop
         early, which another thread may add to while this runs (e.g. a ``set``); read once
         per decode step: a row in it that has not finished ends with
-        :data:`FINISH_INTERRUPTED` and the tokens and log-probs it has so far."""
+        :data:`FINISH_INTERRUPTED` and the tokens and log-probs it has so far.
+
+        An input with a ``session`` reuses that session's cached K/V and, once it finishes
+        (not interrupted, and only if the whole call succeeds), replaces them with its own."""
         n = len(inputs)
         tries: list[Trie | None] = [None] * n
         for i, inp in enumerate(inputs):
@@ -194,28 +243,17 @@ class TorchGenerationEngine(GenerationEngine):
             return [GenOutput([], [], finish[i]) for i in range(n)]
 
         dev = self.device
-        lens = [len(inputs[i].prompt_ids) for i in rows]
-        width = max(lens)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            L = lens[r]
-            ids[r, width - L :] = torch.tensor(inputs[i].prompt_ids, dtype=torch.long)
-            attn[r, width - L :] = 1
-        pos = (attn.cumsum(-1) - 1).clamp_(min=0)
-        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
-        next_pos = torch.tensor(lens, dtype=torch.long, device=dev)
-
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        hits = self._lookup(inputs, rows)
+        if any(reuse for _, reuse in hits):
+            out, attn = self._prefill_cached(inputs, rows, hits)
+        else:
+            out, attn = self._prefill(inputs, rows)
+        next_pos = torch.tensor([len(inputs[i].prompt_ids) for i in rows], dtype=torch.long,
+                                device=dev)
         cache = self._cache_of(out)
         logits = out.logits[:, -1, :]
         nodes: list[Trie | None] = [tries[i] for i in rows]
+        to_store: list[tuple[str, list[int], list]] = []
 
         while True:
             tok, lp = self._pick([inputs[i] for i in rows], nodes, logits)
@@ -241,6 +279,10 @@ class TorchGenerationEngine(GenerationEngine):
                     finish[i] = FINISH_INTERRUPTED
                 if finish[i] is None:
                     keep.append(r)
+                elif finish[i] != FINISH_INTERRUPTED and self._kv is not None and inputs[i].session:
+                    # Before the row leaves the batch cache: all it has seen but its last token.
+                    seen = list(inputs[i].prompt_ids) + out_tokens[i][:-1]
+                    to_store.append((inputs[i].session, seen, self._row_kv(cache, attn, r)))
             if not keep:
                 break
             if len(keep) < len(rows):
@@ -266,7 +308,101 @@ class TorchGenerationEngine(GenerationEngine):
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
+        for session, seen, layers in to_store:  # only once the whole batch succeeded
+            if layers is not None and layers[0][0].shape[2] == len(seen):
+                self._kv.put(session, seen, layers)
         return [GenOutput(out_tokens[i], out_lps[i], finish[i]) for i in range(n)]
+
+    def _prefill(self, inputs: list[GenInput], rows: list[int]):
+        """Read the prompts of `rows` from scratch, left-padded; return (model output,
+        attention mask)."""
+        dev = self.device
+        lens = [len(inputs[i].prompt_ids) for i in rows]
+        width = max(lens)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            L = lens[r]
+            ids[r, width - L :] = torch.tensor(inputs[i].prompt_ids, dtype=torch.long)
+            attn[r, width - L :] = 1
+        pos = (attn.cumsum(-1) - 1).clamp_(min=0)
+        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out, attn
+
+    # ------------------------------------------------------------------ session KV cache
+    def _lookup(self, inputs: list[GenInput], rows: list[int]) -> list[tuple[object, int]]:
+        """(entry, reused length) per row of `rows`; (None, 0) where nothing is reused."""
+        if self._kv is None:
+            return [(None, 0)] * len(rows)
+        return [
+            self._kv.get(inputs[i].session, inputs[i].prompt_ids) if inputs[i].session
+            else (None, 0)
+            for i in rows
+        ]
+
+    def _prefill_cached(self, inputs: list[GenInput], rows: list[int], hits):
+        """Prefill only the tokens after each row's reused prefix (see the module docstring
+        for the layout); return (model output, attention mask over cached + new positions)."""
+        dev = self.device
+        cached = [reuse for _, reuse in hits]
+        new = [inputs[i].prompt_ids[c:] for i, c in zip(rows, cached)]
+        C, N = max(cached), max(len(x) for x in new)
+        ids = torch.full((len(rows), N), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), C + N), dtype=torch.long)
+        pos = torch.zeros((len(rows), N), dtype=torch.long)
+        for r, (c, x) in enumerate(zip(cached, new)):
+            k = len(x)
+            ids[r, N - k :] = torch.tensor(x, dtype=torch.long)
+            attn[r, C - c : C] = 1
+            attn[r, C + N - k :] = 1
+            pos[r, N - k :] = torch.arange(c, c + k)
+        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: self._padded_cache(hits, C)},
+        )
+        return out, attn
+
+    def _padded_cache(self, hits, width: int):
+        """An HF cache holding each row's reused K/V, left-padded with zeros to `width`."""
+        entry0 = next(e for e, reuse in hits if reuse)
+        cache = self._new_cache()
+        for layer, (k0, _) in enumerate(entry0.layers):
+            shape = (len(hits), k0.shape[1], width, k0.shape[3])
+            keys = k0.new_zeros(shape)
+            values = k0.new_zeros(shape)
+            for r, (entry, c) in enumerate(hits):
+                if c:
+                    k, v = entry.layers[layer]
+                    keys[r, :, width - c :] = k[0, :, :c]
+                    values[r, :, width - c :] = v[0, :, :c]
+            cache.update(keys, values, layer)
+        return cache
+
+    @staticmethod
+    def _row_kv(cache, attn: torch.Tensor, r: int) -> list | None:
+        """Copies of batch row `r`'s K/V at its real (mask 1) positions, per layer; None if
+        the cache's layout is not the one expected (then nothing is stored)."""
+        idx = attn[r].nonzero().squeeze(1)
+        layers = []
+        for layer in cache.layers:
+            keys, values = layer.keys, layer.values
+            if keys is None or keys.shape[2] != attn.shape[1]:
+                return None
+            layers.append((keys[r : r + 1].index_select(2, idx).contiguous(),
+                           values[r : r + 1].index_select(2, idx).contiguous()))
+        return layers
 
     @staticmethod
     def _cache_of(out):
@@ -371,6 +507,7 @@ class TorchGenerationEngine(GenerationEngine):
                 f"weights in {what} do not match the model: missing={missing[:5]} "
                 f"unexpected={unexpected[:5]} shape mismatches={bad_shapes[:5]}"
             )
+        self._clear_kv()  # the stored K/V belong to the old weights
         with torch.no_grad():
             for k, v in sd.items():
                 own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
@@ -390,6 +527,20 @@ class TorchGenerationEngine(GenerationEngine):
 
         return save_weights(self.model.state_dict(), path)
 
+    def forget(self, sessions) -> None:
+        """Drop the cached K/V of these sessions (e.g. trajectories that ended)."""
+        if self._kv is not None:
+            self._kv.drop(sessions)
+
+    def kv_stats(self) -> dict[str, int]:
+        """Counters of the session KV cache (all 0 when it is off); see `SessionKVCache`."""
+        return (self._kv or SessionKVCache(0)).stats()
+
+    def _clear_kv(self) -> None:
+        if self._kv is not None:
+            self._kv.clear()
+
     def close(self) -> None:
+        self._clear_kv()
         self.model = None  # type: ignore[assignment]
         self._tokenizer = None
