@@ -108,3 +108,22 @@ async def test_the_window_caps_the_gather(engine):
 async def test_bad_windows_are_refused(engine):
     with pytest.raises(ValueError, match="gather_max_s"):
         BatchedEngine(engine, gather_s=0.01, gather_max_s=-1, owns=False)
+
+
+async def test_torch_engine_args_reach_the_engine(tiny_model_dir):
+    from rollart.engines import build_engine
+
+    be = build_engine("torch", str(tiny_model_dir),
+                      engine_args={"kv_cache_mb": 0, "gather_max_ms": 30})
+    await be.start()
+    try:
+        assert be.gather_max_s == pytest.approx(0.03)
+        out = await be.generate(GenInput(prompt_ids=[5, 9], max_new_tokens=1, session="t-0"), "x")
+        assert len(out.token_ids) == 1
+        assert be.engine.kv_stats()["hits"] == 0 and be.engine.kv_stats()["bytes"] == 0
+    finally:
+        await be.close()
+    with pytest.raises(ValueError, match=r"proxy\.engine_args\.kv_cache: not an argument"):
+        build_engine("torch", str(tiny_model_dir), engine_args={"kv_cache": 1})
+    with pytest.raises(ValueError, match="gather_max_ms"):
+        build_engine("torch", str(tiny_model_dir), engine_args={"gather_max_ms": -1})

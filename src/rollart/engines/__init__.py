@@ -55,19 +55,37 @@ def missing_for(name: str) -> str | None:
     return None
 
 
+TORCH_ENGINE_ARGS = frozenset({"kv_cache_mb", "dtype", "attn_implementation", "gather_max_ms"})
+"""The ``proxy.engine_args`` keys ``proxy.engine: torch`` takes."""
+
+
 def build_engine(name: str, model_dir: str, *, seed: int = 0, threads: int | None = 1,
                  gather_s: float = 0.002, max_batch: int = 128,
                  engine_args: dict[str, Any] | None = None) -> AsyncEngine:
     """The :class:`AsyncEngine` ``proxy.engine`` names, not started yet (``await
     engine.start()`` loads it). ``torch``: a :class:`BatchedEngine` (gather window
     ``gather_s``, ``max_batch`` rows) around a ``TorchGenerationEngine``; ``vllm`` and
-    ``sglang`` take ``engine_args`` (``proxy.engine_args``)."""
+    ``sglang`` take ``engine_args`` (``proxy.engine_args``); so does ``torch``:
+    ``kv_cache_mb`` (the multi-turn KV cache's cap, 0: off), ``dtype``,
+    ``attn_implementation``, and ``gather_max_ms`` (the batch gather window; default: the
+    last engine call's duration, at most 50 ms)."""
     args = dict(engine_args or {})
     if name == "torch":
         from .batched import BatchedEngine
 
-        return BatchedEngine.torch(model_dir, seed=seed, threads=threads, gather_s=gather_s,
-                                   max_batch=max_batch)
+        bad = sorted(set(args) - TORCH_ENGINE_ARGS)
+        if bad:
+            raise ValueError(f"proxy.engine_args.{bad[0]}: not an argument of the torch engine "
+                             f"(it takes {', '.join(sorted(TORCH_ENGINE_ARGS))})")
+        gmax = args.pop("gather_max_ms", None)
+        eng = BatchedEngine.torch(model_dir, seed=seed, threads=threads, gather_s=gather_s,
+                                  max_batch=max_batch, **args)
+        if gmax is not None:
+            if not isinstance(gmax, (int, float)) or gmax < 0:
+                raise ValueError(f"proxy.engine_args.gather_max_ms must be a number >= 0, got "
+                                 f"{gmax!r}")
+            eng.gather_max_s = float(gmax) / 1e3
+        return eng
     if name == "vllm":
         from .vllm_engine import VllmEngine
 
