@@ -121,7 +121,7 @@ def resolve_config(name: str) -> Path:
     if p.exists():
         return p
     known = packaged_configs()
-    stem = p.name[:-5] if p.name.endswith(".yaml") else p.name
+    stem = p.name.removesuffix(".yaml")
     if str(p.parent) in (".", "configs") and stem in known:
         log.info("config %s: the packaged %s", name, known[stem])
         return known[stem]
@@ -187,7 +187,13 @@ async def _scratch_bus(cfg: RunConfig, nats: str | None, overrides: dict | None 
 async def rollout_main(args) -> int:
     import uuid
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from rollart.launch import rollout_actors
     from rollart.node import Node
@@ -222,9 +228,8 @@ async def rollout_main(args) -> int:
                     bar.update(task, completed=sched.groups_settled,
                                info=f"success {ok:.2f}  trajectories {len(res)}")
         wall = time.perf_counter() - t0
-    with out.open("w") as f:
-        for r in sched.results:
-            f.write(json.dumps(msgspec.to_builtins(r)) + "\n")
+    lines = "".join(json.dumps(msgspec.to_builtins(r)) + "\n" for r in sched.results)
+    await asyncio.to_thread(out.write_text, lines)
     summary = summarize(sched.results, wall) | {"run": cfg.run, "outcomes": sched.summary(),
                                                  "out": str(out)}
     print(json.dumps(summary, indent=2))
@@ -243,17 +248,21 @@ async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies) -> d
 
 
 async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool = False,
-                overrides: dict | None = None) -> dict:
+                overrides: dict | None = None, single_process: bool = False) -> dict:
     """Run the whole training job of ``cfg`` on one host; returns the final summary.
-    ``overrides``: the command line's NATS flags (:func:`nats_overrides`)."""
+    ``overrides``: the command line's NATS flags (:func:`nats_overrides`). On a nats-server
+    the roles of ``node.local_processes`` run in child processes (:mod:`rollart.local_nodes`);
+    ``single_process`` (implied by the in-process bus) keeps every role in this one."""
     from rich.progress import Progress, TextColumn
 
     from rollart.launch import drive_training, training_actors
+    from rollart.local_nodes import local_processes
     from rollart.node import Node
     from rollart.telemetry.progress import StepClock, step_line
 
     total = cfg.trainer.steps
-    async with open_bus(cfg, nats, overrides) as bus:
+    async with contextlib.AsyncExitStack() as stack:
+        bus = await stack.enter_async_context(open_bus(cfg, nats, overrides))
         if not bus.url.startswith("memory"):  # how to watch it, once, at any log level
             print(f"rollart run: nats-server at {bus.url}; watch it with: "
                   f"rollart top --nats {bus.url} --run {cfg.run}", flush=True)
@@ -262,7 +271,11 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
             if has_credentials(getattr(bus, "auth", {})):
                 print("rollart run: (rollart top needs credentials too: --user and "
                       "--password-file, --token-file, --creds, --tls-ca)", flush=True)
+        local = await stack.enter_async_context(local_processes(
+            cfg, bus, nats=nats, overrides=overrides, single_process=single_process))
         sched, trainer, actors = training_actors(cfg, resume=resume)
+        if local is not None:  # their roles are served by the child processes
+            actors = [a for a in actors if a.role not in local.roles]
         live = not quiet and sys.stdout.isatty()  # a bar; piped: one line per step
         with Progress(TextColumn("{task.fields[info]}"), disable=not live) as bar:
             task = bar.add_task("steps", total=total, info=f"train: starting ({total} steps)")
@@ -290,12 +303,20 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
                             events_max_age=cfg.node.events_max_age,
                             events_max_bytes=cfg.node.events_max_bytes,
                             bus_outage_max=cfg.node.bus_outage_max) as node:
+                if local is not None:
+                    local.attach(node)
                 summary = await drive_training(
                     bus, cfg, node, trainer, sched, t0=t0,
                     proxies=[a for a in actors if a.role == "generate"])
+                if local is not None and not summary["interrupted"]:
+                    local.run_ended()
                 if node.stop_reason:  # the bus was lost for longer than node.bus_outage_max
                     summary["bus_lost"] = node.stop_reason
-                return summary
+            if local is not None and local.failure:  # a child process kept dying
+                summary["failed"] = local.failure
+                path = Path(cfg.run_dir) / cfg.run / "summary.json"
+                await asyncio.to_thread(path.write_text, json.dumps(summary, indent=2))
+            return summary
 
 
 async def _check_envs(cfg: RunConfig, names: list[str] | None = None) -> None:
@@ -370,7 +391,7 @@ async def run_main(args) -> int:
     stop_metrics = setup_metrics(cfg, "rollart-run", run_path)
     try:
         summary = await train(cfg, nats=args.nats, resume=bool(args.resume), quiet=args.quiet,
-                              overrides=nats_overrides(args))
+                              overrides=nats_overrides(args), single_process=args.single_process)
     finally:
         await asyncio.to_thread(stop_metrics)  # a last export
         await asyncio.to_thread(stop_tracing)  # flushes the spans still buffered
@@ -439,7 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("run", help="train: every role on this host (the main job)",
                        description="Train the policy of CONFIG on one host: embedded nats-server "
-                                   "(or --nats), all roles in-process. Writes runs/<run>/.")
+                                   "(or --nats); the trainer and scheduler in this process, "
+                                   "generation and envs in child processes (node.local_processes"
+                                   "). Writes runs/<run>/.")
     t.add_argument("config", nargs="?",
                    help="run config: a YAML path, or the name of a packaged one (quickstart)")
     add_nats_args(t, url_help="NATS URL to join (default: the config's nats, else an embedded "
@@ -452,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=None, metavar="N",
                    help="train up to N steps in all (overrides trainer.steps); with --resume: "
                         "continue up to N total steps, recorded in the run's config.yaml")
+    t.add_argument("--single-process", action="store_true",
+                   help="host every role in this one process instead of starting child "
+                        "processes for generation and envs (node.local_processes; "
+                        "--nats memory implies it): simpler to debug, but generation and "
+                        "training share one core")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=run_main)
 

@@ -72,8 +72,10 @@ async def test_training_never_blocks_the_loop(tmp_path, tiny_model, bus, request
                    "rollout": {"group_size": 4, "batch_groups": 2, "alpha": 1},
                    "trainer": {"steps": 3, "eval_groups": 1}}, RunConfig)
     # a first short run imports every lazily imported module (a one-off cost at start)
+    # every role in this process (not node.local_processes' children): it is this loop that
+    # is measured
     await train(with_overrides(cfg, run=f"warm-{bus}", trainer={"steps": 1}), nats=nats,
-                resume=False, quiet=True)
+                resume=False, quiet=True, single_process=True)
     # objects of earlier tests are not this run's: a full collection scanning them would
     # show up as a pause in whichever callback triggers it
     gc.collect()
@@ -83,7 +85,7 @@ async def test_training_never_blocks_the_loop(tmp_path, tiny_model, bus, request
     loop.set_debug(True)
     try:
         with CallbackMeter(0.1) as meter:
-            summary = await train(cfg, nats=nats, resume=False, quiet=True)
+            summary = await train(cfg, nats=nats, resume=False, quiet=True, single_process=True)
     finally:
         loop.set_debug(debug)
         gc.unfreeze()

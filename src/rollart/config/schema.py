@@ -101,6 +101,31 @@ class ActorConfig(Base):
             raise ValueError(f"type must be an import path 'pkg.module:Class' (it is {self.type!r})")
 
 
+LOCAL_PROCESS_ROLES = ("env", "generate", "reward")
+"""The roles ``node.local_processes`` may put in a child process of ``rollart run``."""
+
+
+def _check_local_processes(groups: list[list[str]]) -> None:
+    """``node.local_processes``: lists of known roles, none empty, no role twice."""
+    key = "node.local_processes"
+    allowed = ", ".join(repr(r) for r in LOCAL_PROCESS_ROLES)
+    seen: set[str] = set()
+    for i, group in enumerate(groups):
+        if not group:
+            raise ValueError(f"{key}[{i}] is empty: give each process at least one role "
+                             f"({allowed}), or drop the entry")
+        for role in group:
+            if role in ("trainer", "scheduler"):
+                raise ValueError(f"{key}[{i}]: {role!r} always stays in the `rollart run` process; "
+                                 f"a child process may serve {allowed}")
+            if role not in LOCAL_PROCESS_ROLES:
+                raise ValueError(f"{key}[{i}]: unknown role {role!r}; allowed: {allowed}")
+            if role in seen:
+                raise ValueError(f"{key}: role {role!r} is given twice; each role runs in one "
+                                 f"process")
+            seen.add(role)
+
+
 class NodeConfig(Base):
     grace: float = 10.0
     """Seconds in-flight handlers may take to finish when the node drains."""
@@ -134,10 +159,24 @@ class NodeConfig(Base):
     the run go on through the loss of one server; more than 1 needs a cluster of at least
     that many servers (a single server refuses it). Streams and buckets that exist keep
     theirs, except a stream that the trainer's host updates."""
+    local_processes: list[list[str]] = msgspec.field(
+        default_factory=lambda: [["generate"], ["env", "reward"]])
+    """How ``rollart run`` spreads the roles over processes of this host when its bus is a
+    nats-server (the embedded one, or ``--nats URL``): one child process
+    (``python -m rollart.node``; its output in ``runs/<run>/logs/<roles>.log``, such as
+    ``env-reward.log``) per list, with
+    those roles; the trainer, the scheduler and any role not listed stay in the ``rollart
+    run`` process. The default puts generation and env stepping in processes of their own, so
+    generation, environments and training overlap instead of sharing one Python
+    interpreter. Roles: ``env``, ``generate``, ``reward``, each at most once. ``[]``: one
+    process, as ``rollart run --single-process`` (and ``--nats memory``, which cannot cross
+    processes). A child that dies is restarted (up to 3 times) and the work it held is
+    redelivered."""
 
     def __post_init__(self) -> None:
         _in_range(self, "node.", "grace heartbeat_every bus_outage_max", ge=0)
         _in_range(self, "node.", "stream_replicas", ge=1, le=5)
+        _check_local_processes(self.local_processes)
         for name, low, unit in (("events_max_age", 60, "seconds"),
                                 ("events_max_bytes", 1024**2, "bytes (1048576: 1 MiB, one message)")):
             v = getattr(self, name)

@@ -1,0 +1,428 @@
+"""Child node processes of ``rollart run`` on this host (``node.local_processes``).
+
+One Python process runs one interpreter lock: with every actor in it, the engine's
+generation, env stepping and tokenization, and the trainer's steps take turns on one core.
+So when its bus is a nats-server (the embedded one, or ``--nats URL``), ``rollart run`` keeps
+the trainer and the scheduler in its own process and starts one ``python -m rollart.node``
+per entry of ``node.local_processes`` (default: ``generate``, then ``env`` with ``reward``)::
+
+    async with local_processes(cfg, bus, nats=nats, overrides=overrides) as local:
+        ...                                  # build the actors of the roles local.roles leaves here
+        async with Node(bus, actors, ...) as node:
+            local.attach(node)               # Ctrl-C / SIGTERM of this process stop them too
+            summary = await drive_training(...)
+            local.run_ended()                # the end is published: they drain and exit
+
+Each child gets the run's config (``runs/<run>/config.yaml``), its roles, ``--run`` and the
+bus flags of this process (the URL, and credentials only as the names of files or variables:
+secrets never reach a command line), writes its output to ``runs/<run>/logs/<roles>.log``
+and dies with this process (Linux: ``PR_SET_PDEATHSIG``). A child that exits before the run
+ends is restarted with a backoff (JetStream redelivers the work it held), at most
+:data:`RESTARTS` times; past that the run stops, naming the role and the log file. At the
+end the children drain and exit by themselves on the end of the run
+(:func:`rollart.actors.run_end.wait_run_end`); one that does not within its deadline gets
+SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Self
+
+import msgspec
+
+from rollart.config import ActorConfig, RunConfig
+
+log = logging.getLogger(__name__)
+
+RESTARTS = 3
+"""Restarts of one child process per run before the run stops."""
+BACKOFF_S = 1.0
+"""Seconds before the first restart of a child; doubled for each further one."""
+TAIL_LINES = 15
+"""Lines of a child's log quoted when it exits before the end of the run."""
+CLEAN_EXIT_WAIT_S = 2.0
+"""A child that exited cleanly (drained, status 0 or by SIGINT/SIGTERM) while the run goes on
+is restarted unless this process stops within these seconds: Ctrl-C reaches the whole
+process group, and this process may see its children exit before its own signal."""
+
+_CRED_FLAGS = (("user", "--user"), ("password_file", "--password-file"),
+               ("token_file", "--token-file"), ("creds_file", "--creds"), ("tls_ca", "--tls-ca"))
+"""Credential overrides (:func:`rollart.cli.nats_overrides`) a child gets, as flags: names
+and file paths only; the secrets stay in the files (or in environment variables, inherited)."""
+
+
+def log_name(roles: list[str]) -> str:
+    """The log file of a child: ``generate.log``, ``env-reward.log``."""
+    return "-".join(roles) + ".log"
+
+
+def plan(cfg: RunConfig, *, bus_url: str, nats: str | None = None,
+         overrides: dict | None = None, single_process: bool = False) -> tuple[list[list[str]], list[str]]:
+    """The role lists of the child processes to start and the bus flags each gets;
+    ``([], [])`` for a single process (``single_process``, the in-process bus, an empty
+    ``node.local_processes``, or a placement a child node cannot reproduce, said in one line)."""
+    from rollart.bus.auth import resolve
+
+    if single_process or bus_url.startswith("memory"):
+        return [], []
+    groups = [list(g) for g in cfg.node.local_processes]
+    if cfg.reward.replicas == 0:  # no reward service in this run (only scorers need one)
+        groups = [[r for r in g if r != "reward"] for g in groups]
+    groups = [g for g in groups if g]
+    if not groups:
+        return [], []
+    if cfg.pools and any("generate" in g for g in groups):
+        from rollart.config.placement import mapped_pools
+
+        pools = mapped_pools(cfg.mapping, "generate") if "generate" in cfg.mapping else []
+        if len(pools) > 1:
+            log.warning("node.local_processes: mapping.generate names %d pools (%s) and a child "
+                        "node joins one, so rollart run keeps every role in this process; start "
+                        "a node per pool (python -m rollart.node --pool NAME) to use more "
+                        "processes", len(pools), ", ".join(pools))
+            return [], []
+    over = {k: v for k, v in (overrides or {}).items() if v is not None}
+    ns = resolve(cfg, {**over, **({"url": nats} if nats else {})})
+    url = nats or over.get("url")
+    flags: list[str] = []
+    if url:
+        flags += ["--nats", url]
+    elif not ns.joins:  # this process's embedded server
+        flags += ["--nats", bus_url]
+    # else the config's nats.url / nats.urls, which the child reads too
+    for key, flag in _CRED_FLAGS:
+        if over.get(key):
+            v = str(over[key])
+            flags += [flag, v if key == "user" else os.path.abspath(os.path.expanduser(v))]
+    return groups, flags
+
+
+def child_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` as a child node must read it to host what ``rollart run`` would in one process:
+    one EnvManager, ``proxy.replicas`` LLMProxy replicas, ``reward.replicas`` RewardServices
+    (a node starts ``actors.<role>.replicas`` of each)."""
+    want = {"env": 1, "generate": cfg.proxy.replicas, "reward": max(1, cfg.reward.replicas)}
+    actors = dict(cfg.actors)
+    for role, n in want.items():
+        acfg = actors.get(role, ActorConfig())
+        if acfg.replicas != n:
+            actors[role] = msgspec.structs.replace(acfg, replicas=n)
+    return cfg if actors == cfg.actors else msgspec.structs.replace(cfg, actors=actors)
+
+
+def _config_file(cfg: RunConfig) -> Path:
+    """The config file the children read: the run's ``config.yaml`` (written if missing) when
+    it says what ``cfg`` says, else ``logs/local-nodes.yaml`` (a resumed run moved, replicas
+    a node counts differently)."""
+    import yaml
+
+    from rollart.config import ConfigError, load
+    from rollart.launch import write_config
+
+    want = child_config(cfg)
+    path = write_config(cfg, overwrite=False)
+    try:
+        if load(path, RunConfig) == want:
+            return path
+    except ConfigError:
+        pass
+    alt = Path(cfg.run_dir) / cfg.run / "logs" / "local-nodes.yaml"
+    alt.parent.mkdir(parents=True, exist_ok=True)
+    alt.write_text(yaml.safe_dump(msgspec.to_builtins(want), sort_keys=False))
+    return alt
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), or None where that does not exist. It must run in the thread
+    that lives as long as the process (the event loop's): the signal follows the thread that
+    forked."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before the prctl
+            os._exit(1)
+
+    return preexec
+
+
+def tail(path: Path, n: int = TAIL_LINES) -> str:
+    """The last ``n`` lines of a text file (blocking: call it in a thread)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
+    return "\n".join(lines[-n:])
+
+
+def describe_exit(rc: int | None) -> str:
+    if rc is None:
+        return "no status"
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"status {rc}"
+
+
+class Child:
+    """One child node process: its roles, log file, current process and restarts."""
+
+    def __init__(self, roles: list[str], log_path: Path):
+        self.roles = roles
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+
+    @property
+    def name(self) -> str:
+        return ",".join(self.roles)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+
+class LocalNodes:
+    """The child node processes of one ``rollart run`` (an async context manager; see the
+    module docstring). :attr:`failure` says why the run had to stop, if a child kept dying."""
+
+    def __init__(self, cfg: RunConfig, groups: list[list[str]], flags: list[str], *,
+                 restarts: int = RESTARTS, backoff: float = BACKOFF_S, cwd: str | None = None):
+        self.cfg = cfg
+        self.flags = list(flags)
+        self.max_restarts = restarts
+        self.backoff = backoff
+        self.cwd = cwd or os.getcwd()
+        self.logs = Path(cfg.run_dir) / cfg.run / "logs"
+        self.children = [Child(g, self.logs / log_name(g)) for g in groups]
+        self.failure: str | None = None
+        self._on_failure: Callable[[], Any] | None = None
+        self._ending = asyncio.Event()
+        self._ended_normally = False
+        self._tasks: list[asyncio.Task] = []
+        self._preexec = _die_with_parent()
+        self._config: Path | None = None
+
+    @property
+    def roles(self) -> set[str]:
+        """The roles the children serve (this process hosts the others)."""
+        return {r for c in self.children for r in c.roles}
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        self._config = await asyncio.to_thread(self._prepare)
+        try:
+            for child in self.children:
+                await self._spawn(child)
+        except BaseException:
+            for child in self.children:
+                child.signal(signal.SIGKILL)
+            raise
+        for child in self.children:
+            self._tasks.append(asyncio.ensure_future(self._supervise(child)))
+        where = ", ".join(f"{c.name} (pid {c.proc.pid}, log {c.log_path})" for c in self.children)
+        here = ["trainer", "scheduler"] + [r for r in ("env", "generate", "reward") if r not in
+                                           self.roles and (r != "reward" or self.cfg.reward.replicas)]
+        print(f"rollart run: {', '.join(here)} in this process (pid {os.getpid()}); started "
+              f"{len(self.children)} node process{'es' if len(self.children) > 1 else ''}: {where}",
+              flush=True)
+        return self
+
+    async def __aexit__(self, et, exc, tb) -> None:
+        self._ending.set()
+        try:
+            await self._stop(normal=self._ended_normally and exc is None)
+        finally:
+            for child in self.children:  # whatever happened above (a second Ctrl-C)
+                child.signal(signal.SIGKILL)
+            for t in self._tasks:
+                t.cancel()
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=5)
+            for child in self.children:
+                if child.proc is not None and child.proc.returncode is not None:
+                    log.info("node process %s (pid %d) exited: %s", child.name, child.proc.pid,
+                             describe_exit(child.proc.returncode))
+
+    def attach(self, node: Any) -> None:
+        """``node`` (this process's): its stop (SIGINT, SIGTERM, a lost bus) ends the children
+        too, and a child that keeps dying stops it."""
+        self._on_failure = node.stop
+        self._tasks.append(asyncio.ensure_future(self._follow(node)))
+        if self.failure is not None:
+            node.stop()
+
+    def run_ended(self) -> None:
+        """The end of the run is published (:func:`rollart.launch.drive_training` returned
+        without interruption): the children drain and exit by themselves."""
+        self._ended_normally = True
+        self._ending.set()
+
+    # -- internals ---------------------------------------------------------------------
+    def _prepare(self) -> Path:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        return _config_file(self.cfg)
+
+    def _command(self, child: Child) -> list[str]:
+        return [sys.executable, "-m", "rollart.node", "--config", str(self._config),
+                "--roles", child.name, "--run", self.cfg.run, *self.flags]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(self.cfg.model.threads))  # model.threads each
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["PYTHONUNBUFFERED"] = "1"  # its log is current when it dies
+        return env
+
+    async def _spawn(self, child: Child) -> None:
+        cmd = self._command(child)
+        what = "restart" if child.restarts else "start"
+        line = (f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rollart run (pid {os.getpid()}): "
+                f"{what} {' '.join(cmd[1:])}\n")
+
+        def open_log():
+            f = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+            f.write(line.encode())
+            f.flush()
+            return f
+
+        out = await asyncio.to_thread(open_log)
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT, cwd=self.cwd, env=self._env(),
+                start_new_session=False, preexec_fn=self._preexec)
+        finally:
+            out.close()
+
+    async def _follow(self, node: Any) -> None:
+        await node.wait()
+        self._ending.set()
+
+    async def _supervise(self, child: Child) -> None:
+        try:
+            while True:
+                assert child.proc is not None
+                rc = await child.proc.wait()
+                if self._ending.is_set():
+                    return
+                if rc in (0, -signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT,
+                          128 + signal.SIGTERM):  # it drained: maybe Ctrl-C, for everyone
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._ending.wait(), CLEAN_EXIT_WAIT_S)
+                    if self._ending.is_set():
+                        return
+                last = await asyncio.to_thread(tail, child.log_path)
+                pid = child.proc.pid
+                if child.restarts >= self.max_restarts:
+                    self.failure = (
+                        f"the node process serving {child.name} exited with "
+                        f"{describe_exit(rc)} before the end of the run, after {child.restarts} "
+                        f"restarts (pid {pid}); see its log {child.log_path}")
+                    log.error("%s; its last lines:\n%s", self.failure, last)
+                    self._fail()
+                    return
+                delay = self.backoff * 2 ** child.restarts
+                log.error("node process %s (pid %d) exited with %s before the end of the run; "
+                          "restarting it in %gs (restart %d of %d; the work it held is "
+                          "redelivered); last lines of %s:\n%s", child.name, pid,
+                          describe_exit(rc), delay, child.restarts + 1, self.max_restarts,
+                          child.log_path, last)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._ending.wait(), delay)
+                if self._ending.is_set():
+                    return
+                child.restarts += 1
+                await self._spawn(child)
+                log.warning("node process %s restarted: pid %d (log %s)", child.name,
+                            child.proc.pid, child.log_path)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. the restart could not exec
+            self.failure = (f"the node process serving {child.name} could not be restarted "
+                            f"({type(e).__name__}: {e}); see its log {child.log_path}")
+            log.error("%s", self.failure)
+            self._fail()
+
+    def _fail(self) -> None:
+        if self._on_failure is not None:
+            self._on_failure()
+
+    async def _stop(self, normal: bool) -> None:
+        """After a run that ended: wait for the children to drain and exit by themselves
+        (they watch for the end of the run), then SIGTERM, then SIGKILL. After an interrupted
+        run (Ctrl-C, SIGTERM, a child that kept dying): SIGTERM at once, first the children
+        hosting ``env`` (their trajectories in flight still reach generation and reward),
+        then the others; each drains within ``node.grace``; then SIGKILL."""
+        grace = self.cfg.node.grace
+        if normal:
+            late = await self._wait(self.children,
+                                    2 * grace + 3 * self.cfg.node.heartbeat_every + 5)
+            waves = [late]
+        else:
+            envs = [c for c in self.children if "env" in c.roles]
+            waves = [envs, [c for c in self.children if c not in envs]]
+        for wave in waves:
+            alive = [c for c in wave if c.alive]
+            for c in alive:
+                log.log(logging.WARNING if normal else logging.INFO,
+                        "node process %s (pid %d) %s: SIGTERM", c.name, c.proc.pid,
+                        "still up after the end of the run" if normal else "stopping")
+                c.signal(signal.SIGTERM)
+            await self._wait(alive, grace + 5)
+        late = [c for c in self.children if c.alive]
+        for c in late:
+            log.warning("node process %s (pid %d) did not stop: SIGKILL", c.name, c.proc.pid)
+            c.signal(signal.SIGKILL)
+        await self._wait(late, 5)
+
+    @staticmethod
+    async def _wait(children: list[Child], timeout: float) -> list[Child]:
+        """Wait up to ``timeout`` seconds for ``children`` to exit; those still alive."""
+        waits = [asyncio.ensure_future(c.proc.wait()) for c in children if c.alive]
+        if waits:
+            try:
+                await asyncio.wait(waits, timeout=timeout)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return [c for c in children if c.alive]
+
+
+def local_processes(cfg: RunConfig, bus: Any, *, nats: str | None = None,
+                    overrides: dict | None = None, single_process: bool = False):
+    """The :class:`LocalNodes` of a ``rollart run`` on ``bus`` (an async context manager), or
+    a null one yielding None when the run stays in one process (:func:`plan`)."""
+    groups, flags = plan(cfg, bus_url=str(getattr(bus, "url", "memory")), nats=nats,
+                         overrides=overrides, single_process=single_process)
+    if not groups:
+        return contextlib.nullcontext()
+    return LocalNodes(cfg, groups, flags)
