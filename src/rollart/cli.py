@@ -328,7 +328,19 @@ async def _check_envs(cfg: RunConfig, names: list[str] | None = None) -> None:
 
     if (why := missing_for(cfg.proxy.engine)) is not None:
         raise ConfigError(why)
+    _check_engine_args(cfg)
     await check_envs_async(cfg, names)
+
+
+def _check_engine_args(cfg: RunConfig) -> None:
+    """``proxy.engine_args`` of the torch engine: a ConfigError naming an unknown key."""
+    if cfg.proxy.engine == "torch":
+        from rollart.engines import TORCH_ENGINE_ARGS
+
+        bad = sorted(set(cfg.proxy.engine_args) - TORCH_ENGINE_ARGS)
+        if bad:
+            raise ConfigError(f"proxy.engine_args.{bad[0]}: not an argument of the torch engine "
+                              f"(it takes {', '.join(sorted(TORCH_ENGINE_ARGS))})")
 
 
 def _checkpoint_version(run_path: Path) -> int | None:
@@ -590,6 +602,7 @@ async def config_main(args) -> int:
     if args.dump is not None:
         return _dump_config(args.config, args.dump)
     cfg = load(resolve_config(args.config), RunConfig)
+    _check_engine_args(cfg)
     if not args.static:
         await _check_envs(cfg)
     print(f"{args.config}: ok (run={cfg.run}, envs={sorted(cfg.envs)}, "

@@ -210,3 +210,16 @@ def test_shipped_config_passes_rollart_config(path):
         assert r.returncode != 0 and missing in r.stderr and "Traceback" not in r.stderr, r.stderr
         return
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_an_unknown_torch_engine_arg_fails_rollart_config_naming_it(tmp_path):
+    import yaml
+
+    raw = yaml.safe_load((CONFIGS[0].parent / "quickstart.yaml").read_text())
+    raw.setdefault("proxy", {})["engine_args"] = {"kv_cache": 64}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "rollart", "config", "--static", str(path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "proxy.engine_args.kv_cache" in r.stderr + r.stdout, r.stderr
+    assert "Traceback" not in r.stderr
