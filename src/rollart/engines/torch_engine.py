@@ -326,15 +326,7 @@ class TorchGenerationEngine(GenerationEngine):
             ids[r, width - L :] = torch.tensor(inputs[i].prompt_ids, dtype=torch.long)
             attn[r, width - L :] = 1
         pos = (attn.cumsum(-1) - 1).clamp_(min=0)
-        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out, attn
+        return self._prefill_forward(ids, attn, pos), attn.to(dev)
 
     # ------------------------------------------------------------------ session KV cache
     def _lookup(self, inputs: list[GenInput], rows: list[int]) -> list[tuple[object, int]]:
@@ -363,16 +355,14 @@ class TorchGenerationEngine(GenerationEngine):
             attn[r, C - c : C] = 1
             attn[r, C + N - k :] = 1
             pos[r, N - k :] = torch.arange(c, c + k)
-        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kw: self._padded_cache(hits, C)},
-        )
-        return out, attn
+        return self._prefill_forward(ids, attn, pos, self._padded_cache(hits, C)), attn.to(dev)
+
+    def _prefill_forward(self, ids, attn, pos, cache=None):
+        """The prefill's forward pass (logits of the last position only), on the device."""
+        dev = self.device
+        kw = {} if cache is None else {self._cache_kw: cache}
+        return self.model(input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                          position_ids=pos.to(dev), use_cache=True, logits_to_keep=1, **kw)
 
     def _padded_cache(self, hits, width: int):
         """An HF cache holding each row's reused K/V, left-padded with zeros to `width`."""
