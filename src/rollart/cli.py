@@ -115,16 +115,20 @@ def packaged_configs() -> dict[str, Path]:
 
 
 def resolve_config(name: str) -> Path:
-    """The config file ``name`` means: a path that exists wins; else the packaged config of
-    that name (``quickstart``, ``quickstart.yaml`` or ``configs/quickstart.yaml``)."""
+    """The config file ``name`` means: a file that exists wins; else the packaged config of
+    that name (``quickstart``, ``quickstart.yaml`` or ``configs/quickstart.yaml``), even when
+    a folder of that name is in the way (``runs/quickstart``'s parent, a report folder)."""
     p = Path(name)
-    if p.exists():
+    if p.is_file():
         return p
     known = packaged_configs()
     stem = p.name.removesuffix(".yaml")
     if str(p.parent) in (".", "configs") and stem in known:
         log.info("config %s: the packaged %s", name, known[stem])
         return known[stem]
+    if p.is_dir():
+        raise ConfigError(f"config {name} is a folder, not a YAML file; packaged configs (give "
+                          f"the name): {', '.join(sorted(known)) or 'none'}")
     raise ConfigError(f"config file {name} does not exist; packaged configs (give the name): "
                       f"{', '.join(sorted(known)) or 'none'}")
 

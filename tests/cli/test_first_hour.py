@@ -75,6 +75,20 @@ def test_packaged_config_by_name_from_an_empty_folder(tmp_path):
     assert (tmp_path / "runs" / "quickstart" / "summary.json").exists(), r.stdout
 
 
+def test_a_folder_named_like_a_packaged_config_does_not_hide_it(tmp_path, monkeypatch):
+    """Found by hand: a folder ``quickstart`` in the working directory made ``rollart run
+    quickstart`` fail with IsADirectoryError and a traceback."""
+    from rollart.cli import packaged_configs, resolve_config
+    from rollart.config import ConfigError
+
+    (tmp_path / "quickstart").mkdir()
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config("quickstart") == packaged_configs()["quickstart"]
+    with pytest.raises(ConfigError, match="mine is a folder, not a YAML file"):
+        resolve_config("mine")
+
+
 def test_config_dump_writes_a_copy_to_edit(tmp_path, monkeypatch):
     from rollart.cli import _dump_config, packaged_configs
     from rollart.config import ConfigError, RunConfig, load
