@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import yaml
 
 from rollart.config import ConfigError, RunConfig, convert
 from rollart.local_nodes import child_config, log_name, plan
+from tests.child_output import ReadProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTED = re.compile(r"started (\d+) node process(?:es)?: (.*)$", re.MULTILINE)
@@ -49,25 +49,13 @@ def quickstart(tmp_path: Path, run_dir: Path, run: str, steps: int, **node) -> P
     return path
 
 
-class Run:
+class Run(ReadProcess):
     """``rollart run`` as a user starts it, its output read by a thread (the pipe never
     fills), in a session of its own so a failed test can stop the whole group."""
 
     def __init__(self, cwd: Path, *args: str):
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        self.proc = subprocess.Popen([sys.executable, "-m", "rollart", "run", *args, "--quiet"],
-                                     cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__(["-m", "rollart", "run", *args, "--quiet"], cwd=cwd,
+                         start_new_session=True)
 
     def wait_for(self, what, deadline: float, why: str):
         """Poll ``what()`` until it is truthy; fail with the output past the deadline or when

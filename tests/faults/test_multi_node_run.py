@@ -12,41 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.actors.sample_actors import new_run
+from tests.child_output import ReadProcess
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
-class Proc:
+class Proc(ReadProcess):
     """A node process whose output is read by a thread (so its pipe never fills)."""
 
     def __init__(self, cfg: Path, roles: str, *extra: str):
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         self.roles = roles
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", roles, *extra],
-            cwd=cfg.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__(["-m", "rollart.node", "--config", str(cfg), "--roles", roles, *extra],
+                         cwd=cfg.parent)
 
     async def line_with(self, needle: str, deadline: float = 60.0) -> str:
         end = time.monotonic() + deadline
