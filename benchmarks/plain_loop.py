@@ -62,16 +62,6 @@ class _Traj(Trace):
     choices: list[list[int]] = field(default_factory=list)
 
 
-def session_of(traj_id: str) -> dict:
-    """``{"session": traj_id}`` where ``GenInput`` has sessions (the torch engine then keeps
-    each trajectory's KV cache between its turns, as it does behind the LLMProxy)."""
-    from dataclasses import fields
-
-    from rollart.engines.base import GenInput
-
-    return {"session": traj_id} if any(f.name == "session" for f in fields(GenInput)) else {}
-
-
 def rollout_lockstep(engine: Any, chat: ChatFormat, env_cfg: Any, tasks: list[tuple[str, int, int]],
                      *, greedy: bool = False, eval: bool = False,
                      counts: dict | None = None) -> list[m.RolloutCompleted]:
@@ -120,7 +110,7 @@ def rollout_lockstep(engine: Any, chat: ChatFormat, env_cfg: Any, tasks: list[tu
             inputs.append(GenInput(prompt_ids=list(t.token_ids), max_new_tokens=s.max_new_tokens,
                                    temperature=s.temperature, top_p=s.top_p,
                                    choices=[list(c) for c in t.choices] or None, greedy=greedy,
-                                   **session_of(t.traj_id)))
+                                   session=t.traj_id))  # the engine's KV cache, as behind the LLMProxy
         outs = engine.generate(inputs)
         if counts is not None:
             counts["engine_calls"] = counts.get("engine_calls", 0) + 1
