@@ -478,17 +478,12 @@ def run_direct(args, eng: CountingEngine, model_dir: Path, run_dir: Path) -> dic
     r = cfg.rollout
     tasks = [(f"{group_id(g)}-{i}", g, member_seed(r, g, i))
              for g in range(a.batch_groups) for i in range(r.group_size)]
-    kw: dict = {}
-    params = inspect.signature(rollout_lockstep).parameters
-    if "sessions" in params:  # else rollout_lockstep names the sessions itself (or cannot)
-        kw["sessions"] = (True if isinstance(params["sessions"].default, bool)
-                          else [t[0] for t in tasks])
     chat = ChatFormat.load(model_dir)
     eng.reset()
     kv_cleared = clear_kv(eng._engine)
     kv0, load0 = kv_counters(eng), loadavg()
     t0 = time.perf_counter()
-    res = rollout_lockstep(eng, chat, cfg.envs[r.env], tasks, greedy=not args.sample, **kw)
+    res = rollout_lockstep(eng, chat, cfg.envs[r.env], tasks, greedy=not args.sample)
     wall = time.perf_counter() - t0
     trajs = {x.seed: [t.action for t in x.turns] for x in res}
     out = _path_stats("direct", wall, eng, kv0, kv_counters(eng), trajs, (load0, loadavg()))
