@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.actors.sample_actors import new_run
-from tests.faults.test_multi_node_run import ROOT, Proc
+from tests.child_output import ROOT
+from tests.faults.test_multi_node_run import Proc
 
 pytestmark = pytest.mark.slow
 
