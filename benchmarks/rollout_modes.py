@@ -390,23 +390,31 @@ class CountingEngine:
         return outs
 
 
-def clear_kv(engine) -> bool | None:
+def clear_kv(engine) -> int | None:
     """Forget every session's K/V in the engine, so that neither path starts from the other's
-    cache (both name sessions by trajectory id). True if it found a session cache."""
-    try:
-        from rollart.engines.kv_cache import SessionKVCache
-    except ImportError:
-        return None
-    found = False
-    for v in vars(engine).values():
-        if isinstance(v, SessionKVCache):
-            v.clear()
-            found = True
-    return found
+    cache (both name sessions by trajectory id). Returns the number of sessions dropped, or
+    None if the engine has no ``clear_kv`` (no session cache to clear)."""
+    fn = _engine_method(engine, "clear_kv")
+    return fn() if fn is not None else None
+
+
+def _engine_method(engine, name: str):
+    """``engine.<name>``, or else that of the engine a wrapper drives (a CountingEngine's
+    ``_engine``, a BatchedEngine's ``engine``); None if there is none."""
+    for _ in range(4):  # wrappers nest a few deep at most
+        fn = getattr(engine, name, None)
+        if callable(fn):
+            return fn
+        inner = getattr(engine, "_engine", None)
+        engine = inner if inner is not None else getattr(engine, "engine", None)
+        if engine is None:
+            break
+    return None
 
 
 def kv_counters(engine) -> dict[str, float]:
-    fn = getattr(engine, "kv_stats", None)
+    """The engine's ``kv_stats()`` (through wrappers) as floats; {} if it has none."""
+    fn = _engine_method(engine, "kv_stats")
     if not callable(fn):
         return {}
     try:

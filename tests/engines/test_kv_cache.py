@@ -218,3 +218,21 @@ def test_interrupted_and_failed_rows_are_not_stored(tiny_model_dir, prompts, mon
     with pytest.raises(RuntimeError, match="boom"):
         cached.generate(batch)
     assert "f0" not in cached._kv and "f1" not in cached._kv
+
+
+def test_clear_kv_drops_every_session(tiny_model_dir, prompts):  # noqa: F811
+    cached, plain = both(tiny_model_dir)
+    inputs = [GenInput(list(prompts[k]), max_new_tokens=4, session=f"c{k}") for k in range(2)]
+    outs = step_both(cached, plain, inputs)
+    assert cached.kv_stats()["sessions"] == 2
+    assert cached.clear_kv() == 2 and plain.clear_kv() == 0
+    st = cached.kv_stats()
+    assert st["sessions"] == 0 and st["bytes"] == 0 and st["misses"] == 2  # counters kept
+    nxt = [GenInput(i.prompt_ids + o.token_ids + [9, 10], max_new_tokens=4, session=i.session)
+           for i, o in zip(inputs, outs)]
+    step_both(cached, plain, nxt)  # same tokens and log-probs as without a cache
+    after = cached.kv_stats()
+    assert after["hits"] == st["hits"] and after["reused_tokens"] == st["reused_tokens"]
+    assert after["misses"] - st["misses"] == 2  # every row prefilled from scratch
+    assert after["prefilled_tokens"] - st["prefilled_tokens"] == sum(len(i.prompt_ids)
+                                                                     for i in nxt)

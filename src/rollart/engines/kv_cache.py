@@ -14,17 +14,36 @@ that computed them only: the engine clears the cache when it loads weights.
 
 Memory is bounded by `max_bytes`: the least recently used entries are evicted first, and an
 entry larger than the whole cap is not stored at all.
+
+The functions below are the engine's side (`torch_engine.py`): they build and read HF
+`DynamicCache`s. In a prefill batch with hits, row r holds c_r cached and n_r new tokens: the
+cached K/V are left-padded to C = max c_r, the new tokens to N = max n_r, the attention mask is
+1 exactly on real positions (the pads in the middle are just masked keys) and the position ids
+continue at c_r, so each row sees exactly what an uncached prefill would have given it (up to
+float rounding). A row that finishes normally stores the K/V of its prompt and response (all
+but the last token, which was never fed) under its session.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVEntry", "SessionKVCache"]
+__all__ = [
+    "Hit",
+    "KVEntry",
+    "SessionKVCache",
+    "cached_prefill_batch",
+    "lookup",
+    "row_kv",
+    "session_cache",
+]
+
+log = logging.getLogger(__name__)
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,6 +55,10 @@ class KVEntry:
     tokens: tuple[int, ...]
     layers: Layers
     nbytes: int
+
+
+Hit = tuple[KVEntry | None, int]
+"""(entry, reused length) of one batch row; (None, 0) where nothing is reused."""
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -132,6 +155,14 @@ class SessionKVCache:
         self.bytes += nbytes
         return True
 
+    def put_rows(self, pending: Iterable[tuple[str, Sequence[int], Layers | None]]) -> None:
+        """Store the (session, tokens, layers) a `generate` call collected, once it succeeded.
+        Rows whose K/V could not be read (None, see `row_kv`) or do not cover exactly their
+        tokens are skipped: the cache is an optimisation, never an error."""
+        for session, tokens, layers in pending:
+            if layers is not None and layers[0][0].shape[2] == len(tokens):
+                self.put(session, tokens, layers)
+
     def drop(self, sessions: Iterable[str]) -> None:
         """Forget these sessions (unknown ones are ignored)."""
         for s in sessions:
@@ -155,3 +186,90 @@ class SessionKVCache:
             "prefilled_tokens": self.prefilled_tokens,
             "evictions": self.evictions,
         }
+
+
+# ---------------------------------------------------------------------------- engine side
+def session_cache(mb: float, new_cache: Callable[[], object]) -> SessionKVCache | None:
+    """A `SessionKVCache` of `mb` MiB for the model whose HF caches `new_cache` builds; None
+    (no reuse) if `mb` is 0 or those caches are not plain (logged)."""
+    if mb <= 0:
+        return None
+    if not _plain_dynamic_cache(new_cache):
+        log.warning("KV reuse is off: this model's cache layers are not plain "
+                    "full-attention DynamicLayers")
+        return None
+    return SessionKVCache(int(mb * 2**20))
+
+
+def _plain_dynamic_cache(new_cache: Callable[[], object]) -> bool:
+    """Whether the caches `new_cache` builds keep one K/V per position in every layer (what
+    the session cache stores and rebuilds); False for sliding windows, linear attention."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+
+        cache = new_cache()
+    except (ImportError, TypeError, ValueError):
+        return False
+    layers = getattr(cache, "layers", None)
+    if layers is None or not hasattr(cache, "batch_select_indices"):
+        return False
+    return all(type(layer) is DynamicLayer for layer in layers)
+
+
+def lookup(kv: SessionKVCache | None, rows: Sequence[tuple[str, Sequence[int]]]) -> list[Hit]:
+    """One `Hit` per (session, prompt ids) row; rows without a session (or no cache) miss
+    without being counted."""
+    if kv is None:
+        return [(None, 0)] * len(rows)
+    return [kv.get(session, prompt) if session else (None, 0) for session, prompt in rows]
+
+
+def cached_prefill_batch(prompts: Sequence[Sequence[int]], hits: Sequence[Hit], pad_id: int,
+                         cache):
+    """The prefill inputs of a batch with at least one hit (layout in the module docstring):
+    (input ids [B, N], attention mask [B, C + N], position ids [B, N], `cache` filled with
+    each row's reused K/V left-padded to C), all on the CPU but the cache."""
+    cached = [reuse for _, reuse in hits]
+    new = [p[c:] for p, c in zip(prompts, cached)]
+    C, N = max(cached), max(len(x) for x in new)
+    ids = torch.full((len(prompts), N), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), C + N), dtype=torch.long)
+    pos = torch.zeros((len(prompts), N), dtype=torch.long)
+    for r, (c, x) in enumerate(zip(cached, new)):
+        k = len(x)
+        ids[r, N - k :] = torch.tensor(x, dtype=torch.long)
+        attn[r, C - c : C] = 1
+        attn[r, C + N - k :] = 1
+        pos[r, N - k :] = torch.arange(c, c + k)
+    return ids, attn, pos, _padded_cache(hits, C, cache)
+
+
+def _padded_cache(hits: Sequence[Hit], width: int, cache):
+    """`cache` (a fresh HF cache) holding each row's reused K/V, left-padded with zeros to
+    `width`."""
+    entry0 = next(e for e, reuse in hits if reuse)
+    for layer, (k0, _) in enumerate(entry0.layers):
+        shape = (len(hits), k0.shape[1], width, k0.shape[3])
+        keys = k0.new_zeros(shape)
+        values = k0.new_zeros(shape)
+        for r, (entry, c) in enumerate(hits):
+            if c:
+                k, v = entry.layers[layer]
+                keys[r, :, width - c :] = k[0, :, :c]
+                values[r, :, width - c :] = v[0, :, :c]
+        cache.update(keys, values, layer)
+    return cache
+
+
+def row_kv(cache, attn: torch.Tensor, r: int) -> Layers | None:
+    """Copies of batch row `r`'s K/V at its real (mask 1) positions, per layer; None if the
+    cache's layout is not the one expected (then nothing is stored)."""
+    idx = attn[r].nonzero().squeeze(1)
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        if keys is None or keys.shape[2] != attn.shape[1]:
+            return None
+        layers.append((keys[r : r + 1].index_select(2, idx).contiguous(),
+                       values[r : r + 1].index_select(2, idx).contiguous()))
+    return layers

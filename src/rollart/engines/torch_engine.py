@@ -9,15 +9,10 @@ tokens. Sampling uses one `torch.Generator` seeded at construction, so a given s
 
 Multi-turn KV reuse: a multi-turn prompt is the previous prompt + response + new tokens, so
 re-reading it each turn costs a prefill that grows with the conversation. Inputs that name a
-`session` look up a `SessionKVCache` (`kv_cache.py`); a row that hits takes the stored K/V of
-the common prefix and prefills only the rest. In such a batch row r holds c_r cached and n_r new
-tokens: the cached K/V are left-padded to C = max c_r, the new tokens to N = max n_r, the
-attention mask is 1 exactly on real positions (the pads in the middle are just masked keys) and
-the position ids continue at c_r, so each row sees exactly what an uncached prefill would have
-given it (up to float rounding). A row that finishes normally stores the K/V of its prompt and
-response (all but the last token, which was never fed) under its session. Without a hit the
-prefill is the plain one. The cache holds K/V of the current weights only: loading weights
-clears it.
+`session` look up a `SessionKVCache`; a row that hits takes the stored K/V of the common prefix
+and prefills only the rest, and a row that finishes normally stores its K/V (`kv_cache.py` has
+the batch layout that keeps tokens unchanged). Without a hit the prefill is the plain one. The
+cache holds K/V of the current weights only: loading weights clears it.
 
 See `rollart.engines.base` for the log-prob, stopping and constrained-decoding contract.
 """
@@ -25,7 +20,6 @@ See `rollart.engines.base` for the log-prob, stopping and constrained-decoding c
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -42,11 +36,10 @@ from .base import (
     GenOutput,
     validate_choices,
 )
+from . import kv_cache
 from .kv_cache import SessionKVCache
 
 __all__ = ["TorchGenerationEngine", "allowed_after", "build_choice_trie"]
-
-log = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -161,32 +154,12 @@ class TorchGenerationEngine(GenerationEngine):
         # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
         params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._kv: SessionKVCache | None = None
-        if kv_cache_mb > 0:
-            if self._plain_dynamic_cache():
-                self._kv = SessionKVCache(int(kv_cache_mb * 2**20))
-            else:
-                log.warning("KV reuse is off: this model's cache layers are not plain "
-                            "full-attention DynamicLayers")
+        self._kv = kv_cache.session_cache(kv_cache_mb, self._new_cache)
 
     def _new_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
-
-    def _plain_dynamic_cache(self) -> bool:
-        """Whether the model's cache keeps one K/V per position in every layer (what the
-        session cache stores and rebuilds)."""
-        try:
-            from transformers.cache_utils import DynamicLayer
-
-            cache = self._new_cache()
-        except (ImportError, TypeError, ValueError):
-            return False
-        layers = getattr(cache, "layers", None)
-        if layers is None or not hasattr(cache, "batch_select_indices"):
-            return False
-        return all(type(layer) is DynamicLayer for layer in layers)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -243,11 +216,8 @@ class TorchGenerationEngine(GenerationEngine):
             return [GenOutput([], [], finish[i]) for i in range(n)]
 
         dev = self.device
-        hits = self._lookup(inputs, rows)
-        if any(reuse for _, reuse in hits):
-            out, attn = self._prefill_cached(inputs, rows, hits)
-        else:
-            out, attn = self._prefill(inputs, rows)
+        hits = kv_cache.lookup(self._kv, [(inputs[i].session, inputs[i].prompt_ids) for i in rows])
+        out, attn = self._prefill(inputs, rows, hits)
         next_pos = torch.tensor([len(inputs[i].prompt_ids) for i in rows], dtype=torch.long,
                                 device=dev)
         cache = self._cache_of(out)
@@ -282,7 +252,7 @@ class TorchGenerationEngine(GenerationEngine):
                 elif finish[i] != FINISH_INTERRUPTED and self._kv is not None and inputs[i].session:
                     # Before the row leaves the batch cache: all it has seen but its last token.
                     seen = list(inputs[i].prompt_ids) + out_tokens[i][:-1]
-                    to_store.append((inputs[i].session, seen, self._row_kv(cache, attn, r)))
+                    to_store.append((inputs[i].session, seen, kv_cache.row_kv(cache, attn, r)))
             if not keep:
                 break
             if len(keep) < len(rows):
@@ -308,54 +278,27 @@ class TorchGenerationEngine(GenerationEngine):
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-        for session, seen, layers in to_store:  # only once the whole batch succeeded
-            if layers is not None and layers[0][0].shape[2] == len(seen):
-                self._kv.put(session, seen, layers)
+        if to_store:  # only once the whole batch succeeded
+            self._kv.put_rows(to_store)
         return [GenOutput(out_tokens[i], out_lps[i], finish[i]) for i in range(n)]
 
-    def _prefill(self, inputs: list[GenInput], rows: list[int]):
-        """Read the prompts of `rows` from scratch, left-padded; return (model output,
-        attention mask)."""
-        dev = self.device
-        lens = [len(inputs[i].prompt_ids) for i in rows]
-        width = max(lens)
+    def _prefill(self, inputs: list[GenInput], rows: list[int], hits: list[kv_cache.Hit]):
+        """Read the prompts of `rows`, left-padded: only what follows each row's reused prefix
+        if any row hits, else from scratch; return (model output, attention mask over all
+        positions, cached ones included)."""
+        prompts = [inputs[i].prompt_ids for i in rows]
+        if any(reuse for _, reuse in hits):
+            ids, attn, pos, cache = kv_cache.cached_prefill_batch(
+                prompts, hits, self.pad_token_id, self._new_cache())
+            return self._prefill_forward(ids, attn, pos, cache), attn.to(self.device)
+        width = max(len(p) for p in prompts)
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            L = lens[r]
-            ids[r, width - L :] = torch.tensor(inputs[i].prompt_ids, dtype=torch.long)
-            attn[r, width - L :] = 1
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[r, width - len(p) :] = 1
         pos = (attn.cumsum(-1) - 1).clamp_(min=0)
-        return self._prefill_forward(ids, attn, pos), attn.to(dev)
-
-    # ------------------------------------------------------------------ session KV cache
-    def _lookup(self, inputs: list[GenInput], rows: list[int]) -> list[tuple[object, int]]:
-        """(entry, reused length) per row of `rows`; (None, 0) where nothing is reused."""
-        if self._kv is None:
-            return [(None, 0)] * len(rows)
-        return [
-            self._kv.get(inputs[i].session, inputs[i].prompt_ids) if inputs[i].session
-            else (None, 0)
-            for i in rows
-        ]
-
-    def _prefill_cached(self, inputs: list[GenInput], rows: list[int], hits):
-        """Prefill only the tokens after each row's reused prefix (see the module docstring
-        for the layout); return (model output, attention mask over cached + new positions)."""
-        dev = self.device
-        cached = [reuse for _, reuse in hits]
-        new = [inputs[i].prompt_ids[c:] for i, c in zip(rows, cached)]
-        C, N = max(cached), max(len(x) for x in new)
-        ids = torch.full((len(rows), N), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), C + N), dtype=torch.long)
-        pos = torch.zeros((len(rows), N), dtype=torch.long)
-        for r, (c, x) in enumerate(zip(cached, new)):
-            k = len(x)
-            ids[r, N - k :] = torch.tensor(x, dtype=torch.long)
-            attn[r, C - c : C] = 1
-            attn[r, C + N - k :] = 1
-            pos[r, N - k :] = torch.arange(c, c + k)
-        return self._prefill_forward(ids, attn, pos, self._padded_cache(hits, C)), attn.to(dev)
+        return self._prefill_forward(ids, attn, pos), attn.to(self.device)
 
     def _prefill_forward(self, ids, attn, pos, cache=None):
         """The prefill's forward pass (logits of the last position only), on the device."""
@@ -363,36 +306,6 @@ class TorchGenerationEngine(GenerationEngine):
         kw = {} if cache is None else {self._cache_kw: cache}
         return self.model(input_ids=ids.to(dev), attention_mask=attn.to(dev),
                           position_ids=pos.to(dev), use_cache=True, logits_to_keep=1, **kw)
-
-    def _padded_cache(self, hits, width: int):
-        """An HF cache holding each row's reused K/V, left-padded with zeros to `width`."""
-        entry0 = next(e for e, reuse in hits if reuse)
-        cache = self._new_cache()
-        for layer, (k0, _) in enumerate(entry0.layers):
-            shape = (len(hits), k0.shape[1], width, k0.shape[3])
-            keys = k0.new_zeros(shape)
-            values = k0.new_zeros(shape)
-            for r, (entry, c) in enumerate(hits):
-                if c:
-                    k, v = entry.layers[layer]
-                    keys[r, :, width - c :] = k[0, :, :c]
-                    values[r, :, width - c :] = v[0, :, :c]
-            cache.update(keys, values, layer)
-        return cache
-
-    @staticmethod
-    def _row_kv(cache, attn: torch.Tensor, r: int) -> list | None:
-        """Copies of batch row `r`'s K/V at its real (mask 1) positions, per layer; None if
-        the cache's layout is not the one expected (then nothing is stored)."""
-        idx = attn[r].nonzero().squeeze(1)
-        layers = []
-        for layer in cache.layers:
-            keys, values = layer.keys, layer.values
-            if keys is None or keys.shape[2] != attn.shape[1]:
-                return None
-            layers.append((keys[r : r + 1].index_select(2, idx).contiguous(),
-                           values[r : r + 1].index_select(2, idx).contiguous()))
-        return layers
 
     @staticmethod
     def _cache_of(out):
@@ -497,7 +410,7 @@ class TorchGenerationEngine(GenerationEngine):
                 f"weights in {what} do not match the model: missing={missing[:5]} "
                 f"unexpected={unexpected[:5]} shape mismatches={bad_shapes[:5]}"
             )
-        self._clear_kv()  # the stored K/V belong to the old weights
+        self.clear_kv()  # the stored K/V belong to the old weights
         with torch.no_grad():
             for k, v in sd.items():
                 own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
@@ -522,15 +435,21 @@ class TorchGenerationEngine(GenerationEngine):
         if self._kv is not None:
             self._kv.drop(sessions)
 
+    def clear_kv(self) -> int:
+        """Drop every session's cached K/V (loading weights does, since they belong to the old
+        weights; benchmarks do, so that one run does not start from another's cache). Returns
+        how many sessions were dropped (0 when the cache is off); the counters are kept."""
+        if self._kv is None:
+            return 0
+        n = len(self._kv)
+        self._kv.clear()
+        return n
+
     def kv_stats(self) -> dict[str, int]:
         """Counters of the session KV cache (all 0 when it is off); see `SessionKVCache`."""
-        return (self._kv or SessionKVCache(0)).stats()
-
-    def _clear_kv(self) -> None:
-        if self._kv is not None:
-            self._kv.clear()
+        return (self._kv if self._kv is not None else SessionKVCache(0)).stats()
 
     def close(self) -> None:
-        self._clear_kv()
+        self.clear_kv()
         self.model = None  # type: ignore[assignment]
         self._tokenizer = None
