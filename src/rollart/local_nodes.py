@@ -18,7 +18,10 @@ bus flags of this process (the URL, and credentials only as the names of files o
 secrets never reach a command line), writes its output to ``runs/<run>/logs/<roles>.log``
 and dies with this process (Linux: ``PR_SET_PDEATHSIG``). A child that exits before the run
 ends is restarted with a backoff (JetStream redelivers the work it held), at most
-:data:`RESTARTS` times; past that the run stops, naming the role and the log file. At the
+:data:`RESTARTS` times within :data:`RESTART_WINDOW_S`; past that the run stops, naming the
+role and the log file. A child that is alive but stuck (no node heartbeat for
+``node.stuck_after`` seconds once it has sent one: its event loop blocked, or the process
+stopped) is killed and restarted the same way. At the
 end the children drain and exit by themselves on the end of the run
 (:func:`rollart.actors.run_end.wait_run_end`); one that does not within its deadline gets
 SIGTERM, then SIGKILL.
@@ -31,8 +34,10 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
@@ -44,7 +49,10 @@ from rollart.config import ActorConfig, RunConfig
 log = logging.getLogger(__name__)
 
 RESTARTS = 3
-"""Restarts of one child process per run before the run stops."""
+"""Restarts of one child process within :data:`RESTART_WINDOW_S` before the run stops."""
+RESTART_WINDOW_S = 600.0
+"""Seconds over which a child's restarts count: a long run survives a child that dies now
+and then, and stops on one that keeps dying."""
 BACKOFF_S = 1.0
 """Seconds before the first restart of a child; doubled for each further one."""
 TAIL_LINES = 15
@@ -195,6 +203,13 @@ class Child:
         self.log_path = log_path
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
+        """Restarts over the whole run."""
+        self.recent: deque[float] = deque()
+        """When (monotonic) the restarts within the restart window happened."""
+        self.last_beat: float | None = None
+        """When (monotonic) the current process's last heartbeat arrived; None before its first."""
+        self.stuck_for: float | None = None
+        """Seconds without a heartbeat when the current process was killed as stuck."""
 
     @property
     def name(self) -> str:
@@ -215,11 +230,16 @@ class LocalNodes:
     module docstring). :attr:`failure` says why the run had to stop, if a child kept dying."""
 
     def __init__(self, cfg: RunConfig, groups: list[list[str]], flags: list[str], *,
-                 restarts: int = RESTARTS, backoff: float = BACKOFF_S, cwd: str | None = None):
+                 bus: Any = None, restarts: int = RESTARTS, backoff: float = BACKOFF_S,
+                 window: float = RESTART_WINDOW_S, cwd: str | None = None):
         self.cfg = cfg
         self.flags = list(flags)
+        self.bus = bus
+        """The run's bus (a nats-server), where the children's heartbeats arrive; None: the
+        children are not watched for being stuck."""
         self.max_restarts = restarts
         self.backoff = backoff
+        self.window = window
         self.cwd = cwd or os.getcwd()
         self.logs = Path(cfg.run_dir) / cfg.run / "logs"
         self.children = [Child(g, self.logs / log_name(g)) for g in groups]
@@ -248,6 +268,8 @@ class LocalNodes:
             raise
         for child in self.children:
             self._tasks.append(asyncio.ensure_future(self._supervise(child)))
+        if self.bus is not None and self.cfg.node.heartbeat_every > 0 and self.cfg.node.stuck_after > 0:
+            self._tasks.append(asyncio.ensure_future(self._watch_stuck()))
         where = ", ".join(f"{c.name} (pid {c.proc.pid}, log {c.log_path})" for c in self.children)
         here = ["trainer", "scheduler"] + [r for r in ("env", "generate", "reward") if r not in
                                            self.roles and (r != "reward" or self.cfg.reward.replicas)]
@@ -315,6 +337,7 @@ class LocalNodes:
             return f
 
         out = await asyncio.to_thread(open_log)
+        child.last_beat = child.stuck_for = None
         try:
             child.proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out,
@@ -342,25 +365,31 @@ class LocalNodes:
                         return
                 last = await asyncio.to_thread(tail, child.log_path)
                 pid = child.proc.pid
-                if child.restarts >= self.max_restarts:
+                how = (f"was stuck (no heartbeat for {child.stuck_for:.0f} s) and was killed"
+                       if child.stuck_for is not None else f"exited with {describe_exit(rc)}")
+                now = time.monotonic()
+                while child.recent and now - child.recent[0] > self.window:
+                    child.recent.popleft()
+                if len(child.recent) >= self.max_restarts:
                     self.failure = (
-                        f"the node process serving {child.name} exited with "
-                        f"{describe_exit(rc)} before the end of the run, after {child.restarts} "
-                        f"restarts (pid {pid}); see its log {child.log_path}")
+                        f"the node process serving {child.name} {how} before the end of the "
+                        f"run, after {len(child.recent)} restarts within {self.window:.0f} s "
+                        f"(pid {pid}); see its log {child.log_path}")
                     log.error("%s; its last lines:\n%s", self.failure, last)
                     self._fail()
                     return
-                delay = self.backoff * 2 ** child.restarts
-                log.error("node process %s (pid %d) exited with %s before the end of the run; "
-                          "restarting it in %gs (restart %d of %d; the work it held is "
-                          "redelivered); last lines of %s:\n%s", child.name, pid,
-                          describe_exit(rc), delay, child.restarts + 1, self.max_restarts,
+                delay = self.backoff * 2 ** len(child.recent)
+                log.error("node process %s (pid %d) %s before the end of the run; restarting "
+                          "it in %gs (restart %d of %d within %.0f s; the work it held is "
+                          "redelivered); last lines of %s:\n%s", child.name, pid, how, delay,
+                          len(child.recent) + 1, self.max_restarts, self.window,
                           child.log_path, last)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._ending.wait(), delay)
                 if self._ending.is_set():
                     return
                 child.restarts += 1
+                child.recent.append(time.monotonic())
                 await self._spawn(child)
                 log.warning("node process %s restarted: pid %d (log %s)", child.name,
                             child.proc.pid, child.log_path)
@@ -371,6 +400,52 @@ class LocalNodes:
                             f"({type(e).__name__}: {e}); see its log {child.log_path}")
             log.error("%s", self.failure)
             self._fail()
+
+    async def _watch_stuck(self) -> None:
+        """Follow the run's node heartbeats; SIGKILL a child whose last one is older than
+        ``node.stuck_after`` (its supervisor then restarts it). Never raises but
+        CancelledError: bus errors are logged and retried."""
+        from rollart import messages as m
+        from rollart.actors.runtime import decode_core
+
+        host, limit = socket.gethostname(), self.cfg.node.stuck_after
+
+        async def on_hb(req) -> None:
+            hb = decode_core(m.NodeHeartbeat, req)
+            if hb is None or hb.host != host:
+                return
+            for c in self.children:
+                if c.alive and c.proc.pid == hb.pid:
+                    c.last_beat = time.monotonic()
+
+        every = max(0.05, min(1.0, self.cfg.node.heartbeat_every / 2))
+        delay = 1.0
+        while True:
+            try:
+                sub = await self.bus.subscribe(m.subject(self.cfg.run, "node.heartbeat"), on_hb)
+            except Exception as e:  # noqa: BLE001 - a watch never stops the run
+                log.warning("cannot follow the node processes' heartbeats (%s); retrying in "
+                            "%.0fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 60.0)
+                continue
+            try:
+                while not self._ending.is_set():
+                    await asyncio.sleep(every)
+                    now = time.monotonic()
+                    for c in self.children:
+                        if (c.alive and c.last_beat is not None and c.stuck_for is None
+                                and now - c.last_beat > limit):
+                            c.stuck_for = now - c.last_beat
+                            log.error("node process %s (pid %d) sent no heartbeat for %.0f s "
+                                      "(node.stuck_after %g): its event loop is blocked or the "
+                                      "process is stopped; killing it (SIGKILL) to restart it",
+                                      c.name, c.proc.pid, c.stuck_for, limit)
+                            c.signal(signal.SIGKILL)
+                return
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     def _fail(self) -> None:
         if self._on_failure is not None:
@@ -425,4 +500,4 @@ def local_processes(cfg: RunConfig, bus: Any, *, nats: str | None = None,
                          overrides=overrides, single_process=single_process)
     if not groups:
         return contextlib.nullcontext()
-    return LocalNodes(cfg, groups, flags)
+    return LocalNodes(cfg, groups, flags, bus=bus)

@@ -8,6 +8,7 @@ value of the key fails naming it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -187,6 +188,37 @@ def test_killed_generate_process_is_restarted_and_the_run_finishes(tmp_path, run
 
 
 @needs_proc
+def test_stuck_generate_process_is_killed_and_restarted(tmp_path, run_dir):
+    """Alive but stuck (SIGSTOP: no heartbeat): killed after node.stuck_after, restarted."""
+    run = f"lp{os.getpid()}s"
+    steps = 4
+    cfg = quickstart(tmp_path, run_dir, run, steps=steps, heartbeat_every=0.5, stuck_after=3)
+    r = Run(tmp_path, str(cfg))
+    pids = []
+    try:
+        kids = r.children()
+        pids += kids.values()
+        r.wait_for(lambda: metrics_rows(run_dir, run), 120, "no step was taken")
+        os.kill(kids["generate"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        again = r.wait_for(lambda: re.search(r"node process generate restarted: pid (\d+)",
+                                             r.output()), 60, "the stuck process was not restarted")
+        assert time.monotonic() - stopped_at >= 3  # not before node.stuck_after
+        pids.append(int(again.group(1)))
+        summary = r.finish(deadline=150)
+    finally:
+        for p in pids:  # a stopped child must not outlive a failed test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        r.stop()
+    out = r.output()
+    assert f"node process generate (pid {kids['generate']}) sent no heartbeat for" in out, out
+    assert "was stuck (no heartbeat for" in out, out
+    assert summary["steps"] == steps and not summary["interrupted"] and "failed" not in summary
+    assert [x["step"] for x in metrics_rows(run_dir, run)] == list(range(1, steps + 1))
+
+
+@needs_proc
 @pytest.mark.parametrize("flag", [["--single-process"], ["--nats", "memory"]], ids=["flag", "memory"])
 def test_single_process_starts_no_child(tmp_path, run_dir, flag):
     run = f"lp{os.getpid()}c{len(flag)}"
@@ -279,12 +311,12 @@ class _Node:
         await self.stopped.wait()
 
 
-def _fake(tmp_path: Path, code: str, **node):
+def _fake(tmp_path: Path, code: str, window: float = 600.0, **node):
     """LocalNodes of one ``generate`` child that runs ``code`` instead of a node."""
     from rollart.local_nodes import LocalNodes
 
     cfg = convert({"run": "fake", "run_dir": str(tmp_path / "runs"), "node": node}, RunConfig)
-    local = LocalNodes(cfg, [["generate"]], [], backoff=0.01)
+    local = LocalNodes(cfg, [["generate"]], [], backoff=0.01, window=window)
     local._command = lambda child: [sys.executable, "-c", code]
     return local
 
@@ -299,11 +331,30 @@ async def test_a_child_that_keeps_dying_stops_the_run_naming_role_and_log(tmp_pa
     log = tmp_path / "runs" / "fake" / "logs" / "generate.log"
     assert local.failure is not None
     assert "serving generate exited with status 3" in local.failure, local.failure
-    assert "after 3 restarts" in local.failure and str(log) in local.failure, local.failure
+    assert "after 3 restarts within 600 s" in local.failure and str(log) in local.failure, \
+        local.failure
     lines = log.read_text().splitlines()
     assert lines.count("boom: no engine") == 4, lines  # the first start and 3 restarts
     assert [x.split("): ")[1].split()[0] for x in lines if x.startswith("--- ")] == \
         ["start", "restart", "restart", "restart"], lines
+
+
+@needs_proc
+async def test_restarts_count_within_the_window_only(tmp_path):
+    """A child that dies now and then (each life longer than the window) is restarted past
+    the limit: only restarts within the window stop the run."""
+    local = _fake(tmp_path, "import sys, time; time.sleep(0.3); print('died'); sys.exit(3)",
+                  window=0.2)
+    node = _Node()
+    log = tmp_path / "runs" / "fake" / "logs" / "generate.log"
+    t0 = time.monotonic()
+    async with local:
+        local.attach(node)
+        while log.read_text().splitlines().count("died") < 5:
+            assert local.failure is None and time.monotonic() - t0 < 60, log.read_text()
+            await asyncio.sleep(0.05)
+        assert not node.stopped.is_set()
+    assert local.failure is None and local.children[0].restarts >= 4
 
 
 @needs_proc

@@ -100,6 +100,8 @@ BAD = [
     ("node", "events_max_bytes", -1),
     ("node", "bus_outage_max", -1),
     ("node", "bus_outage_max", NAN),
+    ("node", "stuck_after", -1),
+    ("node", "stuck_after", 10),  # 0 (never) or >= 3 x heartbeat_every (5 s)
     ("envs.main", "max_abandoned_threads", 0),
     ("proxy", "engine", "tensorrt"),
     ("proxy", "gather_ms", -1),

@@ -170,11 +170,20 @@ class NodeConfig(Base):
     generation, environments and training overlap instead of sharing one Python
     interpreter. Roles: ``env``, ``generate``, ``reward``, each at most once. ``[]``: one
     process, as ``rollart run --single-process`` (and ``--nats memory``, which cannot cross
-    processes). A child that dies is restarted (up to 3 times) and the work it held is
-    redelivered."""
+    processes). A child that dies, or is stuck (``node.stuck_after``), is restarted (up to 3
+    times within 10 minutes) and the work it held is redelivered."""
+    stuck_after: float = 60.0
+    """Seconds a child node process of ``rollart run`` (``node.local_processes``) may go
+    without a heartbeat, once it has sent one, before ``rollart run`` takes it for stuck (its
+    event loop blocked, or the process stopped), kills it and restarts it like a child that
+    died. 0: never (also when ``heartbeat_every`` is 0); else at least 3 x ``heartbeat_every``,
+    so a late heartbeat on a busy host is not taken for a stuck process."""
 
     def __post_init__(self) -> None:
-        _in_range(self, "node.", "grace heartbeat_every bus_outage_max", ge=0)
+        _in_range(self, "node.", "grace heartbeat_every bus_outage_max stuck_after", ge=0)
+        if self.stuck_after and self.heartbeat_every and self.stuck_after < 3 * self.heartbeat_every:
+            raise ValueError(f"node.stuck_after must be 0 (never) or >= 3 x node.heartbeat_every "
+                             f"({3 * self.heartbeat_every:g}) (it is {self.stuck_after:g})")
         _in_range(self, "node.", "stream_replicas", ge=1, le=5)
         _check_local_processes(self.local_processes)
         for name, low, unit in (("events_max_age", 60, "seconds"),
