@@ -8,7 +8,6 @@ value of the key fails naming it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -160,62 +159,43 @@ def test_default_run_starts_node_processes_and_leaves_none(tmp_path, run_dir):
 
 
 @needs_proc
-def test_killed_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_dir):
-    run = f"lp{os.getpid()}b"
-    steps = 5
-    cfg = quickstart(tmp_path, run_dir, run, steps=steps)
+@pytest.mark.parametrize("how", ["killed", "stuck"])
+def test_lost_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_dir, how):
+    """Killed mid-run (SIGKILL), or alive but stuck (SIGSTOP: no heartbeat, so it is killed
+    after node.stuck_after): the generate process is restarted and the run takes every step."""
+    run = f"lp{os.getpid()}{how}"
+    steps = 5 if how == "killed" else 4
+    node = {"heartbeat_every": 0.5, "stuck_after": 3} if how == "stuck" else {}
+    cfg = quickstart(tmp_path, run_dir, run, steps=steps, **node)
     r = Run(tmp_path, str(cfg))
     pids = []
     try:
         kids = r.children()
         pids += kids.values()
         r.wait_for(lambda: metrics_rows(run_dir, run), 120, "no step was taken")
-        os.kill(kids["generate"], signal.SIGKILL)  # mid-run: steps 2.. need a generator
+        # mid-run: the steps after the first need a generator
+        os.kill(kids["generate"], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        lost_at = time.monotonic()
         again = r.wait_for(lambda: re.search(r"node process generate restarted: pid (\d+)",
                                              r.output()), 60, "the generate process was not restarted")
+        if how == "stuck":
+            assert time.monotonic() - lost_at >= 3  # not before node.stuck_after
         pids.append(int(again.group(1)))
         assert int(again.group(1)) != kids["generate"]
         summary = r.finish(deadline=150)
     finally:
-        r.stop()
+        r.stop()  # its process group, a stopped child too (which also dies with it)
     out = r.output()
-    assert "node process generate (pid" in out and "signal SIGKILL" in out, out
+    if how == "killed":
+        assert "node process generate (pid" in out and "signal SIGKILL" in out, out
+    else:
+        assert f"node process generate (pid {kids['generate']}) sent no heartbeat for" in out, out
+        assert "was stuck (no heartbeat for" in out, out
     assert summary["steps"] == steps and not summary["interrupted"] and "failed" not in summary
     assert [x["step"] for x in metrics_rows(run_dir, run)] == list(range(1, steps + 1))
     text = (run_dir / run / "logs" / "generate.log").read_text()
     assert text.count(f"serving generate (run={run}") == 2, text
     assert [p for p in pids if alive(p)] == [], "a child outlived the run"
-
-
-@needs_proc
-def test_stuck_generate_process_is_killed_and_restarted(tmp_path, run_dir):
-    """Alive but stuck (SIGSTOP: no heartbeat): killed after node.stuck_after, restarted."""
-    run = f"lp{os.getpid()}s"
-    steps = 4
-    cfg = quickstart(tmp_path, run_dir, run, steps=steps, heartbeat_every=0.5, stuck_after=3)
-    r = Run(tmp_path, str(cfg))
-    pids = []
-    try:
-        kids = r.children()
-        pids += kids.values()
-        r.wait_for(lambda: metrics_rows(run_dir, run), 120, "no step was taken")
-        os.kill(kids["generate"], signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        again = r.wait_for(lambda: re.search(r"node process generate restarted: pid (\d+)",
-                                             r.output()), 60, "the stuck process was not restarted")
-        assert time.monotonic() - stopped_at >= 3  # not before node.stuck_after
-        pids.append(int(again.group(1)))
-        summary = r.finish(deadline=150)
-    finally:
-        for p in pids:  # a stopped child must not outlive a failed test
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
-        r.stop()
-    out = r.output()
-    assert f"node process generate (pid {kids['generate']}) sent no heartbeat for" in out, out
-    assert "was stuck (no heartbeat for" in out, out
-    assert summary["steps"] == steps and not summary["interrupted"] and "failed" not in summary
-    assert [x["step"] for x in metrics_rows(run_dir, run)] == list(range(1, steps + 1))
 
 
 @needs_proc
