@@ -22,6 +22,25 @@ def _role(cfg: RunConfig, role: str) -> ActorConfig:
     return cfg.actors.get(role, ActorConfig())
 
 
+def _cls(cfg: RunConfig, role: str, default: type) -> type:
+    """The class of ``role`` in a one-process run: ``actors.<role>.type`` when given (as a
+    node builds it), a subclass of the built-in ``default`` (this module sets its
+    attributes), else ``default``."""
+    path = _role(cfg, role).type
+    if not path:
+        return default
+    from rollart.node import resolve
+
+    try:
+        cls = resolve(path)
+    except ValueError as e:
+        raise ValueError(f"actors.{role}.type: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, default)):
+        raise ValueError(f"actors.{role}.type: {path} is not a subclass of "
+                         f"{default.__module__}:{default.__name__}")
+    return cls
+
+
 def role_pool(cfg: RunConfig, role: str, pool: str) -> str:
     """The pool an actor of ``role`` joins on a node started with ``--pool pool``.
 
@@ -57,8 +76,8 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     from rollart.actors.reward import RewardService
     from rollart.actors.scheduler import RolloutScheduler
 
-    sched = RolloutScheduler.from_config(cfg, _role(cfg, "scheduler"),
-                                         pool=role_pool(cfg, "scheduler", pool))
+    sched = _cls(cfg, "scheduler", RolloutScheduler).from_config(
+        cfg, _role(cfg, "scheduler"), pool=role_pool(cfg, "scheduler", pool))
     if prefix != "g":  # a second scheduler on the same run reads every outcome itself
         sched.name = f"scheduler-{prefix.strip('-')}"
         # one-off durables: the server deletes them once idle (a long run's evaluations
@@ -71,13 +90,14 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     if eval:
         sched.seed_offset = 1_000_000  # held-out tasks: training seeds start at rollout.seed
         sched.run_cfg = None  # the training scheduler already watches the pools
-    actors: list[Actor] = [sched, EnvManager.from_config(cfg, _role(cfg, "env"),
-                                                         pool=role_pool(cfg, "env", pool))]
+    actors: list[Actor] = [sched, _cls(cfg, "env", EnvManager).from_config(
+        cfg, _role(cfg, "env"), pool=role_pool(cfg, "env", pool))]
     for i, gen_pool in enumerate(_generate_pools(cfg, pool)):
-        actors.append(LLMProxy.from_config(cfg, _role(cfg, "generate"), pool=gen_pool, index=i))
+        actors.append(_cls(cfg, "generate", LLMProxy).from_config(cfg, _role(cfg, "generate"),
+                                                                 pool=gen_pool, index=i))
     for i in range(cfg.reward.replicas):
-        actors.append(RewardService.from_config(cfg, _role(cfg, "reward"),
-                                                pool=role_pool(cfg, "reward", pool), index=i))
+        actors.append(_cls(cfg, "reward", RewardService).from_config(
+            cfg, _role(cfg, "reward"), pool=role_pool(cfg, "reward", pool), index=i))
     return sched, actors
 
 
@@ -115,7 +135,8 @@ def training_actors(cfg: RunConfig, *, resume: bool = False, pool: str = "defaul
 
     sched, actors = rollout_actors(cfg, groups=None, bounded=True, pool=pool)
     sched.resume = resume
-    trainer = Trainer.from_config(cfg, _role(cfg, "trainer"), pool=role_pool(cfg, "trainer", pool))
+    trainer = _cls(cfg, "trainer", Trainer).from_config(cfg, _role(cfg, "trainer"),
+                                                       pool=role_pool(cfg, "trainer", pool))
     trainer.resume = resume
     return sched, trainer, actors + [trainer]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
+import msgspec
 import pytest
 
 
@@ -166,3 +167,25 @@ async def test_reward_service_scores_free_text_trajectories(memory_bus_only, tin
     assert sched.summary()["completed"] == 8 and sched.summary()["dead"] == 0
     assert reward.served == 8
     assert all(d.timings["reward"] > 0 and 0.0 <= d.reward <= 1.0 for d in sched.results)
+
+
+async def test_one_process_run_builds_the_configured_actor_types(memory_bus_only, tiny_model):
+    """``actors.<role>.type`` is honoured in one process as a node honours it (it used to be
+    ignored there): the custom proxy serves the run; a type that is not a subclass of the
+    role's class fails naming the key."""
+    from rollart.actors.scheduler import RolloutScheduler
+    from rollart.launch import training_actors
+    from tests.faults.slow_proxy import SlowProxy
+
+    cfg = make_cfg(tiny_model)
+    cfg = convert({**msgspec.to_builtins(cfg), "actors": {"generate": {
+        "type": "tests.faults.slow_proxy:SlowProxy", "args": {"delay": 0}}}}, RunConfig)
+    sched, actors = await run_groups(memory_bus_only, cfg, groups=1)
+    assert [type(a) for a in actors if a.role == "generate"] == [SlowProxy]
+    assert sched.summary()["completed"] == 4
+    assert type(sched) is RolloutScheduler
+    for role, path in (("scheduler", "tests.faults.slow_proxy:SlowProxy"),
+                       ("trainer", "tests.no_such_module:Trainer")):
+        bad = convert({**msgspec.to_builtins(cfg), "actors": {role: {"type": path}}}, RunConfig)
+        with pytest.raises(ValueError, match=rf"actors\.{role}\.type: "):
+            training_actors(bad)
