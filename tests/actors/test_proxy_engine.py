@@ -15,6 +15,7 @@ from rollart.bus.codec import encode
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run
 from tests.e2e.test_weight_sync import perturbed_weights, publish
+from tests.waiting import until, until_sync
 
 torch = pytest.importorskip("torch")
 
@@ -22,12 +23,29 @@ STEP_S = 0.01
 """Extra seconds per decode step of the slow engine: a long generation stays in flight."""
 
 
-def slow_engine(model_dir):
-    """A torch engine whose every decode step takes ``STEP_S`` more (the same tokens)."""
+def slow_engine(model_dir, hold_at: int | None = None):
+    """A torch engine whose every decode step takes ``STEP_S`` more (the same tokens); it
+    counts its decode steps (``steps``) and the rows of each call (``calls``). With
+    ``hold_at``, decode step ``hold_at`` of a call waits until a row of it is stopped (an
+    ``interrupt`` update or an abort reached it), so such an update lands mid-generation
+    however slow the machine is."""
     from rollart.engines.torch_engine import TorchGenerationEngine
 
     class Slow(TorchGenerationEngine):
+        steps = 0
+        calls: list[int] = []
+
+        def generate(self, inputs, stop_rows=None):
+            self.calls = [*self.calls, len(inputs)]
+            self._stop, self._call_steps = stop_rows, 0
+            return super().generate(inputs, stop_rows=stop_rows)
+
         def _pick(self, *a, **kw):
+            self.steps += 1
+            self._call_steps += 1
+            if self._call_steps == hold_at and len(self.calls) == 1:
+                until_sync(lambda: self._stop, deadline=120, step=0.005,
+                           what="an update to stop the rows of the first call")
             time.sleep(STEP_S)
             return super()._pick(*a, **kw)
 
@@ -62,22 +80,15 @@ def request(traj_id: str, prompt: list[int], n: int) -> m.GenerateRequest:
                              request_id=f"req-{traj_id}")
 
 
-async def _until(cond, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def _update_mid_generation(bus, run, proxy, tiny_model, tmp_path, prompt, n=150):
-    """Start a long generation, publish v1 while it runs; return (result, v1 file)."""
+async def _update_mid_generation(bus, run, proxy, engine, tiny_model, tmp_path, prompt, n=150):
+    """Start a long generation, publish v1 once it has decoded a few tokens; return (result,
+    v1 file)."""
     w1 = tmp_path / "v1.safetensors"
     digest = perturbed_weights(tiny_model, w1, 0.3)
     pending = asyncio.ensure_future(proxy.request("generate.request",
                                                   request("g000000-0", prompt, n), timeout=120))
-    await _until(lambda: proxy.batcher.busy_s > 0 or proxy.batcher._running, 30,
-                 "the generation to start")
-    await asyncio.sleep(0.3)
+    await until(lambda: engine.steps >= 5 or pending.done(), deadline=60,
+                what="the generation to decode a few tokens")
     assert not pending.done()
     await publish(bus, run, 1, w1, digest)
     res = await asyncio.wait_for(pending, 120)
@@ -89,10 +100,12 @@ async def _update_mid_generation(bus, run, proxy, tiny_model, tmp_path, prompt, 
 async def test_interrupt_continues_on_the_new_weights_token_by_token(memory_bus_only, tiny_model,
                                                                      tmp_path, prompt):
     bus, run = memory_bus_only, new_run()
+    engine = slow_engine(tiny_model, hold_at=10)
     proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model), on_update="interrupt",
-                     engine_obj=slow_engine(tiny_model))
+                     engine_obj=engine)
     async with Node(bus, [proxy], heartbeat_every=0):
-        res, w1 = await _update_mid_generation(bus, run, proxy, tiny_model, tmp_path, prompt)
+        res, w1 = await _update_mid_generation(bus, run, proxy, engine, tiny_model, tmp_path,
+                                               prompt)
         assert proxy.version == 1 and proxy.interrupted >= 1
     n = len(res.token_ids)
     assert res.finish_reason in ("length", "stop") and 0 < n <= 150, (res.finish_reason, n)
@@ -112,10 +125,12 @@ async def test_interrupt_continues_on_the_new_weights_token_by_token(memory_bus_
 async def test_finish_lets_the_request_end_on_the_old_weights(memory_bus_only, tiny_model, tmp_path,
                                                                prompt):
     bus, run = memory_bus_only, new_run()
+    engine = slow_engine(tiny_model)
     proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model), on_update="finish",
-                     engine_obj=slow_engine(tiny_model))
+                     engine_obj=engine)
     async with Node(bus, [proxy], heartbeat_every=0):
-        res, _ = await _update_mid_generation(bus, run, proxy, tiny_model, tmp_path, prompt)
+        res, _ = await _update_mid_generation(bus, run, proxy, engine, tiny_model, tmp_path,
+                                              prompt)
         assert proxy.version == 1 and proxy.interrupted == 0
     assert len(res.token_ids) == 150 and res.version == 0 and res.token_versions == []
     ref = reference_logprobs(tiny_model, None, prompt, res.token_ids)
@@ -124,8 +139,9 @@ async def test_finish_lets_the_request_end_on_the_old_weights(memory_bus_only, t
 
 async def test_a_cancelled_group_aborts_its_requests_in_flight(memory_bus_only, tiny_model, prompt):
     bus, run = memory_bus_only, new_run()
+    engine = slow_engine(tiny_model)
     proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model), gather_ms=100,
-                     engine_obj=slow_engine(tiny_model))
+                     engine_obj=engine)
     async with Node(bus, [proxy], heartbeat_every=0):
         # one batch: the cancelled rows would run 1000 steps (>= 10 s); the others 20
         lengths = {"g000001-0": 20, "g000001-1": 1000, "g000001-2": 1000, "g000002-1": 20,
@@ -133,19 +149,18 @@ async def test_a_cancelled_group_aborts_its_requests_in_flight(memory_bus_only, 
         calls = {t: asyncio.ensure_future(proxy.request("generate.request",
                                                         request(t, prompt, n), timeout=120))
                  for t, n in lengths.items()}
-        await _until(lambda: len(proxy._inflight) == len(lengths) and proxy.batcher._running, 30,
-                     "the generations to start")
-        t0 = time.monotonic()
+        await until(lambda: engine.steps > 0, deadline=60, what="the generations to start",
+                    state=lambda: f"engine calls {engine.calls}")
         await bus.publish_core(m.subject(run, "rollout.cancel"),
                                encode(m.CancelGroup(group_id="g000001", keep=["g000001-0"])))
         for t in ("g000001-1", "g000001-2"):  # cancelled: their rows stop, answered unavailable
             with pytest.raises(RemoteError, match="cancelled"):
                 await asyncio.wait_for(calls[t], 60)
-        assert time.monotonic() - t0 < 0.5 * 1000 * STEP_S, "aborted, not run to the end"
+        assert engine.steps < 1000, "aborted, not run to the end"
         for t in ("g000001-0", "g000002-1", "g000001-r1-1"):  # kept, other groups: served
             res = await asyncio.wait_for(calls[t], 120)
             assert len(res.token_ids) == 20
-        assert proxy.batcher.sizes == [len(lengths)]
+        assert proxy.batcher.sizes == [len(lengths)] and engine.calls == [len(lengths)]
         # a late request of a cancelled trajectory is refused at once
         with pytest.raises(RemoteError, match="cancelled"):
             await proxy.request("generate.request", request("g000001-2", prompt, 4), timeout=30)

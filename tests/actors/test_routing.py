@@ -11,9 +11,10 @@ import pytest
 from rollart import messages as m
 from rollart.config import ConfigError, RunConfig, convert
 from rollart.config.placement import RouteRule, RouteWhen, Router
-from rollart.launch import role_pool, rollout_actors
+from rollart.node.build import role_pool, rollout_actors
 from rollart.node import Node, build_actors
 from tests.actors.sample_actors import new_run
+from tests.waiting import until
 
 LAKE = {"type": "frozenlake", "args": {"map": ["SFFF", "FHFH", "FFFH", "HFFG"], "max_steps": 16},
         "instruction": "FrozenLake", "max_turns": 4}
@@ -166,8 +167,9 @@ async def test_routed_run_sends_long_prompts_to_big(bus, tiny_model):
     assert env.pool == "cpu" and set(proxies) == {"big", "small"}
     assert sum(proxies["big"].batcher.sizes) == by_pool["big"]
     assert sum(proxies["small"].batcher.sizes) == by_pool["small"]
-    await asyncio.sleep(0.2)  # the spy's copies arrive asynchronously on nats
-    assert seen["big"] >= by_pool["big"] and seen["small"] >= by_pool["small"]
+    # the spy's copies arrive asynchronously on nats
+    await until(lambda: seen["big"] >= by_pool["big"] and seen["small"] >= by_pool["small"],
+                deadline=30, what="the spy's copies of every request", state=lambda: seen)
     assert "cpu" not in seen and "default" not in seen
 
 

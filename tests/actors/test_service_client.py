@@ -13,10 +13,13 @@ import pytest
 from rollart import messages as m
 from rollart.actors.base import Actor, Reject, serve
 from rollart.actors.runtime import ERROR_KIND_HEADER
+from rollart.actors import service_client
 from rollart.actors.service_client import ProgressReporter, ServiceClient
 from rollart.bus.codec import encode
 from rollart.node import Node
 from tests.actors.sample_actors import new_run
+from tests.waiting import until
+
 
 FOREVER = 3600.0
 
@@ -26,7 +29,7 @@ class FakeGen(Actor):
     """A generate replica without an engine. ``mode``: ``ok`` answers after ``delay``;
     ``silent`` takes the request and stops reporting (as if killed); ``noclaim`` reports
     but never lists (nor answers) what it takes (as if it died before its next report);
-    ``error`` answers an error."""
+    ``error`` answers an error; ``held`` answers once ``released`` is set."""
 
     role = "generate"
     mode: str = "ok"
@@ -55,7 +58,7 @@ class FakeGen(Actor):
     @serve("generate.request", max_inflight=1)
     async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
         self.got += 1
-        if self.mode == "noclaim":
+        if self.mode in ("noclaim", "held"):
             await self.released.wait()
         if self.mode == "error":
             raise ValueError("prompt too long")
@@ -91,37 +94,29 @@ def gen_req(i: int = 0) -> m.GenerateRequest:
     return m.GenerateRequest(traj_id=f"t{i}", prompt_ids=[1] * (i + 1))
 
 
-async def wait_until(cond, deadline: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def test_a_missing_pool_is_waited_for_and_wakes_when_a_replica_reports(bus):
+async def test_a_missing_pool_is_waited_for_and_wakes_when_a_replica_reports(bus, monkeypatch):
+    # between attempts the client sleeps for an hour: only a replica's report can wake it
+    monkeypatch.setattr(service_client, "backoff", lambda *a, **kw: FOREVER)
     run = new_run()
-    async with client_on(bus, run) as client:
+    async with client_on(bus, run, wait=FOREVER) as client:
         call = asyncio.ensure_future(client.call("generate.request", gen_req(2)))
-        await wait_until(lambda: client.waits().get(("generate.request", "default"), (0, 0))[1] > 2.5,
-                         what="a wait longer than the old retry budget")
+        await until(lambda: client.waits().get(("generate.request", "default"), (0, 0))[1] > 2.5,
+                    deadline=30, what="a wait longer than the old retry budget")
         assert not call.done()
         gen = FakeGen(run=run, name="late")
         async with Node(bus, [gen], heartbeat_every=0, grace=0.5):
-            t0 = time.monotonic()
-            res = await asyncio.wait_for(call, 10)
-            woke = time.monotonic() - t0
+            res = await asyncio.wait_for(call, 60)
         assert res.token_ids == [3] and res.replica == "late"
-        assert woke < 1.5, f"waiters should wake when a replica reports, took {woke:.2f}s"
         assert client.waits() == {}
 
 
 async def test_no_replica_until_the_deadline_is_a_service_unavailable_reject(memory_bus_only):
-    async with client_on(memory_bus_only, new_run(), wait=1.0) as client:
+    async with client_on(memory_bus_only, new_run(), wait=1.0, timeout=FOREVER) as client:
         t0 = time.monotonic()
-        with pytest.raises(Reject, match=r"^service_unavailable: no generate replica in pool 'default'"):
-            await client.call("generate.request", gen_req(), what=" for t0")
-        assert 1.0 <= time.monotonic() - t0 < 4.0
+        with pytest.raises(Reject, match=r"^service_unavailable: no generate replica in pool 'default'"
+                                         r" answered for t0 for \d+s \(rollout.service_wait\)"):
+            await asyncio.wait_for(client.call("generate.request", gen_req(), what=" for t0"), 60)
+        assert time.monotonic() - t0 >= 1.0  # it waited ``wait``, and gave up after it
 
 
 @pytest.mark.parametrize("mode", ["silent", "noclaim"])
@@ -129,36 +124,43 @@ async def test_a_request_on_a_lost_replica_is_sent_again_within_the_replica_time
     run = new_run()
     bad = FakeGen(run=run, name="bad", mode=mode)
     good = FakeGen(run=run, name="good")
-    async with client_on(bus, run, timeout=30.0) as client:
+    counts: dict[str, int] = {}
+
+    def count(key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
+
+    # an attempt's own timeout never runs out here: a request the bad replica took comes
+    # back only because the client noticed it was lost (within replica_timeout)
+    async with client_on(bus, run, timeout=FOREVER, count=count) as client:
         async with Node(bus, [bad], heartbeat_every=0, grace=0.2):
             async with Node(bus, [good], heartbeat_every=0, grace=0.2):
-                await wait_until(lambda: len(client._replicas) == 2, what="both replicas report")
-                t0 = time.monotonic()
+                await until(lambda: len(client._replicas) == 2, deadline=30,
+                            what="both replicas report")
                 results = await asyncio.wait_for(
-                    asyncio.gather(*(client.call("generate.request", gen_req(i)) for i in range(6))), 20)
-                took = time.monotonic() - t0
+                    asyncio.gather(*(client.call("generate.request", gen_req(i)) for i in range(6))), 120)
     assert bad.got >= 1, "some request went to the bad replica"
     assert {r.replica for r in results} == {"good"}
-    assert took < 5.0, f"lost requests should be re-sent within ~replica_timeout, took {took:.1f}s"
+    assert counts.get("requests_resent", 0) >= bad.got, counts
 
 
 async def test_a_stopping_replica_hands_queued_requests_back_at_once(bus):
     run = new_run()
-    slow = FakeGen(run=run, name="slow", delay=3.0)
+    slow = FakeGen(run=run, name="slow", mode="held")  # answers once released
     fast = FakeGen(run=run, name="fast")
     async with client_on(bus, run) as client:
-        slow_node = Node(bus, [slow], heartbeat_every=0, grace=10.0)
+        slow_node = Node(bus, [slow], heartbeat_every=0, grace=30.0)
         await slow_node.start()
         calls = [asyncio.ensure_future(client.call("generate.request", gen_req(i))) for i in range(3)]
-        await wait_until(lambda: slow.got >= 1, what="the slow replica to start one")
+        await until(lambda: slow.got >= 1, deadline=30, what="the slow replica to start one")
         async with Node(bus, [fast], heartbeat_every=0, grace=0.2):
-            t0 = time.monotonic()
             drain = asyncio.ensure_future(slow_node.stop_and_drain())
-            done, _ = await asyncio.wait(calls, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-            first = time.monotonic() - t0
-            results = await asyncio.wait_for(asyncio.gather(*calls), 10)
-            await asyncio.wait_for(drain, 15)
-    assert first < 0.4, f"queued requests should move at once, took {first:.2f}s"
+            # the queued two move at once: served while the one in flight is still held
+            await until(lambda: sum(c.done() for c in calls) >= 2, deadline=60,
+                        what="the queued requests to be served elsewhere")
+            assert not slow.released.is_set()
+            slow.released.set()
+            results = await asyncio.wait_for(asyncio.gather(*calls), 60)
+            await asyncio.wait_for(drain, 60)
     assert sorted(r.replica for r in results)[:2] == ["fast", "fast"]
     assert slow_node.services[0].stats.naked == 2, "both queued requests were handed back"
 
@@ -170,7 +172,7 @@ async def test_a_stopping_service_answers_unavailable(memory_bus_only):
     await node.start()
     subject = m.subject(run, "generate.request", "default")
     reqs = [asyncio.ensure_future(bus.request(subject, encode(gen_req(i)), timeout=10)) for i in range(3)]
-    await wait_until(lambda: slow.got >= 1)
+    await until(lambda: slow.got >= 1, deadline=30, what="the replica to take a request")
     await node.stop_and_drain()
     reps = await asyncio.gather(*reqs)
     kinds = sorted(r.headers.get(ERROR_KIND_HEADER, "ok") for r in reps)
@@ -204,7 +206,7 @@ async def test_progress_reports_list_held_requests(memory_bus_only):
     with rep.hold("r1"), rep.hold("r2"):
         await rep.report()
     await rep.report()
-    await wait_until(lambda: len(seen) == 2)
+    await until(lambda: len(seen) == 2, deadline=30, what="both progress reports")
     await sub.unsubscribe()
     assert seen[0].request_ids == ["r1", "r2"] and seen[1].request_ids == []
     assert seen[0].replica.startswith("gen-0@") and seen[0].pool == "default"
@@ -237,11 +239,10 @@ async def test_a_stopping_llm_proxy_answers_every_request(memory_bus_only):
     subject = m.subject(run, "generate.request", "default")
     reqs = [asyncio.ensure_future(bus.request(subject, encode(gen_req(i)), timeout=30))
             for i in range(3)]
-    await wait_until(lambda: proxy.batcher.busy_s > 0 or len(proxy.progress.held) == 3,
-                     what="the proxy to hold the requests")
-    t0 = time.monotonic()
+    await until(lambda: proxy.batcher.busy_s > 0 or len(proxy.progress.held) == 3,
+                deadline=30, what="the proxy to hold the requests")
     await node.stop_and_drain()
-    reps = await asyncio.wait_for(asyncio.gather(*reqs), 10)
-    assert time.monotonic() - t0 < 8.0
+    # each request got its answer (not its 30 s timeout, which would raise here)
+    reps = await asyncio.wait_for(asyncio.gather(*reqs), 60)
     for r in reps:
         assert r.headers.get(ERROR_KIND_HEADER) == "unavailable" or not r.headers, r.headers

@@ -7,7 +7,7 @@ import time
 
 from rollart.actors.ledger import watch_summary
 from rollart.config import RunConfig, convert
-from rollart.launch import training_actors
+from rollart.node.build import training_actors
 from rollart.node import Node
 
 

@@ -78,7 +78,7 @@ def test_packaged_config_by_name_from_an_empty_folder(tmp_path):
 def test_a_folder_named_like_a_packaged_config_does_not_hide_it(tmp_path, monkeypatch):
     """Found by hand: a folder ``quickstart`` in the working directory made ``rollart run
     quickstart`` fail with IsADirectoryError and a traceback."""
-    from rollart.cli import packaged_configs, resolve_config
+    from rollart.app.cli import packaged_configs, resolve_config
     from rollart.config import ConfigError
 
     (tmp_path / "quickstart").mkdir()
@@ -90,7 +90,7 @@ def test_a_folder_named_like_a_packaged_config_does_not_hide_it(tmp_path, monkey
 
 
 def test_config_dump_writes_a_copy_to_edit(tmp_path, monkeypatch):
-    from rollart.cli import _dump_config, packaged_configs
+    from rollart.app.configs import dump_config, packaged_configs
     from rollart.config import ConfigError, RunConfig, load
 
     r = _ok(rollart("config", "quickstart", "--dump", "x.yaml", cwd=tmp_path))
@@ -100,8 +100,8 @@ def test_config_dump_writes_a_copy_to_edit(tmp_path, monkeypatch):
     assert load(dumped, RunConfig).run == "quickstart"
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="x.yaml exists"):  # never overwrites
-        _dump_config("quickstart", "x.yaml")
-    assert _dump_config("frozenlake-random", "") == 0  # default: ./<name>.yaml
+        dump_config("quickstart", "x.yaml")
+    assert dump_config("frozenlake-random", "") == 0  # default: ./<name>.yaml
     assert load(tmp_path / "frozenlake-random.yaml", RunConfig).run
     r = rollart("run", "quickstrat", cwd=tmp_path)
     assert r.returncode == 2 and "packaged configs (give the name): " in r.stderr, r.stderr
@@ -109,7 +109,7 @@ def test_config_dump_writes_a_copy_to_edit(tmp_path, monkeypatch):
 
 
 def test_repo_configs_are_the_packaged_ones():
-    from rollart.cli import packaged_configs
+    from rollart.app.cli import packaged_configs
 
     packaged = packaged_configs()
     assert {"quickstart", "frozenlake-random", "reasoning-math"} <= set(packaged)

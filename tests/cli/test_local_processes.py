@@ -21,8 +21,10 @@ import pytest
 import yaml
 
 from rollart.config import ConfigError, RunConfig, convert
-from rollart.local_nodes import child_config, log_name, plan
+from rollart.app.local_nodes import LocalNodes
+from rollart.app.local_plan import log_name, plan
 from tests.child_output import ReadProcess
+from tests.waiting import until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTED = re.compile(r"started (\d+) node process(?:es)?: (.*)$", re.MULTILINE)
@@ -37,7 +39,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 def quickstart(tmp_path: Path, run_dir: Path, run: str, steps: int, **node) -> Path:
     """The packaged quickstart config with few steps and a one-group final evaluation."""
-    from rollart.cli import packaged_configs
+    from rollart.app.cli import packaged_configs
 
     raw = yaml.safe_load(packaged_configs()["quickstart"].read_text())
     raw.update(run=run, run_dir=str(run_dir))
@@ -60,19 +62,13 @@ class Run(ReadProcess):
     def wait_for(self, what, deadline: float, why: str):
         """Poll ``what()`` until it is truthy; fail with the output past the deadline or when
         the run exits first."""
-        end = time.monotonic() + deadline
-        while True:
-            got = what()
-            if got:
-                return got
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError(f"{why} (rc {self.proc.poll()}):\n{self.output()}")
-            time.sleep(0.1)
+        return until_sync(what, deadline=deadline, what=why, step=0.1, abort=self.exited,
+                          state=self.output)
 
     def children(self, deadline: float = 60) -> dict[str, int]:
         """Roles -> pid of the child processes the run says it started."""
         m = self.wait_for(lambda: STARTED.search(self.output()), deadline,
-                          "the run never said which processes it started")
+                          "the run to say which processes it started")
         found = {roles: int(pid) for roles, pid, _ in CHILD.findall(m.group(2))}
         assert len(found) == int(m.group(1)), m.group(0)
         return found
@@ -172,12 +168,12 @@ def test_lost_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_d
     try:
         kids = r.children()
         pids += kids.values()
-        r.wait_for(lambda: metrics_rows(run_dir, run), 120, "no step was taken")
+        r.wait_for(lambda: metrics_rows(run_dir, run), 120, "a training step")
         # mid-run: the steps after the first need a generator
         os.kill(kids["generate"], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         lost_at = time.monotonic()
         again = r.wait_for(lambda: re.search(r"node process generate restarted: pid (\d+)",
-                                             r.output()), 60, "the generate process was not restarted")
+                                             r.output()), 60, "the generate process to be restarted")
         if how == "stuck":
             assert time.monotonic() - lost_at >= 3  # not before node.stuck_after
         pids.append(int(again.group(1)))
@@ -205,7 +201,7 @@ def test_single_process_starts_no_child(tmp_path, run_dir, flag):
     cfg = quickstart(tmp_path, run_dir, run, steps=1)
     r = Run(tmp_path, str(cfg), *flag)
     try:
-        r.wait_for(lambda: metrics_rows(run_dir, run), 120, "no step was taken")
+        r.wait_for(lambda: metrics_rows(run_dir, run), 120, "a training step")
         during = node_children(r.proc.pid)
         summary = r.finish(deadline=90)
     finally:
@@ -265,17 +261,8 @@ def test_plan_forwards_the_bus_and_only_names_of_credentials(tmp_path):
                      RunConfig)
     assert plan(joined, bus_url="nats://head:4222")[1] == []
     # no reward service in the run: no reward role in a child
-    none = convert({"reward": {"replicas": 0}}, RunConfig)
+    none = convert({"actors": {"reward": {"replicas": 0}}}, RunConfig)
     assert plan(none, bus_url=url)[0] == [["generate"], ["env"]]
-
-
-def test_child_config_hosts_what_one_process_would():
-    cfg = convert({"proxy": {"replicas": 2}, "actors": {"env": {"replicas": 3}}}, RunConfig)
-    child = child_config(cfg)
-    assert child.actors["generate"].replicas == 2 and child.actors["env"].replicas == 1
-    assert "reward" not in child.actors or child.actors["reward"].replicas == 1
-    plain = convert({}, RunConfig)
-    assert child_config(plain) is plain  # the run's own config.yaml serves the children
 
 
 class _Node:
@@ -293,8 +280,6 @@ class _Node:
 
 def _fake(tmp_path: Path, code: str, window: float = 600.0, **node):
     """LocalNodes of one ``generate`` child that runs ``code`` instead of a node."""
-    from rollart.local_nodes import LocalNodes
-
     cfg = convert({"run": "fake", "run_dir": str(tmp_path / "runs"), "node": node}, RunConfig)
     local = LocalNodes(cfg, [["generate"]], [], backoff=0.01, window=window)
     local._command = lambda child: [sys.executable, "-c", code]

@@ -55,3 +55,17 @@ def test_cli_config_check(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "rollart", "config", str(ROOT / "configs" / "quickstart.yaml")],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "ok" in ok.stdout
+
+
+def test_the_config_package_imports_no_bus_connection_code():
+    """rollart.config sits below the bus: loading a config never imports the NATS client code,
+    and the bus shows URLs with the config's own :func:`~rollart.config.urls.redact`."""
+    code = ("import sys, rollart.config, rollart.config.doc\n"
+            "leaves = {'rollart.bus.base', 'rollart.bus.codec'}  # no rollart imports: the wire format\n"
+            "bus = sorted(m for m in sys.modules if m.startswith('rollart.bus.') and m not in leaves)\n"
+            "assert not bus, bus\n"
+            "from rollart.bus.auth import redact\n"
+            "from rollart.config.urls import redact as leaf\n"
+            "assert redact is leaf and redact('nats://u:pw@h:4222') == 'nats://u:***@h:4222'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

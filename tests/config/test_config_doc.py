@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from rollart.config.doc import checks, document
+from rollart.config.pipeline import RolloutConfig, SamplingConfig
 from rollart.config.schema import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,8 +85,6 @@ def test_builtin_env_args_are_documented(doc):
 
 
 def test_checks_reads_post_init():
-    from rollart.config.schema import RolloutConfig, SamplingConfig
-
     assert checks(SamplingConfig) == {"max_new_tokens": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]"}
     assert checks(RolloutConfig)["replica_timeout"] == ">= 0"
 

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import yaml
 
+from rollart.actors.trainer import Trainer
 from rollart.config import ActorConfig, ConfigError, RunConfig, convert, load
 from rollart.config.schema import trainer_buffer
+from rollart.engines import missing_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -106,10 +109,10 @@ BAD = [
     ("proxy", "engine", "tensorrt"),
     ("proxy", "gather_ms", -1),
     ("proxy", "max_batch", 0),
-    ("proxy", "replicas", 0),
-    ("reward", "replicas", -1),
+    ("actors.generate", "replicas", -1),
+    ("actors.reward", "replicas", -1),
     ("reward", "gather_ms", -1),
-    ("actors.env", "replicas", 0),
+    ("actors.env", "replicas", -1),
     ("actors.env", "type", "not an import path"),
     (H, "ack_wait", 0),
     (H, "max_deliver", 0),
@@ -178,7 +181,7 @@ def test_every_estimator_needs_a_group(advantage):
     {"node": {"grace": 0, "heartbeat_every": 0, "bus_outage_max": 0}},
     {"rollout": {"replica_timeout": 0, "fail_after_groups": 0, "redundancy": 2, "alpha": 0}},
     {"actors": {"env": {"handlers": {"on_request": {"max_deliver": -1, "pool": "gpu-a_1"}}}}},
-    {"reward": {"replicas": 0}},
+    {"actors": {"reward": {"replicas": 0}}},
 ])
 def test_edge_values_that_work_are_accepted(data):
     convert(data, RunConfig)
@@ -192,8 +195,6 @@ def test_checks_also_run_on_replace():
 
 
 def test_trainer_buffer_is_what_the_trainer_uses(tmp_path):
-    from rollart.actors.trainer import Trainer
-
     cfg = convert({"run_dir": str(tmp_path), "rollout": {"batch_groups": 40, "alpha": 2}}, RunConfig)
     t = Trainer.from_config(cfg, ActorConfig(), pool="default")
     assert t.settings["on_completed"]["max_inflight"] == trainer_buffer(cfg.rollout) > 256
@@ -203,8 +204,6 @@ def test_trainer_buffer_is_what_the_trainer_uses(tmp_path):
 def test_shipped_config_passes_rollart_config(path):
     """Every shipped config passes ``rollart config``; one whose engine is not installed here
     (``quickstart-vllm`` outside the vLLM venv) fails with the line that installs it."""
-    from rollart.engines import missing_for
-
     missing = missing_for(load(path, RunConfig).proxy.engine)
     r = subprocess.run([sys.executable, "-m", "rollart", "config", str(path)],
                        capture_output=True, text=True, timeout=300)
@@ -215,8 +214,6 @@ def test_shipped_config_passes_rollart_config(path):
 
 
 def test_an_unknown_torch_engine_arg_fails_rollart_config_naming_it(tmp_path):
-    import yaml
-
     raw = yaml.safe_load((CONFIGS[0].parent / "quickstart.yaml").read_text())
     raw.setdefault("proxy", {})["engine_args"] = {"kv_cache": 64}
     path = tmp_path / "bad.yaml"
@@ -225,3 +222,11 @@ def test_an_unknown_torch_engine_arg_fails_rollart_config_naming_it(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "proxy.engine_args.kv_cache" in r.stderr + r.stdout, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("section,moved_to", [("proxy", "actors.generate.replicas"),
+                                              ("reward", "actors.reward.replicas")])
+def test_a_replica_key_of_an_earlier_release_names_its_new_place(section, moved_to):
+    with pytest.raises(ConfigError) as e:
+        convert({section: {"replicas": 2}}, RunConfig, source="run.yaml")
+    assert str(e.value) == f"run.yaml: '{section}.replicas' is now '{moved_to}'"

@@ -16,7 +16,8 @@ import pytest
 
 from rollart.bus import BusError, ConsumerSpec, NoResponders, Retention, StreamSpec
 from rollart.bus.memory import MemoryBus
-from rollart.bus.memory_stream import compile_matcher, subjects_overlap
+from rollart.bus.subjects import compile_matcher, subjects_overlap
+from tests.waiting import until
 
 @pytest.fixture
 async def mem():
@@ -26,20 +27,6 @@ async def mem():
         yield b
     finally:
         await b.close()
-
-
-async def until(cond, deadline: float = 3.0, what: str = "condition"):
-    """Poll ``cond()`` (sync or async) until true or fail after ``deadline`` seconds."""
-    end = time.monotonic() + deadline
-    while True:
-        v = cond()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} not reached within {deadline}s")
-        await asyncio.sleep(0.005)
 
 
 async def fetch_n(c, n, deadline=3.0, batch=10):
@@ -132,7 +119,7 @@ async def test_delete_stream_disowns_subjects_and_fails_bound_consumers(mem):
     await mem.ensure_stream(StreamSpec(name="D", subjects=("d.>",)))
     c = await mem.pull_consumer("D", ConsumerSpec(durable="c", filter_subject="d.a"))
     parked = asyncio.ensure_future(c.fetch(1, timeout=10))
-    await until(lambda: c._state.waiters, what="fetch parked")
+    await until(lambda: c._state.waiters, what="fetch parked", deadline=30, step=0.005)
     await mem.delete_stream("D")
     with pytest.raises(BusError):
         await asyncio.wait_for(parked, 2)
@@ -188,7 +175,7 @@ async def test_dedupe_window_expires(mem):
     s1 = await mem.publish("dw.a", b"x", msg_id="m")
     assert await mem.publish("dw.a", b"x", msg_id="m") == s1
     # once the window has passed, the same id is stored again
-    s2 = await until(lambda: _publish_if_new(mem, s1), what="dedupe window expiry")
+    s2 = await until(lambda: _publish_if_new(mem, s1), what="dedupe window expiry", deadline=30, step=0.005)
     assert s2 > s1
 
 
@@ -203,7 +190,7 @@ async def test_max_age_drops_messages_and_pending(mem):
     await mem.publish("ag.a", b"1")
     await mem.publish("ag.a", b"2")
     assert len(await fetch_n(c, 1, batch=1)) == 1
-    await until(lambda: _messages(mem, "AG", 0), what="messages aged out")
+    await until(lambda: _messages(mem, "AG", 0), what="messages aged out", deadline=30, step=0.005)
     info = await c.info()
     assert info["num_pending"] == 0 and info["num_ack_pending"] == 0
     assert await c.fetch(1, timeout=0.05) == []
@@ -219,7 +206,7 @@ async def test_parked_fetch_wakes_on_publish_and_returns_early(mem):
     c = await mem.pull_consumer("F", ConsumerSpec(durable="c", filter_subject="f.a"))
     t0 = time.monotonic()
     task = asyncio.ensure_future(c.fetch(10, timeout=5))
-    await until(lambda: c._state.waiters, what="fetch parked")
+    await until(lambda: c._state.waiters, what="fetch parked", deadline=30, step=0.005)
     await mem.publish("f.a", b"x")
     got = await asyncio.wait_for(task, 2)
     assert [d.data for d in got] == [b"x"]
@@ -238,7 +225,7 @@ async def test_max_ack_pending_spans_bindings(mem):
     assert len(got_a) == 2 and len(got_b) == 1
     # b parks; an ack on a frees one slot and wakes it
     parked = asyncio.ensure_future(b.fetch(10, timeout=5))
-    await until(lambda: b._state.waiters, what="fetch parked")
+    await until(lambda: b._state.waiters, what="fetch parked", deadline=30, step=0.005)
     await got_a[0].ack()
     more = await asyncio.wait_for(parked, 2)
     assert [d.data for d in more] == [b"3"]
@@ -252,7 +239,7 @@ async def test_redelivery_comes_first_and_stale_acks_are_harmless(mem):
     (old,) = await fetch_n(c, 1, batch=1)
     await mem.publish("r.a", b"2")
     await until(lambda: c._state.waiters or any(p.due for p in c._state.pending.values()),
-                what="ack_wait expiry")
+                what="ack_wait expiry", deadline=30, step=0.005)
     got = await fetch_n(c, 2)
     assert [(d.data, d.num_delivered) for d in got] == [(b"1", 2), (b"2", 1)]
     await old.nak()  # stale delivery: ignored, nothing redelivered
@@ -272,7 +259,7 @@ async def test_late_ack_of_expired_delivery_settles_the_message(mem):
     c = await mem.pull_consumer("LA", ConsumerSpec(durable="c", filter_subject="la.a", ack_wait=0.1))
     await mem.publish("la.a", b"1")
     (d,) = await fetch_n(c, 1)
-    await until(lambda: any(p.due for p in c._state.pending.values()), what="ack_wait expiry")
+    await until(lambda: any(p.due for p in c._state.pending.values()), what="ack_wait expiry", deadline=30, step=0.005)
     await d.ack()
     assert await c.fetch(1, timeout=0.3) == []
 
@@ -294,7 +281,7 @@ async def test_max_deliver_via_nak_and_advisory(mem):
         await d.nak()
     assert counts == [1, 2, 3]
     assert await c.fetch(1, timeout=0.2) == []
-    await until(lambda: advisories, what="max deliveries advisory")
+    await until(lambda: advisories, what="max deliveries advisory", deadline=30, step=0.005)
     assert advisories[0]["stream_seq"] == 1 and advisories[0]["deliveries"] == 3
     assert (await c.info())["num_ack_pending"] == 0
     assert (await mem.stream_info("MD"))["messages"] == 1
@@ -350,7 +337,7 @@ async def test_fanout_plus_one_per_queue_group(mem):
     for i in range(10):
         await mem.publish_core("c.x", str(i).encode())
     await until(lambda: len(got["plain"]) == 10 and len(got["g2"]) == 10
-                and len(got["g1a"]) + len(got["g1b"]) == 10, what="all deliveries")
+                and len(got["g1a"]) + len(got["g1b"]) == 10, what="all deliveries", deadline=30, step=0.005)
     assert sorted(got["g1a"] + got["g1b"], key=int) == [str(i).encode() for i in range(10)]
     assert got["g1a"] and got["g1b"]
 
@@ -370,7 +357,7 @@ async def test_failing_handler_is_logged_and_bus_keeps_working(mem, caplog):
     with caplog.at_level(logging.ERROR, logger="rollart.bus.memory"):
         await mem.publish_core("e.bad", b"1")
         await until(lambda: any("boom" in r.exc_text for r in caplog.records if r.exc_text),
-                    what="handler error logged")
+                    what="handler error logged", deadline=30, step=0.005)
     assert (await mem.request("e.echo", b"hi", timeout=2)).data == b"hi"
 
 
@@ -385,7 +372,7 @@ async def test_respond_without_reply_subject_raises(mem):
 
     await mem.subscribe("n.r", handle)
     await mem.publish_core("n.r", b"")
-    await until(lambda: errors, what="respond error")
+    await until(lambda: errors, what="respond error", deadline=30, step=0.005)
 
 
 async def test_stream_and_core_traffic_meet_on_shared_subjects(mem):
@@ -399,7 +386,7 @@ async def test_stream_and_core_traffic_meet_on_shared_subjects(mem):
     await mem.subscribe("s.>", monitor)
     await mem.publish("s.durable", b"")
     await mem.publish_core("s.core", b"")
-    await until(lambda: len(seen) == 2, what="monitor saw both")
+    await until(lambda: len(seen) == 2, what="monitor saw both", deadline=30, step=0.005)
     assert (await mem.stream_info("S"))["messages"] == 2
 
 
@@ -469,11 +456,11 @@ async def test_close_cancels_every_timer_and_task():
     request = asyncio.ensure_future(bus.request("t.svc", b"", timeout=60))
     await stuck.wait()
     parked = asyncio.ensure_future(c.fetch(1, timeout=60))
-    await until(lambda: c._state.waiters, what="fetch parked")
+    await until(lambda: c._state.waiters, what="fetch parked", deadline=30, step=0.005)
     kv = await bus.key_value("TK")
     watch = kv.watch("k")
     watching = asyncio.ensure_future(watch.__anext__())
-    await until(lambda: kv._watchers, what="watch registered")
+    await until(lambda: kv._watchers, what="watch registered", deadline=30, step=0.005)
     assert our_timers() and our_tasks()
 
     await bus.close()

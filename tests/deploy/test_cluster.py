@@ -4,7 +4,6 @@ the server the client is connected to is killed with SIGKILL."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 
@@ -12,8 +11,10 @@ import pytest
 
 from rollart.bus import BusError, ConsumerSpec, StreamSpec
 from rollart.bus.nats import NatsBus
-from rollart.bus.server import EmbeddedServer, InsecureServerError, check_listen
-from rollart.cli import main as rollart_main
+from rollart.bus.server import EmbeddedServer
+from rollart.bus.server_config import InsecureServerError, check_listen
+from rollart.app.cli import main as rollart_main
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,16 +40,21 @@ def _free_run(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
-async def _until(what: str, fn, deadline_s: float):
+async def _without_bus_error(what: str, fn, deadline_s: float):
     """Call async ``fn`` until it returns without a BusError; its result."""
-    deadline = time.monotonic() + deadline_s
-    while True:
+    errors: list[BusError] = []
+
+    async def attempt():
         try:
-            return await fn()
+            return (await fn(),)
         except BusError as e:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: still failing after {deadline_s}s: {e}") from e
-            await asyncio.sleep(0.1)
+            errors.append(e)
+            return None
+
+    (result,) = await until(attempt, deadline=deadline_s, what=what, step=0.1,
+                            state=lambda: f"last error: {errors[-1] if errors else None!r}")
+    return result
+
 
 
 @pytest.fixture
@@ -93,6 +99,7 @@ def test_cluster_configs(tmp_path):
                          "--host", "a"]) == 2  # one --host per server
 
 
+@pytest.mark.slow
 async def test_replicated_stream_and_kv_survive_killed_server(cluster):
     servers = cluster
     assert [s.port for s in servers] == [servers[0].port + i for i in range(3)]  # the config's ports
@@ -102,9 +109,9 @@ async def test_replicated_stream_and_kv_survive_killed_server(cluster):
     await bus.connect()
     try:
         spec = StreamSpec(name="CLTEST", subjects=("cltest.>",), replicas=3)
-        await _until("stream with 3 replicas (the cluster has a meta leader)",
+        await _without_bus_error("stream with 3 replicas (the cluster has a meta leader)",
                      lambda: bus.ensure_stream(spec), 30)
-        kv = await _until("kv bucket with 3 replicas", lambda: bus.key_value("cltest"), 30)
+        kv = await _without_bus_error("kv bucket with 3 replicas", lambda: bus.key_value("cltest"), 30)
         js = bus._jetstream()
         assert (await js.stream_info("CLTEST")).config.num_replicas == 3
         assert (await js.stream_info("KV_cltest")).config.num_replicas == 3
@@ -121,9 +128,9 @@ async def test_replicated_stream_and_kv_survive_killed_server(cluster):
             return await bus.publish(f"cltest.{i}", f"m{i}".encode(), msg_id=f"m{i}", timeout=2)
 
         for i in range(20, 40):
-            acked[f"m{i}"] = await _until(f"publish m{i} after the kill", lambda i=i: publish(i), 30)
+            acked[f"m{i}"] = await _without_bus_error(f"publish m{i} after the kill", lambda i=i: publish(i), 30)
         assert bus._nc.connected_url.port != port
-        await _until("kv put after the kill", lambda: kv.put("k", b"after"), 30)
+        await _without_bus_error("kv put after the kill", lambda: kv.put("k", b"after"), 30)
 
         async def read_after():  # a direct get may be answered by a replica that lags a moment
             e = await kv.get("k")
@@ -131,12 +138,12 @@ async def test_replicated_stream_and_kv_survive_killed_server(cluster):
                 raise BusError(f"kv get answered {e}")
             return e
 
-        got = await _until("kv get after the kill sees the put", read_after, 30)
+        got = await _without_bus_error("kv get after the kill sees the put", read_after, 30)
         assert got.value == b"after"
 
         info = await bus.stream_info("CLTEST")
         assert info["messages"] == len(acked) == 40  # each acked once (msg ids), none lost
-        consumer = await _until("consumer", lambda: bus.pull_consumer(
+        consumer = await _without_bus_error("consumer", lambda: bus.pull_consumer(
             "CLTEST", ConsumerSpec(durable="check", filter_subject="cltest.>")), 30)
         seen: dict[str, int] = {}
         deadline = time.monotonic() + 20
@@ -154,7 +161,8 @@ async def test_secure_cluster_on_loopback(tmp_path):
     form a cluster, and a client with a credential gets a replicated stream over TLS."""
     pytest.importorskip("bcrypt")
     pytest.importorskip("cryptography")
-    from rollart.bus.auth import AuthError, bus_from_config
+    from rollart.bus.auth import AuthError
+    from rollart.bus.connect import bus_from_config
 
     from rollart.deploy.cluster import cluster_init
     from rollart.security.init import secure_init
@@ -182,7 +190,7 @@ async def test_secure_cluster_on_loopback(tmp_path):
         await bus.connect()
         try:
             spec = StreamSpec(name="SECURE", subjects=("secure.>",), replicas=3)
-            await _until("replicated stream over TLS", lambda: bus.ensure_stream(spec), 30)
+            await _without_bus_error("replicated stream over TLS", lambda: bus.ensure_stream(spec), 30)
             assert await bus.publish("secure.x", b"1", msg_id="x") == 1
         finally:
             await bus.close()

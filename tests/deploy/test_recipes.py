@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from rollart import messages as m
-from rollart.cli import build_parser
-from rollart.cli import main as rollart_main
+from rollart.app.cli import build_parser
+from rollart.app.cli import main as rollart_main
 from rollart.config import RunConfig, load
 from rollart.config.schema import NatsConfig, NodeConfig
-from rollart.node import _parser as node_parser
+from rollart.app.node import _parser as node_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -97,7 +97,7 @@ def test_k8s_commands_parse_and_config_loads(tmp_path):
         assert args.config == "/etc/rollart/run.yaml"
         grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace > cfg.node.grace, f"{name}: terminationGracePeriodSeconds <= node.grace"
-    from rollart.launch import role_pool
+    from rollart.node.build import role_pool
 
     for name, dep in deps.items():  # each pod's pool serves its roles under mapping:
         args = node_parser().parse_args(node_args(dep)[3:])

@@ -7,7 +7,7 @@ import pytest
 
 from rollart import messages as m
 from rollart.bus import BusError, StreamSpec
-from rollart.bus.auth import bus_from_config
+from rollart.bus.connect import bus_from_config
 from rollart.bus.memory import MemoryBus
 from rollart.config.schema import NodeConfig, RunConfig
 from rollart.node import ensure_run_streams

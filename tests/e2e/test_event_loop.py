@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from rollart.cli import train
+from rollart.app.cli import train
 from rollart.config import RunConfig, convert
-from rollart.launch import with_overrides
+from rollart.app.launch import with_overrides
 
 pytestmark = pytest.mark.slow
 

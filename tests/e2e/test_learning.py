@@ -34,9 +34,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollart.cli import train
+from rollart.app.cli import train
 from rollart.config import RunConfig, load
-from rollart.launch import with_overrides
+from rollart.app.launch import with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rollart.telemetry.monitor import RunMonitor
+from rollart.app.monitor import RunMonitor
 from tests.e2e.test_rollout import make_cfg, run_groups
 
 

@@ -10,7 +10,7 @@ import pytest
 
 
 from rollart.config import RunConfig, convert
-from rollart.launch import rollout_actors
+from rollart.node.build import rollout_actors
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run
 
@@ -174,7 +174,7 @@ async def test_one_process_run_builds_the_configured_actor_types(memory_bus_only
     ignored there): the custom proxy serves the run; a type that is not a subclass of the
     role's class fails naming the key."""
     from rollart.actors.scheduler import RolloutScheduler
-    from rollart.launch import training_actors
+    from rollart.node.build import training_actors
     from tests.faults.slow_proxy import SlowProxy
 
     cfg = make_cfg(tiny_model)

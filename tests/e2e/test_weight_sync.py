@@ -10,6 +10,7 @@ from rollart.actors.llm_proxy import LLMProxy
 from rollart.actors.policy import set_policy, sha256_digest
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run
+from tests.waiting import until
 
 
 def perturbed_weights(model_dir, path, scale: float) -> str:
@@ -98,15 +99,6 @@ async def test_weights_through_the_object_store(bus, tiny_model, tmp_path):
         assert (await generate(proxy, [1, 5, 6])).version == 1
 
 
-async def _until(cond, deadline: float, what: str) -> None:
-    import asyncio
-
-    end = time.monotonic() + deadline
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_path):
     """A refusal is not forever: a re-announce (other digest, or the same record once the
     file is fixed) is tried at once."""
@@ -121,11 +113,11 @@ async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_p
         perturbed_weights(tiny_model, w1, 0.5)
         perturbed_weights(tiny_model, other, 0.6)
         await publish(bus, run, 1, w1, file_content_digest(other))
-        await _until(lambda: proxy._follow.refused, 30, "the refusal")
+        await until(lambda: proxy._follow.refused, deadline=30, what="the refusal")
         assert proxy.version == 0
         # announced again with the right digest: loaded at once
         await publish(bus, run, 1, w1, file_content_digest(w1))
-        await _until(lambda: proxy.version == 1, 30, "v1 loaded")
+        await until(lambda: proxy.version == 1, deadline=30, what="v1 loaded")
         assert (await generate(proxy, [1, 5, 6])).version == 1
 
         # v2: the file is torn when announced, then fixed; the identical record comes again
@@ -134,11 +126,11 @@ async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_p
         good, digest = w2.read_bytes(), file_content_digest(w2)
         w2.write_bytes(good[:-16] + b"\0" * 16)
         await publish(bus, run, 2, w2, digest)
-        await _until(lambda: any(k[0] == 2 for k in proxy._follow.refused), 30, "v2 refused")
+        await until(lambda: any(k[0] == 2 for k in proxy._follow.refused), deadline=30, what="v2 refused")
         assert proxy.version == 1
         w2.write_bytes(good)
         await publish(bus, run, 2, w2, digest)
-        await _until(lambda: proxy.version == 2, 30, "v2 loaded after the re-announce")
+        await until(lambda: proxy.version == 2, deadline=30, what="v2 loaded after the re-announce")
         loaded = await collect(bus, run, "policy.loaded", 8, deadline=3)  # all stored by now
         seen = [(x.version, bool(x.error)) for x in loaded]
         # a refusal may be reported twice (a retry racing the re-announce); the order may not
@@ -158,9 +150,9 @@ async def test_refused_version_is_retried_after_a_backoff(memory_bus_only, tiny_
         good, digest = w1.read_bytes(), file_content_digest(w1)
         w1.write_bytes(good[:-16] + b"\0" * 16)
         await publish(bus, run, 1, w1, digest)
-        await _until(lambda: proxy._follow.refused, 30, "the refusal")
+        await until(lambda: proxy._follow.refused, deadline=30, what="the refusal")
         w1.write_bytes(good)  # fixed, not announced again
-        await _until(lambda: proxy.version == 1, 30, "v1 loaded by the backoff retry")
+        await until(lambda: proxy.version == 1, deadline=30, what="v1 loaded by the backoff retry")
 
 
 async def test_failed_status_publish_does_not_stop_the_proxy(memory_bus_only, tiny_model, tmp_path,
@@ -187,8 +179,8 @@ async def test_failed_status_publish_does_not_stop_the_proxy(memory_bus_only, ti
         await publish(bus, run, 1, w1, file_content_digest(w1))
         # a request drives _maybe_load through the batcher hook as well
         res = await generate(proxy, [1, 5, 6])
-        await _until(lambda: proxy.version == 1 and len(calls) >= 2, 30, "the load and its retried report")
-        await _until(lambda: any("not published" in r.getMessage() for r in caplog.records), 30,
-                     "the report given up")
+        await until(lambda: proxy.version == 1 and len(calls) >= 2, deadline=30, what="the load and its retried report")
+        await until(lambda: any("not published" in r.getMessage() for r in caplog.records), deadline=30,
+                     what="the report given up")
         assert res.version in (0, 1) and (await generate(proxy, [1, 5, 6])).version == 1
         assert not node._stop.is_set()  # the error stayed inside: the node still serves

@@ -8,10 +8,8 @@ executor, where a hung step's worker is killed). A thread whose call returns sto
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
-import time
 
 import pytest
 
@@ -19,6 +17,7 @@ from rollart import messages as m
 from rollart.envs import EnvRunner, EnvTimeout
 from rollart.envs.runner import EnvContractError, abandoned_threads
 from tests.envs import fake_envs
+from tests.waiting import until
 
 FAKE = "tests.envs.fake_envs"
 HANG = f"{FAKE}:ReleasableHangStepEnv"
@@ -26,13 +25,6 @@ HANG = f"{FAKE}:ReleasableHangStepEnv"
 
 def env_threads() -> int:
     return sum(t.name.startswith("env-") for t in threading.enumerate())
-
-
-async def wait_until(cond, deadline=10.0, what="condition"):
-    end = time.monotonic() + deadline
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -46,7 +38,7 @@ def hang():
 
 async def test_hung_steps_leave_a_bounded_number_of_threads(hang):
     cap, n = 3, 10
-    await wait_until(lambda: abandoned_threads(HANG) == 0, what="threads of earlier tests")
+    await until(lambda: abandoned_threads(HANG) == 0, what="threads of earlier tests", deadline=30)
     base = env_threads()
     held = EnvRunner(HANG, timeout=0.2, max_abandoned_threads=cap)
     await held.reset(0)  # reset before the cap is reached; its next step comes after
@@ -72,8 +64,8 @@ async def test_hung_steps_leave_a_bounded_number_of_threads(hang):
     await held.close()
     # the hung calls return: their threads exit and stop counting; the env type works again
     fake_envs.HANG_RELEASE.set()
-    await wait_until(lambda: abandoned_threads(HANG) == 0 and env_threads() <= base,
-                     what="released threads to exit")
+    await until(lambda: abandoned_threads(HANG) == 0 and env_threads() <= base,
+                     what="released threads to exit", deadline=30)
     async with EnvRunner(HANG, timeout=5, max_abandoned_threads=cap) as runner:
         await runner.reset(0)
         assert (await runner.step("a"))[0] == "late"
@@ -81,7 +73,7 @@ async def test_hung_steps_leave_a_bounded_number_of_threads(hang):
 
 async def test_without_a_cap_each_hung_step_holds_a_thread(hang):
     """What the cap prevents: with none, every timed-out step keeps its thread."""
-    await wait_until(lambda: abandoned_threads(HANG) == 0, what="threads of earlier tests")
+    await until(lambda: abandoned_threads(HANG) == 0, what="threads of earlier tests", deadline=30)
     # threads, not a count: an idle env thread of an earlier test may still be exiting (a
     # count taken before it did came out one short in CI)
     before = {t for t in threading.enumerate() if t.name.startswith("env-")}
@@ -113,7 +105,7 @@ async def test_process_executor_kills_hung_steps():
         with pytest.raises(EnvTimeout):
             await runner.step("a")
         await runner.close()
-    await wait_until(lambda: all(_gone(p) for p in pids), what="hung workers to be killed")
+    await until(lambda: all(_gone(p) for p in pids), what="hung workers to be killed", deadline=30)
     assert env_threads() <= base and abandoned_threads(f"{FAKE}:HangEnv") == 0
 
 
@@ -124,7 +116,7 @@ async def test_env_manager_dead_letters_once_the_cap_is_reached(memory_bus_only,
     from tests.actors.sample_actors import collect
     from tests.actors.test_env_failures import build, make_cfg, submit
 
-    await wait_until(lambda: abandoned_threads(HANG) == 0, what="threads of earlier tests")
+    await until(lambda: abandoned_threads(HANG) == 0, what="threads of earlier tests", deadline=30)
     bus = memory_bus_only
     cfg = make_cfg(tiny_model, {"hang": {"type": HANG, "step_timeout": 0.3, "max_turns": 2,
                                          "max_abandoned_threads": 2}}, concurrency=2)

@@ -26,7 +26,7 @@ def cfg_of(envs: dict, model: str | None = None, **rollout) -> RunConfig:
 
 async def rollout(cfg: RunConfig, groups: int, timeout: float = 120):
     from rollart.bus.memory import MemoryBus
-    from rollart.launch import rollout_actors
+    from rollart.node.build import rollout_actors
     from rollart.node import Node
 
     bus = MemoryBus()

@@ -274,7 +274,7 @@ async def test_junk_on_every_subject_during_a_training_run(bus, tiny_model, tmp_
     from rollart.actors.base import ERROR_HEADER
     from rollart.actors.runtime import CORE_JUNK
     from rollart.config import RunConfig, convert
-    from rollart.launch import training_actors
+    from rollart.node.build import training_actors
     from rollart.node import Node
 
     caplog.set_level(logging.WARNING)

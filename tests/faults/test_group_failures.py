@@ -81,7 +81,7 @@ async def test_a_stray_cancel_does_not_stall_training(memory_bus_only, tiny_mode
     from rollart import messages as m
     from rollart.bus.codec import encode
     from rollart.config import RunConfig, convert
-    from rollart.launch import training_actors
+    from rollart.node.build import training_actors
     from rollart.node import Node
 
     bus = memory_bus_only

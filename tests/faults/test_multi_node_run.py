@@ -12,40 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.actors.sample_actors import new_run
-from tests.child_output import ReadProcess
+from tests.child_output import NodeProcess as Proc
+from tests.child_output import all_exited, outputs_of
+from tests.waiting import until
+
 
 pytestmark = pytest.mark.slow
 
-
-
-class Proc(ReadProcess):
-    """A node process whose output is read by a thread (so its pipe never fills)."""
-
-    def __init__(self, cfg: Path, roles: str, *extra: str):
-        self.roles = roles
-        super().__init__(["-m", "rollart.node", "--config", str(cfg), "--roles", roles, *extra],
-                         cwd=cfg.parent)
-
-    async def line_with(self, needle: str, deadline: float = 60.0) -> str:
-        end = time.monotonic() + deadline
-        while True:
-            for line in list(self.lines):
-                if needle in line:
-                    return line
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError(f"{self.roles} node never printed {needle!r}:\n{self.output()}")
-            await asyncio.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
@@ -59,7 +37,6 @@ async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
         "envs: {main: {type: frozenlake, max_turns: 4}}\n"
         "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
         "trainer: {steps: 2, eval_groups: 1}\n")
-    t0 = time.monotonic()
     head = Proc(cfg, "trainer,scheduler")
     procs = [head]
     try:
@@ -70,9 +47,8 @@ async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
         procs.append(env)
         await env.line_with("wait for a generate replica")
         procs += [Proc(cfg, "reward", "--nats", url), Proc(cfg, "generate", "--nats", url)]
-        end = time.monotonic() + 80
-        while any(p.proc.poll() is None for p in procs) and time.monotonic() < end:
-            await asyncio.sleep(0.2)
+        await until(lambda: all_exited(procs), deadline=240, step=0.2,
+                    what="every node to exit by itself", state=lambda: outputs_of(procs))
         for p in procs:
             assert p.proc.poll() == 0, f"{p.roles} node: rc {p.proc.poll()}\n{p.output()}"
     finally:
@@ -80,7 +56,6 @@ async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
             p.kill()
     for p in procs:
         p.reader.join(5)
-    wall = time.monotonic() - t0
 
     run_path = tmp_path / "runs" / run
     summary = json.loads((run_path / "summary.json").read_text())
@@ -95,7 +70,6 @@ async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
     assert "it/s]" not in logs, "a third-party progress bar in the logs"
     # the env node that started first says once that it waits, not once per request
     assert env.output().count("wait for a generate replica") <= 2, env.output()
-    assert wall < 90, wall
 
 
 async def test_generate_and_reward_away_for_20s_mid_run(tmp_path, tiny_model):
@@ -119,20 +93,14 @@ async def test_generate_and_reward_away_for_20s_mid_run(tmp_path, tiny_model):
         services = [Proc(cfg, "reward", "--nats", url), Proc(cfg, "generate", "--nats", url)]
         procs += services + [Proc(cfg, "env", "--nats", url)]
         metrics = tmp_path / "runs" / run / "metrics.jsonl"
-        end = time.monotonic() + 90
-        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < end:
-            await asyncio.sleep(0.1)
-        assert metrics.exists(), head.output()
+        await until(lambda: metrics.exists() and metrics.read_text().strip(), deadline=120,
+                    step=0.1, what="the first training step", abort=head.exited,
+                    state=lambda: outputs_of(procs))
         for p in services:
             p.kill()
-        away = time.monotonic()
         await asyncio.sleep(20)  # the outage itself is what this test is about
         procs += [Proc(cfg, "reward", "--nats", url), Proc(cfg, "generate", "--nats", url)]
-        end = time.monotonic() + 120
-        while head.proc.poll() is None and time.monotonic() < end:
-            await asyncio.sleep(0.2)
-        assert head.proc.poll() == 0, head.output()
-        back = time.monotonic() - away
+        assert await head.exit_code(150) == 0, head.output()
     finally:
         for p in procs:
             p.kill()
@@ -141,4 +109,3 @@ async def test_generate_and_reward_away_for_20s_mid_run(tmp_path, tiny_model):
     ids = [t for r in rows for t in r["traj_ids"]]
     assert len(ids) == len(set(ids)), "no trajectory trained twice"
     assert rows[-1]["groups_lost"] == 0 and rows[-1]["count_groups_failed"] == 0, rows[-1]
-    assert back < 140, back

@@ -16,6 +16,7 @@ import pytest
 from rollart.bus import BusError, ConsumerSpec, Retention, StreamSpec
 from rollart.bus.nats import NatsBus
 from rollart.bus.server import EmbeddedServer
+from tests.waiting import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -28,14 +29,6 @@ def server(tmp_path):
         yield srv
     finally:
         srv.stop()
-
-
-async def wait_for(cond, deadline: float, what: str, step: float = 0.02, state=lambda: ""):
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline}s waiting for {what} {state()}")
-        await asyncio.sleep(step)
 
 
 async def publish_until_acked(bus, subject, data, msg_id, deadline=30.0):
@@ -74,15 +67,15 @@ async def test_acked_publishes_survive_kill9(server):
                     await asyncio.sleep(0.05)  # then retry job i with the same msg_id
 
         task = asyncio.create_task(publisher())
-        await wait_for(lambda: len(acked) >= 40, 10, "40 acknowledged publishes")
+        await until(lambda: len(acked) >= 40, deadline=10, what="40 acknowledged publishes")
         assert not task.done()
         server.kill()  # while the publisher is mid-flight
         acked_before_kill = set(acked)
         # The first failure is the publish in flight at the crash (lost); the second was
         # sent while disconnected, so nats-py buffers it and the server stores it after
         # the reconnect although the caller saw a timeout: only msg_id dedupes its retry.
-        await wait_for(
-            lambda: len(failures) >= 2, 10, "two publishes to fail during the outage",
+        await until(
+            lambda: len(failures) >= 2, deadline=10, what="two publishes to fail during the outage",
             state=lambda: f"(acked {len(acked)}, failures {failures}, publisher {task})",
         )
         assert all(isinstance(e, BusError) for e in failures)
@@ -131,16 +124,16 @@ async def test_consumer_loop_resumes_after_kill9(server):
         task = asyncio.create_task(loop())
         for i in range(10):
             await bus.publish("ev.done", b"before-%d" % i, msg_id=f"b{i}")
-        await wait_for(lambda: len(received) == 10, 10, "the first 10 deliveries")
+        await until(lambda: len(received) == 10, deadline=10, what="the first 10 deliveries")
 
         server.kill()
-        await wait_for(lambda: not bus.connected, 10, "the client to notice the crash")
+        await until(lambda: not bus.connected, deadline=10, what="the client to notice the crash")
         server.start()
-        await wait_for(lambda: bus.connected, 15, "the client to reconnect by itself")
+        await until(lambda: bus.connected, deadline=15, what="the client to reconnect by itself")
         for i in range(10):
             await publish_until_acked(bus, "ev.done", b"after-%d" % i, f"a{i}")
         want = {b"before-%d" % i for i in range(10)} | {b"after-%d" % i for i in range(10)}
-        await wait_for(lambda: received >= want, 20, "the loop to get the messages published after the restart")
+        await until(lambda: received >= want, deadline=20, what="the loop to get the messages published after the restart")
         assert not task.done(), f"the consumer loop died: {task.exception() if task.done() else ''}"
         stop.set()
         await asyncio.wait_for(task, 5)
@@ -166,11 +159,11 @@ async def test_service_and_kv_watch_resume_after_kill9(server):
                 seen.append(e.value)
 
         watcher = asyncio.create_task(watch())
-        await wait_for(lambda: seen == [b"0"], 5, "the current value")
+        await until(lambda: seen == [b"0"], deadline=5, what="the current value")
 
         server.kill()
         server.start()
-        await wait_for(lambda: bus.connected and client.connected, 15, "both clients to reconnect")
+        await until(lambda: bus.connected and client.connected, deadline=15, what="both clients to reconnect")
 
         end = time.monotonic() + 15
         while True:
@@ -194,6 +187,6 @@ async def test_service_and_kv_watch_resume_after_kill9(server):
                     raise
                 await asyncio.sleep(0.05)
         # well under nats-py's own ~10 s heartbeat-based recovery of a lost watcher
-        await wait_for(lambda: seen[-1:] == [b"1"], 4, "the watch to see the write made after the restart")
+        await until(lambda: seen[-1:] == [b"1"], deadline=4, what="the watch to see the write made after the restart")
         assert seen == [b"0", b"1"]
         watcher.cancel()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
 import re
 import subprocess
@@ -17,11 +15,12 @@ from rollart.bus.codec import decode
 from rollart.bus.nats import NatsBus
 from rollart.bus.server import EmbeddedServer
 from tests.actors.sample_actors import collect, request
+from tests.child_output import NodeProcess
+from tests.waiting import until
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start_node(tmp_path: Path, *extra: str, grace: float = 20) -> subprocess.Popen:
+def _start_node(tmp_path: Path, *extra: str, grace: float = 20) -> NodeProcess:
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
         "run: nodetest\n"
@@ -31,25 +30,14 @@ def _start_node(tmp_path: Path, *extra: str, grace: float = 20) -> subprocess.Po
         "  echo: {type: 'tests.actors.sample_actors:EchoEnv',"
         " handlers: {on_request: {max_inflight: 2}}}\n"
     )
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.Popen(
-        [sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", "echo", *extra],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    return NodeProcess(cfg, "echo", *extra)
 
 
-def _read_until(proc: subprocess.Popen, needle: str, deadline: float = 30.0) -> str:
-    end = time.monotonic() + deadline
-    lines = []
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if needle in line:
-            return line
-    proc.kill()
-    raise AssertionError(f"node never printed {needle!r}; output:\n{''.join(lines)}")
+async def _serving(node: NodeProcess) -> str:
+    """The URL of the node's embedded server, once it serves its role."""
+    line = await node.line_with("embedded nats-server at")
+    await node.line_with("serving echo")
+    return line.rsplit(" ", 1)[-1].strip()
 
 
 def _outcomes(out: str, handler: str = "on_request") -> dict[str, tuple[int, int]]:
@@ -63,11 +51,10 @@ def _outcomes(out: str, handler: str = "on_request") -> dict[str, tuple[int, int
 
 
 async def test_node_serves_and_drains_on_sigterm(tmp_path):
-    proc = _start_node(tmp_path)
+    node = _start_node(tmp_path)
+    proc = node.proc
     try:
-        line = await asyncio.to_thread(_read_until, proc, "embedded nats-server at")
-        url = line.rsplit(" ", 1)[-1].strip()
-        await asyncio.to_thread(_read_until, proc, "serving echo")
+        url = await _serving(node)
         bus = NatsBus(url)
         await bus.connect()
         n = 12
@@ -77,8 +64,9 @@ async def test_node_serves_and_drains_on_sigterm(tmp_path):
         assert len(first) == 3
         await bus.close()
         proc.send_signal(signal.SIGTERM)  # mid-run: some in flight, some never fetched
-        out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
-        assert proc.returncode == 0, out
+        rc = await node.exit_code(60)
+        out = node.output()
+        assert rc == 0, out
         assert "drained" in out
         # every request in flight at SIGTERM takes ~0.3 s, far within the grace period (20 s):
         # all of them finish and are acked; not one is handed back (nak'ed)
@@ -87,9 +75,7 @@ async def test_node_serves_and_drains_on_sigterm(tmp_path):
         ((acked, naked),) = outcomes.values()
         assert naked == 0, f"{naked} request(s) nak'ed though they could finish within grace:\n{out}"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        node.kill()
 
     # reopen the node's store: finished work is acked (gone from the work queue) and
     # everything not finished is still there, so nothing is lost and nothing is done twice
@@ -135,54 +121,42 @@ def test_node_unknown_role_is_a_clear_error(tmp_path):
 async def test_second_signal_stops_a_draining_node_at_once(tmp_path):
     """The first SIGTERM drains (in-flight work may take up to the grace period); a second
     one while it drains ends the process at once."""
-    proc = _start_node(tmp_path)
+    node = _start_node(tmp_path)
+    proc = node.proc
     try:
-        line = await asyncio.to_thread(_read_until, proc, "embedded nats-server at")
-        url = line.rsplit(" ", 1)[-1].strip()
-        await asyncio.to_thread(_read_until, proc, "serving echo")
+        url = await _serving(node)
         bus = NatsBus(url)
         await bus.connect()
         await bus.publish(*request("nodetest", 15000, env="slow"), msg_id="long")  # 15 s
-        deadline = time.monotonic() + 30
-        while not await _inflight(bus) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(lambda: _inflight(bus), deadline=60, step=0.05, what="the node to fetch it")
         await bus.close()
         proc.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(_read_until, proc, "send it again to stop at once")
-        t0 = time.monotonic()
+        await node.line_with("send it again to stop at once")
         proc.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(proc.wait, 10)
-        assert proc.returncode == 128 + signal.SIGTERM
-        assert time.monotonic() - t0 < 5
+        # at once: the status of the signal, not the 0 of a drain that waited for the work
+        assert await node.exit_code(60) == 128 + signal.SIGTERM, node.output()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        node.kill()
 
 
 async def test_work_that_outlasts_grace_is_nakd_and_counted(tmp_path):
     """The counterpart of the SIGTERM test above: a request that cannot finish within the
     grace period (15 s of work, 1 s of grace) is handed back (nak'ed, counted per handler)
     and stays in the work queue for another node."""
-    proc = _start_node(tmp_path, grace=1)
+    node = _start_node(tmp_path, grace=1)
     try:
-        line = await asyncio.to_thread(_read_until, proc, "embedded nats-server at")
-        url = line.rsplit(" ", 1)[-1].strip()
-        await asyncio.to_thread(_read_until, proc, "serving echo")
+        url = await _serving(node)
         bus = NatsBus(url)
         await bus.connect()
         await bus.publish(*request("nodetest", 15000, env="slow"), msg_id="long")
-        deadline = time.monotonic() + 30
-        while not await _inflight(bus) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(lambda: _inflight(bus), deadline=60, step=0.05, what="the node to fetch it")
         await bus.close()
-        proc.send_signal(signal.SIGTERM)
-        out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
-        assert proc.returncode == 0, out
+        node.proc.send_signal(signal.SIGTERM)
+        rc = await node.exit_code(60)
+        out = node.output()
+        assert rc == 0, out
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        node.kill()
     assert list(_outcomes(out).values()) == [(0, 1)], out
     with EmbeddedServer(tmp_path / "runs" / "nodetest" / "nats") as server:
         async with NatsBus(server.url) as bus:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.waiting import until_sync
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -122,13 +124,10 @@ def _weights(run_dir: Path) -> dict[str, tuple[str, int]]:
 
 def _wait(cond, deadline: float, what: str, proc: subprocess.Popen | None = None,
           log: Path | None = None) -> None:
-    end = time.monotonic() + deadline
-    while not cond():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"rollart exited ({proc.returncode}) while waiting for {what}:\n"
-                                 + (log.read_text()[-4000:] if log else ""))
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.02)
+    until_sync(cond, deadline=deadline, what=what, step=0.02,
+               abort=lambda: proc is not None and proc.poll() is not None
+               and f"rollart exited ({proc.returncode}) while",
+               state=lambda: log.read_text()[-4000:] if log else "")
 
 
 def _assert_never_rewritten(seen: dict[str, tuple[str, int]], run_dir: Path) -> None:

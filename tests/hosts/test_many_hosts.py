@@ -34,6 +34,7 @@ from rollart import messages as m
 from rollart.actors.admission import group_id
 from rollart.bus.codec import decode
 from tests.actors.sample_actors import new_run
+from tests.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts]
 
@@ -103,14 +104,6 @@ def logs(procs) -> str:
     return "\n".join(f"--- {p.log.name} (rc {p.poll()}) ---\n{p.tail(25)}" for p in procs)
 
 
-async def wait_for(cond, deadline: float, what: str, procs=(), step: float = 0.2):
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline:.0f}s waiting for {what}\n{logs(procs)}")
-        await asyncio.sleep(step)
-
-
 async def wait_step(tmp_path, run, step: int, head, procs, deadline: float = 120.0) -> None:
     def reached():
         if head.poll() is not None:
@@ -118,12 +111,13 @@ async def wait_step(tmp_path, run, step: int, head, procs, deadline: float = 120
         rows = metrics_rows(tmp_path, run)
         return bool(rows) and rows[-1]["step"] >= step
 
-    await wait_for(reached, deadline, f"training step {step}", procs)
+    await until(reached, deadline=deadline, what=f"training step {step}", step=0.2,
+                state=lambda: logs(procs))
 
 
 async def wait_exit(procs, deadline: float) -> None:
-    await wait_for(lambda: all(p.poll() is not None for p in procs), deadline,
-                   "every node to exit by itself", procs)
+    await until(lambda: all(p.poll() is not None for p in procs), deadline=deadline, step=0.2,
+                what="every node to exit by itself", state=lambda: logs(procs))
     bad = [p for p in procs if p.poll() != 0]
     assert not bad, f"nodes exited non-zero: {bad}\n{logs(procs)}"
 
@@ -333,9 +327,9 @@ async def test_pool_without_node_waits_until_one_joins(tmp_path, tiny_model, hos
     rows = metrics_rows(tmp_path, run)
     assert rows[-1]["groups_lost"] == 0 and rows[-1]["count_groups_failed"] == 0, rows[-1]
     away_steps = rows[-1]["step"] - step_before
-    await wait_for(lambda: "wait for a generate replica in pool 'big'"
-                   in procs[1].output()[env_log_at_stop:], 30,
-                   "the env node to say that turns wait for pool big", procs)
+    await until(lambda: "wait for a generate replica in pool 'big'"
+                in procs[1].output()[env_log_at_stop:], deadline=30, step=0.2,
+                what="the env node to say that turns wait for pool big", state=lambda: logs(procs))
 
     procs.append(node(big2_h, cfg, "generate", "big", name="generate-big-2"))
     await wait_exit(procs, 150)

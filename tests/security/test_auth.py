@@ -17,9 +17,11 @@ import msgspec
 import pytest
 import yaml
 
-from rollart.bus.auth import AuthError, bus_from_config, connect_options, redact, resolve
+from rollart.bus.auth import AuthError, connect_options, redact, resolve
+from rollart.bus.connect import bus_from_config
 from rollart.bus.nats import NatsBus
-from rollart.bus.server import EmbeddedServer, InsecureServerError
+from rollart.bus.server import EmbeddedServer
+from rollart.bus.server_config import InsecureServerError
 from rollart.config import ConfigError, RunConfig, convert
 from rollart.config.schema import NatsConfig, NatsTlsConfig, nats_settings
 
@@ -147,7 +149,7 @@ def test_string_form_and_section_form(tmp_path):
     assert nats_settings(RunConfig()) == NatsConfig() and not NatsConfig().joins
     assert convert({"nats": "memory"}, RunConfig).nats == "memory"
 
-    from rollart.launch import with_overrides
+    from rollart.app.launch import with_overrides
 
     assert with_overrides(cfg, nats="nats://other:4222").nats == "nats://other:4222"
     assert with_overrides(cfg, nats={"url": "nats://o:1", "user": "a", "password_env": "PW"}).nats.user == "a"
@@ -271,7 +273,7 @@ async def test_refused_clients_fail_at_once_with_a_clear_error(auth_server, secr
 
 
 async def test_a_node_does_not_wait_for_a_server_that_refuses_it(auth_server, secrets_dir):
-    from rollart.node import _connect_patiently
+    from rollart.app.node import _connect_patiently
 
     bus = _bus(auth_server, secrets_dir, user="a", password_file=str(secrets_dir / "wrong"))
     t0 = time.monotonic()
@@ -392,7 +394,7 @@ def test_node_with_a_wrong_password_exits_at_once(tmp_path, auth_server, secrets
 
 
 def test_top_with_a_wrong_password_exits_2(auth_server, secrets_dir, capsys):
-    from rollart.cli import main
+    from rollart.app.cli import main
 
     rc = main(["top", "--nats", auth_server.url, "--run", "r", "--user", "a",
                "--password-file", str(secrets_dir / "wrong"), "--duration", "1"])
@@ -406,8 +408,8 @@ def test_top_with_a_wrong_password_exits_2(auth_server, secrets_dir, capsys):
 
 
 def test_no_secret_in_run_config_or_config_output(tmp_path, secrets_dir, capsys, monkeypatch):
-    from rollart.cli import main
-    from rollart.launch import write_config
+    from rollart.app.cli import main
+    from rollart.app.launch import write_config
 
     monkeypatch.setenv("ROLLART_TEST_PW", PASSWORD)
     path = tmp_path / "secure.yaml"

@@ -33,6 +33,7 @@ from rollart.actors.policy import content_digest
 from rollart.actors.policy_gate import PolicyGate
 from rollart.bus import ConsumerSpec
 from rollart.bus.codec import decode, encode
+from tests.waiting import until
 
 LOOP = asyncio.new_event_loop()
 
@@ -78,13 +79,6 @@ async def dead_letters(bus, run: str, want, deadline: float) -> dict[tuple[str, 
     return got
 
 
-async def until(cond, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 # -- the live replay -----------------------------------------------------------------------
 
 
@@ -95,7 +89,7 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
     from rollart.actors.policy import set_policy
     from rollart.bus.nats import NatsBus
     from rollart.config import RunConfig, convert
-    from rollart.launch import training_actors
+    from rollart.node.build import training_actors
     from rollart.node import Node
 
     caplog.set_level(logging.WARNING)
@@ -141,7 +135,7 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
     try:
         async with Node(bus, actors, heartbeat_every=0.5) as node, asyncio.TaskGroup() as tg:
             sampler = tg.create_task(watch_bound())
-            await until(lambda: trainer.version >= 1 or trainer.finished.is_set(), 120, "step 1")
+            await until(lambda: trainer.version >= 1 or trainer.finished.is_set(), deadline=120, what="step 1")
             kv = await evil.key_value(m.kv_bucket(run))
 
             # 1. completions: a future group (well formed, reward 100), the ids of a real
@@ -420,7 +414,7 @@ async def test_a_refused_record_is_reported_and_the_old_version_kept(memory_bus_
     await kv.put(m.LEDGER_KEY, encode(m.LedgerSummary(version=0, steps_total=5)))
     proxy = LLMProxy(run=run, model_dir=str(tiny_model))
     async with Node(bus, [proxy], heartbeat_every=0):
-        await until(lambda: proxy.gate.held == 0, 10, "the gate to start")
+        await until(lambda: proxy.gate.held == 0, deadline=10, what="the gate to start")
         store = await bus.object_store(m.object_bucket(run))
         zero = zeroed_weights(tiny_model)
         await store.put("z", zero)
@@ -438,7 +432,7 @@ async def test_a_refused_record_is_reported_and_the_old_version_kept(memory_bus_
         await asyncio.sleep(0)
         assert proxy.version == 0  # the ledger does not report v1 yet
         await kv.put(m.LEDGER_KEY, encode(m.LedgerSummary(version=1, steps_total=5)))
-        await until(lambda: proxy.version == 1, 20, "v1 loaded once the ledger reports it")
+        await until(lambda: proxy.version == 1, deadline=20, what="v1 loaded once the ledger reports it")
 
 
 async def test_tampered_object_store_bytes_are_refused_and_the_old_version_kept(
@@ -470,7 +464,7 @@ async def test_tampered_object_store_bytes_are_refused_and_the_old_version_kept(
             await bus.publish(m.subject(run, "policy.published"), encode(p))
             await set_policy(bus, run, p)
             if v == 1:
-                await until(lambda: proxy.version == 1, 30, "v1 loaded")
+                await until(lambda: proxy.version == 1, deadline=30, what="v1 loaded")
         reports = await collect(bus, run, "policy.loaded", 2, deadline=30)
         assert [(x.version, bool(x.error)) for x in reports] == [(1, False), (1, True)]
         assert "digest" in reports[1].error and "refusing" in reports[1].error

@@ -10,25 +10,24 @@ no permission violation, and no secret appears in any output or file of the run.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.actors.sample_actors import new_run
-from tests.child_output import ROOT
-from tests.faults.test_multi_node_run import Proc
+from tests.child_output import ROOT, all_exited, outputs_of
+from tests.child_output import NodeProcess as Proc
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
 
 def creds(tmp_path: Path, run: str) -> Path:
     d = tmp_path / "secure"
-    out = subprocess.run([sys.executable, "-m", "rollart.cli", "secure", "init", str(d),
+    out = subprocess.run([sys.executable, "-m", "rollart.app.cli", "secure", "init", str(d),
                           "--host", "localhost", "--run", run],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -64,13 +63,13 @@ async def test_every_role_under_its_own_credential_over_tls(tmp_path, tiny_model
         for role in ("env", "reward", "generate"):
             procs.append(Proc(cfg, role, "--nats", url, *as_role(d, role)))
         top = subprocess.Popen(
-            [sys.executable, "-m", "rollart.cli", "top", "--nats", url, "--run", run,
+            [sys.executable, "-m", "rollart.app.cli", "top", "--nats", url, "--run", run,
              "--duration", "4", *as_role(d, "monitor")],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        end = time.monotonic() + 150
-        while any(p.proc.poll() is None for p in procs) and time.monotonic() < end:
-            await asyncio.sleep(0.2)
+        await until(lambda: all_exited(procs), deadline=200, step=0.2,
+                    what="every node to exit by itself", state=lambda: outputs_of(procs))
         for p in procs:
+
             assert p.proc.poll() == 0, f"{p.roles} node: rc {p.proc.poll()}\n{p.output()}"
         top_out, _ = top.communicate(timeout=60)
         assert top.returncode == 0, top_out

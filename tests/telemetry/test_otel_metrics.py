@@ -88,7 +88,8 @@ def test_config_checks_metrics_interval():
 
 
 async def test_a_training_run_writes_metrics_that_match_it(memory_bus_only, tiny_model, tmp_path):
-    from rollart.launch import drive_training, training_actors
+    from rollart.app.launch import drive_training
+    from rollart.node.build import training_actors
     from rollart.node import Node
 
     run = new_run()

@@ -7,7 +7,7 @@ import re
 import time
 
 from rollart import messages as m
-from rollart.telemetry.monitor import RunMonitor
+from rollart.app.monitor import RunMonitor
 from rollart.telemetry.progress import StepClock, fmt_duration, step_line
 
 METRICS = {  # one step's metrics as the trainer reports them (version comes back as a float)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart.telemetry.report import plot, read_metrics, stride, table
+from rollart.app.report import plot, read_metrics, stride, table
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from rollart import messages as m
 from rollart.bus.auth import inbox_prefix
 from rollart.bus.codec import encode
 from rollart.bus.nats import NatsBus
-from rollart.telemetry.tap import TrajFilter, full_pattern, readable, record
+from rollart.app.tap import TrajFilter, full_pattern, readable, record
 from tests.actors.sample_actors import new_run
 
 ROOT = Path(__file__).resolve().parents[2]

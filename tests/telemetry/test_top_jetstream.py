@@ -156,7 +156,7 @@ async def test_top_once_json_agrees_with_the_server(monitored_server):
     kinds = snap["dead_letters"]["by_reason"]
     assert set(kinds) == {"env_setup", "invalid"} and kinds["env_setup"] >= 2 and kinds["invalid"] >= 1
     # α headroom: quickstart's alpha and batch_groups, the ledger's version and lost count
-    from rollart.cli import resolve_config
+    from rollart.app.cli import resolve_config
     from rollart.config import RunConfig, load
 
     r = load(resolve_config("quickstart"), RunConfig).rollout
@@ -302,7 +302,7 @@ async def test_tap_and_top_on_a_live_run_agree_with_the_server(monitored_server,
     cons = {(c["stream"], c["name"]): c for c in snap["consumers"]}
     assert set(cons) == set(mine) and events in cons, (sorted(cons), sorted(mine))
     # the final evaluation's scheduler left durables that the server deletes once idle
-    from rollart.launch import TRANSIENT_DURABLE_IDLE_S
+    from rollart.node.build import TRANSIENT_DURABLE_IDLE_S
 
     evals = [k for k in mine if "eval" in k[1]]
     assert len(evals) == 3 and all(

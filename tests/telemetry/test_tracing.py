@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 async def test_exporter_none_installs_nothing_and_a_run_works(memory_bus_only, tiny_model, tmp_path):
     from opentelemetry import trace
 
-    from rollart.launch import rollout_actors
+    from rollart.node.build import rollout_actors
     from rollart.node import Node
 
     before = trace.get_tracer_provider()
@@ -54,7 +54,7 @@ def test_without_opentelemetry_rollart_imports_and_tracing_says_what_to_install(
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
         "import rollart.actors.env_manager, rollart.actors.llm_proxy, rollart.actors.trainer\n"
-        "import rollart.cli, rollart.node\n"
+        "import rollart.app.cli, rollart.node\n"
         "from rollart.config.tracing import TracingConfig\n"
         "from rollart.telemetry import tracing\n"
         "tracing.setup_tracing(TracingConfig(), 'x', '.')()\n"

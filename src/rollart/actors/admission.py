@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from rollart import messages as m
-
-if TYPE_CHECKING:
-    from rollart.actors.ledger import GroupLedger
+from rollart.bus.codec import encode
 
 
 TRAINING_PREFIX = "g"
-"""Group id prefix of the training scheduler (``rollart.launch.rollout_actors``)."""
+"""Group id prefix of the training scheduler (``rollart.node.build.rollout_actors``)."""
 RESTART_BASE = 10**9
 """Group indices from here on are the trainer's own re-admissions (``stale: restart``):
 ``RESTART_BASE + index * 100 + attempt``."""
@@ -50,9 +49,17 @@ def member_seed(rollout: Any, index: int, member: int, offset: int = 0) -> int:
 
 def fingerprint(msg: m.RolloutCompleted) -> bytes:
     """Content fingerprint of a completion (two deliveries of one stored message agree)."""
-    from rollart.bus.codec import encode
-
     return hashlib.blake2b(encode(msg), digest_size=16).digest()
+
+
+class Readmissions(Protocol):
+    """What :meth:`Admission.check` reads of the group ledger
+    (:class:`rollart.actors.ledger.GroupLedger`): the groups the trainer re-admitted."""
+
+    @property
+    def restarted(self) -> Mapping[int, tuple[str, int]]:
+        """Group index -> ``(group id, seed)`` of each re-admitted group."""
+        ...
 
 
 class Admission:
@@ -89,7 +96,7 @@ class Admission:
         self.envs = envs
         self.size = rollout.group_size + rollout.redundancy
 
-    def check(self, msg: m.RolloutCompleted, *, ledger: "GroupLedger", version: int,
+    def check(self, msg: m.RolloutCompleted, *, ledger: Readmissions, version: int,
               issued: int | None, lost: int) -> str | None:
         r, g, i = self.rollout, msg.group_index, msg.index_in_group
         if msg.env != r.env or msg.env not in self.envs:

@@ -18,14 +18,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
+import re
+import socket
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rollart import messages as m
-from rollart.bus import Bus
+from rollart.aio import retry
+from rollart.bus import Bus, BusError
 from rollart.bus.codec import decode, encode
+from rollart.config import ActorConfig, RunConfig
 from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -183,7 +188,8 @@ class Actor:
         return out
 
     @classmethod
-    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "Actor":
+    def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
+                    index: int = 0) -> "Actor":
         """Build from a RunConfig and this role's ActorConfig; ``args`` become kwargs.
 
         Roles that read other config sections override this.
@@ -232,26 +238,10 @@ class Actor:
                                 headers: dict[str, str] | None = None) -> int:
         """:meth:`publish`, retrying bus errors with backoff for up to ``deadline`` seconds
         (a msg id makes the retries safe); logs once, raises the last error after that."""
-        import asyncio
-        import time
-
-        from rollart.bus import BusError
-
-        end, attempt = time.monotonic() + deadline, 0
-        while True:
-            try:
-                seq = await self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers)
-                if attempt:
-                    log.info("%s: publish on %s went through after %d retries", self.name, name, attempt)
-                return seq
-            except BusError as e:
-                attempt += 1
-                if time.monotonic() >= end:
-                    raise
-                if attempt == 1:
-                    log.warning("%s: publish on %s failed (%s); retrying for up to %.0fs",
-                                self.name, name, e, deadline)
-                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(attempt, 6)))
+        return await retry(
+            lambda: self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers),
+            retry_on=BusError, what=f"{self.name}: publish on {name}", deadline=deadline,
+            base=0.2, cap=5.0, logger=log)
 
     async def request(self, name: str, msg: m.Message, *, pool: str | None = None,
                       timeout: float = 30.0) -> Any:
@@ -267,10 +257,6 @@ class Actor:
 def replica_suffix() -> str:
     """``<host>-<pid>``: makes replica names (and the msg ids built from them) unique
     across hosts and processes, as subject-safe characters."""
-    import os
-    import re
-    import socket
-
     host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:32] or "host"
     return f"{host}-{os.getpid()}"
 

@@ -36,7 +36,7 @@ class ChatFormat:
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ChatFormat":
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional: the train extra
 
         return cls(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
 

@@ -25,13 +25,20 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.base import Actor, Reject, RemoteError, consume, replica_suffix, serve  # noqa: F401
+from rollart.actors.cancelled import CancelledGroups
 from rollart.actors.chat import ChatFormat
 from rollart.actors.lockstep import LockStep, WaveIncomplete
+from rollart.actors.policy import current_policy
 from rollart.actors.policy_gate import PolicyGate, follow_policy
-from rollart.actors.runtime import backoff
+from rollart.actors.runtime import decode_core
 from rollart.actors.service_client import ServiceClient
+from rollart.aio import first_of, retry
+from rollart.bus import BusError, Subscription
+from rollart.bus.codec import DecodeError
+from rollart.config import ActorConfig, RolloutConfig, RunConfig
 from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
+from rollart.engines.provision import model_dir
 from rollart.envs.runner import EnvContractError, EnvSetupError
 from rollart.telemetry import otel_metrics, tracing
 
@@ -40,9 +47,6 @@ log = logging.getLogger(__name__)
 OUTCOME_PUBLISH_S = 120.0
 """Seconds a trajectory's outcome is published again after bus errors (the delivery is kept
 in progress meanwhile) before the handler fails and the request is redelivered."""
-CANCELLED_GROUPS_KEPT = 8192
-"""Cancelled groups remembered (the newest), for their requests still to be delivered: far
-more than admission lets be in flight at once, so memory stays bounded in a long run."""
 
 
 class Cancelled(Exception):
@@ -79,8 +83,7 @@ class EnvManager(Actor):
     role = "env"
     envs: dict[str, Any]
     """Env name -> :class:`rollart.config.EnvConfig`."""
-    rollout: Any
-    """:class:`rollart.config.RolloutConfig`."""
+    rollout: RolloutConfig
     model_dir: str
     """Folder of the tokenizer (chat template)."""
     stats: dict[str, int] = field(default_factory=dict)
@@ -93,10 +96,36 @@ class EnvManager(Actor):
     reward_pool: str | None = None
     """Pool of the reward service (``mapping.reward``); None: this actor's own pool."""
 
-    @classmethod
-    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "EnvManager":
-        from rollart.engines.provision import model_dir
+    # -- state made by setup() (and by the handlers) ---------------------------------
+    chat: ChatFormat = field(default=None, init=False, repr=False)
+    """The model's chat template and tokenizer."""
+    version: int = field(default=0, init=False)
+    """The newest policy version this EnvManager believes."""
+    gate: PolicyGate | None = field(default=None, init=False, repr=False)
+    """Which policy records this EnvManager believes (its version bounds the
+    ``min_version`` of its generate requests); None before :meth:`setup`."""
+    cancelled: CancelledGroups = field(default_factory=CancelledGroups, init=False, repr=False)
+    """Cancelled groups (``rollout.cancel``), for their requests still to come."""
+    _live: dict[str, asyncio.Event] = field(default_factory=dict, init=False, repr=False)
+    """traj_id -> the cancel event of each trajectory running here."""
+    _group_of: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    """traj_id -> group id of each trajectory running here."""
+    _in_wave: set[str] = field(default_factory=set, init=False, repr=False)
+    """Batch mode: the running trajectories that joined a lock-step wave."""
+    _max_inflight: int = field(default=0, init=False, repr=False)
+    lockstep: LockStep = field(default=None, init=False, repr=False)
+    services: ServiceClient = field(default=None, init=False, repr=False)
+    """Calls of the generate and reward services."""
+    _trace_heads: dict[str, dict[str, str]] = field(default_factory=dict, init=False, repr=False)
+    """Tracing on: traj_id -> the ``traceparent`` of its finished ``trajectory`` span."""
+    _action_ids: dict[tuple[str, ...], list[list[int]]] = field(
+        default_factory=dict, init=False, repr=False)
+    """Token ids of each set of legal actions seen (:meth:`_encode_actions`)."""
+    _cancel_sub: Subscription | None = field(default=None, init=False, repr=False)
 
+    @classmethod
+    def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
+                    index: int = 0) -> "EnvManager":
         r = run_cfg.rollout
         settings = {"on_request": {"max_inflight": r.concurrency, "ack_wait": r.ack_wait}}
         for h, hc in actor_cfg.handlers.items():
@@ -112,14 +141,7 @@ class EnvManager(Actor):
 
     async def setup(self) -> None:
         self.chat = await asyncio.to_thread(ChatFormat.load, self.model_dir)
-        self.version = 0
         self.gate = PolicyGate()
-        """Which policy records this EnvManager believes (its version bounds the
-        ``min_version`` of its generate requests)."""
-        self._cancel_groups: dict[str, set[str]] = {}
-        self._live: dict[str, asyncio.Event] = {}
-        self._group_of: dict[str, str] = {}
-        self._in_wave: set[str] = set()
         self._max_inflight = self.settings_of("on_request").max_inflight
         self.lockstep = LockStep(fill_timeout=self.wave_fill_timeout,
                                  room=lambda: self._max_inflight - len(self._live))
@@ -128,8 +150,6 @@ class EnvManager(Actor):
                                       retries=r.generate_retries,
                                       replica_timeout=r.replica_timeout, count=self._count)
         await self.services.start()
-        self._trace_heads: dict[str, dict[str, str]] = {}
-        """Tracing on: traj_id -> the ``traceparent`` of its finished ``trajectory`` span."""
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
 
     async def teardown(self) -> None:
@@ -151,16 +171,10 @@ class EnvManager(Actor):
         self.stats[key] = self.stats.get(key, 0) + n
 
     async def _on_cancel(self, req) -> None:
-        from rollart.actors.runtime import decode_core
-
         cmd = decode_core(m.CancelGroup, req)
         if cmd is None:  # junk on a core subject: counted and dropped
             return
-        keep = set(cmd.keep)
-        self._cancel_groups.pop(cmd.group_id, None)  # re-inserted as the newest
-        self._cancel_groups[cmd.group_id] = keep
-        while len(self._cancel_groups) > CANCELLED_GROUPS_KEPT:
-            del self._cancel_groups[next(iter(self._cancel_groups))]  # the oldest
+        keep = self.cancelled.add(cmd.group_id, cmd.keep)
         for tid, ev in self._live.items():
             if self._group_of.get(tid) == cmd.group_id and tid not in keep:
                 ev.set()
@@ -169,10 +183,6 @@ class EnvManager(Actor):
         """Reject a request no policy of this run can serve: its ``min_version`` is beyond
         the published version (read again from KV, the watch may lag) + alpha + 1. Served,
         the generator would wait for a version that never comes, on every delivery."""
-        from rollart.actors.policy import current_policy
-        from rollart.bus import BusError
-        from rollart.bus.codec import DecodeError
-
         try:
             pub = await current_policy(self.bus, self.run)
         except (BusError, DecodeError) as e:  # cannot tell now: the generator's wait bounds it
@@ -181,7 +191,7 @@ class EnvManager(Actor):
         latest = self.version
         if pub is not None:
             latest = max(latest, pub.version)
-            if getattr(self, "gate", None) is None:
+            if self.gate is None:
                 self.version = latest  # else the policy gate decides what is believed
         bound = latest + self.rollout.alpha + 1
         if req.min_version > bound:
@@ -199,8 +209,7 @@ class EnvManager(Actor):
         if req.min_version > self.version + self.rollout.alpha + 1:
             await self._check_min_version(req)
         cancel = asyncio.Event()
-        keep = self._cancel_groups.get(req.group_id)
-        if keep is not None and req.traj_id not in keep:
+        if self.cancelled.cancels(req.group_id, req.traj_id):
             cancel.set()
         self._live[req.traj_id] = cancel
         self._group_of[req.traj_id] = req.group_id
@@ -232,7 +241,7 @@ class EnvManager(Actor):
             return
         finally:
             otel_metrics.trajectory(outcome, req.env)
-            heads = getattr(self, "_trace_heads", {}).pop(req.traj_id, None)
+            heads = self._trace_heads.pop(req.traj_id, None)
             self._live.pop(req.traj_id, None)
             self._group_of.pop(req.traj_id, None)
             if req.traj_id in self._in_wave:
@@ -348,21 +357,14 @@ class EnvManager(Actor):
         """Await ``coro`` (a service call, which may wait minutes for a replica), but raise
         :class:`Cancelled` as soon as the group no longer needs this trajectory."""
         task = asyncio.ensure_future(coro)
-        stop = asyncio.ensure_future(cancel.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        if task.done():
+        done, _ = await first_of(task, cancel.wait())
+        if task in done:
             return task.result()
         raise Cancelled()
 
     def _encode_actions(self, legal: tuple[str, ...]) -> list[list[int]]:
         """Token ids of each legal action, cached (the same few sets recur every turn)."""
-        cache = self.__dict__.setdefault("_action_ids", {})
+        cache = self._action_ids
         if legal not in cache:
             if len(cache) > 4096:
                 cache.clear()
@@ -384,28 +386,37 @@ class EnvManager(Actor):
         tr.timings["wait"] += time.perf_counter() - t0
 
     async def _reset(self, req: m.RolloutRequested, cfg: Any, tr: Trace):
-        last = ""
-        for attempt in range(1, cfg.reset_retries + 2):
+        """A fresh runner reset with the request's seed, retried on fresh envs
+        ``cfg.reset_retries`` times; a permanent env error is raised at once."""
+        async def attempt():
             runner = EnvRunner(cfg.type, cfg.args, executor=cfg.executor, timeout=cfg.step_timeout,
                                max_abandoned_threads=cfg.max_abandoned_threads)
             t0 = time.perf_counter()
             try:
                 obs, info = await runner.reset(req.seed, timeout=cfg.reset_timeout)
-                tr.timings["reset"] += time.perf_counter() - t0
-                return runner, obs, info
             except (EnvSetupError, EnvContractError):  # permanent: a fresh env fails the same way
                 await runner.close()
                 raise
-            except EnvError as e:
+            except EnvError:
                 tr.timings["reset"] += time.perf_counter() - t0
-                last = str(e)
                 self._count("reset_failures")
                 await runner.close()
-                log.warning("%s reset attempt %d of %s failed: %s", self.name, attempt,
-                            req.traj_id, e)
-                if attempt <= cfg.reset_retries:
-                    await asyncio.sleep(backoff(attempt, base=0.05, cap=2.0))
-        raise Reject(f"env_reset_failed: {cfg.reset_retries + 1} attempts failed; last: {last}")
+                raise
+            tr.timings["reset"] += time.perf_counter() - t0
+            return runner, obs, info
+
+        def failed(e: BaseException, n: int) -> None:
+            log.warning("%s reset attempt %d of %s failed: %s", self.name, n, req.traj_id, e)
+
+        tries = cfg.reset_retries + 1
+        try:
+            return await retry(attempt, retry_on=EnvError, fatal=(EnvSetupError, EnvContractError),
+                               what=f"{self.name}: reset of {req.traj_id}", attempts=tries,
+                               base=0.05, cap=2.0, quiet=True, on_error=failed)
+        except (EnvSetupError, EnvContractError):
+            raise
+        except EnvError as e:
+            raise Reject(f"env_reset_failed: {tries} attempts failed; last: {e}") from None
 
     async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
                         legal: list[str] | None, turn: int = 1,

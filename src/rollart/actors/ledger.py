@@ -41,6 +41,12 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.admission import CONFLICTS_REMEMBERED, fingerprint
+from rollart.actors.records import put_record, watch_record
+from rollart.bus import BusError
+from rollart.telemetry.otel_metrics import reason_kind
+
+__all__ = ["Group", "GroupLedger", "IndexSet", "Selection", "admissible", "put_summary",
+           "reason_kind", "watch_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +57,6 @@ def admissible(admitted: int, lost: int, version: int, alpha: int | None,
     if alpha is None:
         return True
     return (admitted - lost) + 1 <= (version + alpha + 1) * batch_groups
-
-
-def reason_kind(reason: str) -> str:
-    """The stable leading token of a failure reason (``env_setup: ...`` → ``env_setup``)."""
-    head = reason.split(":", 1)[0].strip()
-    if head and len(head) <= 40 and " " not in head:
-        return head
-    return " ".join(reason.split()[:4])[:60] or "unknown"
 
 
 class IndexSet:
@@ -235,6 +233,29 @@ class GroupLedger:
         g.held.append(fut)
         return True
 
+    def not_admitted(self) -> None:
+        """Count a completion that admission did not issue (it is dead-lettered)."""
+        self.counts["not_admitted"] += 1
+
+    def take_verdict(self, fut: asyncio.Future) -> str | None:
+        """The dead-letter reason of a held delivery once its future resolved (both copies
+        of a conflict), None: ack it; forgotten once taken."""
+        return self.verdicts.pop(fut, None)
+
+    def readmitted(self, index: int, group_id: str, seed: int) -> None:
+        """The trainer re-admitted a stale group's task as group ``index`` (``stale:
+        restart``): its completions are admitted under ``group_id`` and ``seed``."""
+        self.restarted[index] = (group_id, seed)
+
+    def hand_back(self) -> list[asyncio.Future]:
+        """Forget every open group (the trainer stops): returns the futures of their held
+        deliveries, to be handed back for redelivery. Verdicts are forgotten too: those
+        deliveries come back, and conflict again."""
+        futs = [f for g in self.open.values() for f in g.futures()]
+        self.open.clear()
+        self.verdicts.clear()
+        return futs
+
     def _reset_streak(self) -> None:
         self.streak = 0
         self.streak_reasons.clear()
@@ -361,12 +382,9 @@ class GroupLedger:
 async def put_summary(bus: Any, run: str, summary: m.LedgerSummary) -> bool:
     """Store the ledger summary; a failed put is logged, never raised (status, not state:
     the next change writes it again)."""
-    from rollart.bus import BusError
-    from rollart.bus.codec import encode
-
     try:
-        kv = await bus.key_value(m.kv_bucket(run))
-        await kv.put(m.LEDGER_KEY, encode(summary))
+        await put_record(bus, run, m.LEDGER_KEY, summary, what="storing the ledger summary",
+                         attempts=1, logger=log)
         return True
     except BusError as e:
         log.warning("could not store the ledger summary: %s", e)
@@ -375,8 +393,6 @@ async def put_summary(bus: Any, run: str, summary: m.LedgerSummary) -> bool:
 
 async def watch_summary(bus: Any, run: str) -> AsyncIterator[m.LedgerSummary]:
     """The current ledger summary (if any), then each new one."""
-    from rollart.actors.records import watch_record
-
     async for summary in watch_record(bus, run, m.LEDGER_KEY, m.LedgerSummary,
                                       what="ledger summary"):
         yield summary

@@ -23,10 +23,14 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.base import Actor, replica_suffix, serve
-from rollart.actors.policy import fetch_weights
-from rollart.actors.policy_gate import PolicyGate, follow_policy
-from rollart.actors.runtime import ServiceUnavailable
+from rollart.actors.cancelled import CancelledGroups
+from rollart.actors.policy_gate import PolicyGate
+from rollart.actors.proxy_policy import PolicyFollow, PolicyLoading, StalePolicy
+from rollart.actors.runtime import ServiceUnavailable, decode_core
 from rollart.actors.service_client import ProgressReporter
+from rollart.bus import Subscription
+from rollart.config import ActorConfig, RunConfig
+from rollart.engines import build_engine
 from rollart.engines.base import (
     FINISH_CHOICE,
     FINISH_LENGTH,
@@ -36,17 +40,15 @@ from rollart.engines.base import (
     GenInput,
     GenOutput,
 )
+from rollart.engines.batched import BatchedEngine
+from rollart.engines.provision import model_dir
 from rollart.telemetry import tracing
+
+__all__ = ["GroupCancelled", "LLMProxy", "StalePolicy"]
 
 log = logging.getLogger(__name__)
 
 
-class StalePolicy(RuntimeError):
-    """The proxy cannot serve a version as new as the request needs."""
-
-
-CANCELLED_GROUPS_KEPT = 8192
-"""Cancelled groups remembered (the newest), to refuse their requests that arrive late."""
 MAX_FRUITLESS_ABORTS = 16
 """An engine that aborts one request this many times in a row without a new token fails it."""
 
@@ -57,7 +59,7 @@ class GroupCancelled(ServiceUnavailable):
 
 
 @dataclass(kw_only=True, eq=False)
-class LLMProxy(Actor):
+class LLMProxy(PolicyLoading, Actor):
     role = "generate"
     model_dir: str
     """Local HF model folder (version 0 weights and tokenizer)."""
@@ -84,10 +86,46 @@ class LLMProxy(Actor):
     progress_every: float = 1.0
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
 
-    @classmethod
-    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "LLMProxy":
-        from rollart.engines.provision import model_dir
+    # -- state made by setup() (and by the handlers) ---------------------------------
+    async_engine: AsyncEngine | None = field(default=None, init=False, repr=False)
+    """The engine this proxy drives (``engine_obj`` itself, or built or wrapped); None
+    before :meth:`setup`."""
+    _owns_engine: bool = field(default=True, init=False, repr=False)
+    """The proxy built (or wrapped) the engine, so it closes it."""
+    _engine_reports_start: bool = field(default=False, init=False, repr=False)
+    """The engine reports when each request's work began (a ``BatchedEngine``'s ``on_start``)."""
+    _stopping: bool = field(default=False, init=False, repr=False)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    """Held while a policy version loads."""
+    _loaded: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
+    """Notified when a policy version loaded (requests waiting for it go on)."""
+    _target: m.PolicyPublished | None = field(default=None, init=False, repr=False)
+    """The newest policy record the gate accepted (loaded, or to load)."""
+    gate: PolicyGate = field(default_factory=lambda: PolicyGate(digests=True), init=False,
+                             repr=False)
+    """Which policy records this replica accepts."""
+    _follow: PolicyFollow = field(default_factory=PolicyFollow, init=False, repr=False)
+    """Which policy records this replica loaded or refused, and when to try again."""
+    loads: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
+    """``(version, seconds)`` of each policy load."""
+    interrupted: int = field(default=0, init=False)
+    """Engine requests stopped by an ``interrupt`` update (or the engine) and continued."""
+    _seq: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
+    _inflight: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    """Engine request id -> traj_id, for the requests in the engine."""
+    _cancelled: set[str] = field(default_factory=set, init=False, repr=False)
+    """Engine request ids aborted because their group was cancelled."""
+    cancelled_groups: CancelledGroups = field(default_factory=CancelledGroups, init=False,
+                                              repr=False)
+    """Cancelled groups (``rollout.cancel``), to refuse their requests that arrive late."""
+    _trace_started: dict[str, float | None] = field(default_factory=dict, init=False, repr=False)
+    """Tracing on: engine request id -> when the engine started it (None: not yet)."""
+    progress: ProgressReporter = field(default=None, init=False, repr=False)
+    _cancel_sub: Subscription | None = field(default=None, init=False, repr=False)
 
+    @classmethod
+    def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
+                    index: int = 0) -> "LLMProxy":
         px = run_cfg.proxy
         kw = dict(model_dir=str(model_dir(run_cfg)), engine=px.engine,
                   engine_args=dict(px.engine_args), on_update=px.on_update,
@@ -99,9 +137,6 @@ class LLMProxy(Actor):
         return cls(run=run_cfg.run, pool=pool, name=name, settings=settings, **kw)
 
     async def setup(self) -> None:
-        from rollart.engines import build_engine
-        from rollart.engines.batched import BatchedEngine
-
         if self.on_update not in ("finish", "interrupt"):
             raise ValueError(f"proxy.on_update {self.on_update!r} is not finish or interrupt")
         eng, self._owns_engine = self.engine_obj, True
@@ -118,36 +153,18 @@ class LLMProxy(Actor):
         if isinstance(eng, BatchedEngine):
             eng.replica, eng.pool = self.name, self.pool
             eng.on_start = self._engine_started
-        self.async_engine: AsyncEngine = eng
-        """The engine this proxy drives (``engine_obj`` itself, or built or wrapped)."""
-        self._stopping = False
+        self.async_engine = eng
         await eng.start()
         if self.initial_weights:
             await eng.load_weights(self.initial_weights, 0)
-        self._lock = asyncio.Lock()
-        self._loaded = asyncio.Condition()
-        self._target: m.PolicyPublished | None = None
-        self.gate = PolicyGate(digests=True)
-        self.loads: list[tuple[int, float]] = []
-        self.interrupted = 0
-        """Engine requests stopped by an ``interrupt`` update (or the engine) and continued."""
-        self._seq = itertools.count()
-        self._inflight: dict[str, str] = {}
-        """Engine request id -> traj_id, for the requests in the engine."""
-        self._cancelled: set[str] = set()
-        """Engine request ids aborted because their group was cancelled."""
-        self._cancel_groups: dict[str, set[str]] = {}
-        self._trace_started: dict[str, float | None] = {}
-        """Tracing on: engine request id -> when the engine started it (None: not yet)."""
         self.progress = ProgressReporter(self, "generate.request", every=self.progress_every,
                                          pool=self.settings_of("generate").pool or self.pool)
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"),
                                                     self._on_cancel)
 
     async def teardown(self) -> None:
-        sub = getattr(self, "_cancel_sub", None)
-        if sub is not None:
-            await sub.unsubscribe()
+        if self._cancel_sub is not None:
+            await self._cancel_sub.unsubscribe()
 
     @property
     def version(self) -> int:
@@ -157,9 +174,7 @@ class LLMProxy(Actor):
     def batcher(self) -> Any:
         """The ``BatchedEngine`` (its batch statistics: ``sizes``, ``items``, ``batches``,
         ``busy_s``, ``mean_batch``), or None for an engine that batches on its own."""
-        from rollart.engines.batched import BatchedEngine
-
-        eng = getattr(self, "async_engine", None)
+        eng = self.async_engine
         return eng if isinstance(eng, BatchedEngine) else None
 
     def node_stats(self) -> dict[str, float]:
@@ -187,109 +202,6 @@ class LLMProxy(Actor):
                          if "kv_reused_tokens" in st and "kv_prefilled_tokens" in st else "")
             if self._owns_engine:
                 await self.async_engine.close()
-
-    async def _watch(self) -> None:
-        """Follow KV ``policy.version`` through the policy gate (:class:`PolicyGate`: only
-        versions the trainer's ledger and announcements confirm, one by one); load each newer
-        version (and a version already loaded whose digest changed). A refused record is tried
-        again when it is announced again (a new KV record, even an identical one) and
-        otherwise after a backoff."""
-        follow = self._follow
-
-        async def accepted(pub: m.PolicyPublished) -> None:
-            if follow.wanted(pub, self.version):
-                self._target = pub
-                follow.announced(pub)  # wakes loads()
-
-        async def records() -> None:  # only what the gate accepts (see PolicyGate)
-            await follow_policy(self, self.gate, accepted)
-
-        async def loads() -> None:
-            # Loads run here, not in the gate's callback: a slow or failed weight read must
-            # not hold up judging the records after it (a newer version supersedes it).
-            while True:
-                follow.changed.clear()
-                pub = self._target
-                await self._maybe_load()
-                if pub is not None and not follow.wanted(pub, self.version):
-                    follow.refused.pop(follow.key(pub), None)  # superseded: no retry
-                due = follow.due_at(self._target)
-                timeout = None if due is None else max(0.0, due - time.monotonic())
-                try:
-                    await asyncio.wait_for(follow.changed.wait(), timeout)
-                except TimeoutError:
-                    pass
-
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(records())
-            tg.create_task(loads())
-
-    async def _maybe_load(self) -> None:
-        """Load ``self._target`` if it is newer than the loaded weights: fetch it, then
-        ``pause`` the engine (``wait`` or ``abort`` by ``on_update``), load, ``resume``.
-        Never raises for a bad record or a failed status publish: a refused record keeps
-        the old weights serving."""
-        follow = self._follow
-        pub = self._target
-        if pub is None or not follow.wanted(pub, self.version) or follow.blocked(pub):
-            return
-        async with self._lock:
-            if not follow.wanted(pub, self.version) or follow.blocked(pub):
-                return
-            t0 = time.perf_counter()
-            try:
-                with tracing.span("policy.load", {"version": pub.version, "replica": self.name,
-                                                  "on_update": self.on_update}):
-                    data = await fetch_weights(self.bus, pub)  # the engine serves meanwhile
-                    await self._load_paused(data, pub.version)
-            except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
-                tries, delay = follow.refuse(pub)
-                log.error("%s refused policy v%s (try %d, again in %.0fs or when announced "
-                          "again): %s", self.name, pub.version, tries, delay, e)
-                report = m.PolicyLoaded(version=self.version, replica=self.name, pool=self.pool,
-                                        error=str(e))
-                msg_id = f"refused:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}:{tries}"
-            else:
-                dt = time.perf_counter() - t0
-                follow.loaded_ok(pub)
-                self.gate.loaded(pub)
-                self.loads.append((pub.version, dt))
-                log.info("%s loaded policy v%s in %.2fs", self.name, pub.version, dt)
-                report = m.PolicyLoaded(version=pub.version, replica=self.name, pool=self.pool,
-                                        load_s=dt)
-                msg_id = f"loaded:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}"
-        if not report.error:
-            async with self._loaded:
-                self._loaded.notify_all()
-        await self._report_loaded(report, msg_id)
-
-    async def _report_loaded(self, report: m.PolicyLoaded, msg_id: str) -> None:
-        """Publish ``policy.loaded``: bus errors are retried briefly, then logged, never raised
-        (a status report must not take the proxy down)."""
-        try:
-            await self.publish_patiently("policy.loaded", report, msg_id=msg_id,
-                                         deadline=self._follow.report_deadline)
-        except Exception as e:  # noqa: BLE001 - a lost status report is not fatal
-            log.warning("%s: policy.loaded report (v%s%s) not published: %s", self.name,
-                        report.version, ", refused" if report.error else "", e)
-
-    @property
-    def _follow(self) -> "_PolicyFollow":
-        f = self.__dict__.get("_policy_follow")
-        if f is None:
-            f = self.__dict__["_policy_follow"] = _PolicyFollow()
-        return f
-
-    async def _load_paused(self, data: bytes, version: int) -> None:
-        """Load weights between ``pause()`` and ``resume()`` of the engine: ``finish`` waits
-        for the requests in flight, ``interrupt`` aborts them (they continue afterwards, see
-        :meth:`_serve`). A refused file raises; the engine resumes on its old weights."""
-        eng = self.async_engine
-        await eng.pause("abort" if self.on_update == "interrupt" else "wait")
-        try:
-            await eng.load_weights(data, version)
-        finally:
-            await eng.resume()
 
     @serve("generate.request", max_inflight=1024)
     async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
@@ -432,16 +344,10 @@ class LLMProxy(Actor):
     async def _on_cancel(self, msg) -> None:
         """``rollout.cancel``: abort the requests in flight of the group's unfinished
         trajectories (those not in ``keep``), and refuse ones that arrive later."""
-        from rollart.actors.runtime import decode_core
-
         cmd = decode_core(m.CancelGroup, msg)
         if cmd is None:  # junk on a core subject: counted and dropped
             return
-        keep = set(cmd.keep)
-        self._cancel_groups.pop(cmd.group_id, None)  # re-inserted as the newest
-        self._cancel_groups[cmd.group_id] = keep
-        while len(self._cancel_groups) > CANCELLED_GROUPS_KEPT:
-            del self._cancel_groups[next(iter(self._cancel_groups))]  # the oldest
+        keep = self.cancelled_groups.add(cmd.group_id, cmd.keep)
         ids = [rid for rid, tid in self._inflight.items()
                if _group_of(tid) == cmd.group_id and tid not in keep]
         if ids:
@@ -451,8 +357,7 @@ class LLMProxy(Actor):
             await self.async_engine.abort(ids)
 
     def _check_not_cancelled(self, traj_id: str) -> None:
-        keep = self._cancel_groups.get(_group_of(traj_id))
-        if keep is not None and traj_id not in keep:
+        if self.cancelled_groups.cancels(_group_of(traj_id), traj_id):
             raise GroupCancelled(f"{self.name}: the group of {traj_id} was cancelled")
 
     def _check_tokens(self, req: m.GenerateRequest) -> None:
@@ -466,89 +371,6 @@ class LLMProxy(Actor):
             raise ValueError(f"invalid: token id {top} is outside the model's vocabulary "
                              f"({vocab} tokens)")
 
-    async def _check_reachable(self, v: int) -> None:
-        """Refuse at once a ``min_version`` beyond the published policy (+1): no requester
-        can have seen it, and waiting ``version_wait`` for it holds the caller for nothing."""
-        from rollart.actors.policy import current_policy
-        from rollart.bus import BusError
-        from rollart.bus.codec import DecodeError
-
-        known = max(self.version, self._target.version if self._target is not None else 0)
-        if v <= known + 1:
-            return
-        try:  # the watch may lag: ask KV itself before refusing
-            pub = await current_policy(self.bus, self.run)
-        except (BusError, DecodeError):
-            return
-        latest = max(known, pub.version if pub is not None else 0)
-        if v > latest + 1:
-            raise ValueError(f"invalid: min_version {v} is beyond the published policy v{latest}")
-
-    async def _wait_for_version(self, v: int) -> None:
-        deadline = time.monotonic() + self.version_wait
-        async with self._loaded:
-            while self.version < v:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StalePolicy(f"{self.name} serves v{self.version}, request needs >= v{v}")
-                try:
-                    await asyncio.wait_for(self._loaded.wait(), left)
-                except TimeoutError:
-                    pass
-
-
 def _group_of(traj_id: str) -> str:
     """The group id of a trajectory id (``<group id>-<index>``)."""
     return traj_id.rsplit("-", 1)[0]
-
-
-class _PolicyFollow:
-    """Which policy records a proxy loaded or refused; when a refused one is tried again."""
-
-    first_retry = 2.0
-    max_retry = 60.0
-    report_deadline = 2.0
-    """Seconds a ``policy.loaded`` report is retried (it delays the next batch meanwhile)."""
-
-    def __init__(self) -> None:
-        self.loaded: tuple[int, str] | None = None
-        """``(version, digest)`` of the last record loaded."""
-        self.refused: dict[tuple[int, str, str], tuple[float, int]] = {}
-        """``(version, digest, uri)`` -> ``(monotonic time of the next try, tries)``."""
-        self.changed = asyncio.Event()
-
-    @staticmethod
-    def key(pub: m.PolicyPublished) -> tuple[int, str, str]:
-        return (pub.version, pub.digest, pub.uri)
-
-    def wanted(self, pub: m.PolicyPublished, version: int) -> bool:
-        return pub.version > version or (
-            pub.version == version and self.loaded is not None
-            and self.loaded != (pub.version, pub.digest))
-
-    def blocked(self, pub: m.PolicyPublished) -> bool:
-        r = self.refused.get(self.key(pub))
-        return r is not None and time.monotonic() < r[0]
-
-    def due_at(self, pub: m.PolicyPublished | None) -> float | None:
-        r = self.refused.get(self.key(pub)) if pub is not None else None
-        return None if r is None else r[0]
-
-    def announced(self, pub: m.PolicyPublished) -> None:
-        """A (re-)announced record: if it was refused, try it now."""
-        r = self.refused.get(self.key(pub))
-        if r is not None:
-            self.refused[self.key(pub)] = (0.0, r[1])
-        self.changed.set()
-
-    def refuse(self, pub: m.PolicyPublished) -> tuple[int, float]:
-        tries = self.refused.get(self.key(pub), (0.0, 0))[1] + 1
-        delay = min(self.max_retry, self.first_retry * 2 ** (tries - 1))
-        self.refused[self.key(pub)] = (time.monotonic() + delay, tries)
-        self.changed.set()
-        return tries, delay
-
-    def loaded_ok(self, pub: m.PolicyPublished) -> None:
-        self.loaded = (pub.version, pub.digest)
-        self.refused = {k: r for k, r in self.refused.items() if k[0] > pub.version}
-        self.changed.set()

@@ -10,6 +10,9 @@ import logging
 import time
 
 from rollart import messages as m
+from rollart.actors.records import decode_entry, watch_revisions
+from rollart.aio import retry
+from rollart.bus import BusError
 from rollart.bus.codec import decode, encode
 from rollart.telemetry import otel_metrics
 
@@ -53,7 +56,7 @@ class PolicyGate:
        doubtful-but-confirmed (2 holds, versions non-decreasing) for ``settle_s``. A real
        jump (a holder whose connection was down while the trainer stepped) settles; a
        forged one does not, because the trainer puts its own record back as soon as it sees
-       another (:meth:`rollart.actors.trainer.Trainer._guard_kv`), which resets the clock.
+       another (:class:`rollart.actors.trainer_publish.KvGuard`), which resets the clock.
 
     Rules 2 and 3c need a trainer ledger (3c also an announcement seen at all): a run that
     has none (no trainer: tests, fixed-policy rollouts) is judged by 1 (vacuous), 3a-b and 4
@@ -81,6 +84,9 @@ class PolicyGate:
         """``(version, digest)`` of the ``policy.published`` messages seen (the newest)."""
         self._doubt: tuple[float, int] | None = None
         """``(since, version)`` of the latest run of doubtful records (rule 4)."""
+        self.reports: dict[str, int] = {}
+        """Records reported (not accepted, or not yet) by verdict: ``refuse``, ``wait``,
+        ``settle`` (:func:`follow_policy`)."""
 
     def watched_from_start(self) -> None:
         """No record existed when this holder started watching: it has seen every one."""
@@ -135,6 +141,10 @@ class PolicyGate:
         self._doubt = None
         self.held = pub.version if self.held is None else max(self.held, pub.version)
 
+    def reported(self, verdict: str) -> None:
+        """Count a record reported with ``verdict`` (:attr:`reports`)."""
+        self.reports[verdict] = self.reports.get(verdict, 0) + 1
+
     def loaded(self, pub: m.PolicyPublished) -> None:
         """The holder loaded the weights of ``pub`` (rule 3b)."""
         self.digest_of[pub.version] = pub.digest
@@ -148,8 +158,6 @@ async def follow_policy(actor, gate: PolicyGate, on_accept, *, announcements: bo
     line and a dead letter, :func:`report_policy`). With ``announcements``, also subscribe
     to ``policy.published`` (rule 3c; the role needs subscribe permission on it). Runs until
     cancelled."""
-    from rollart.actors.records import decode_entry, watch_revisions
-
     bus, run = actor.bus, actor.run
     changed = asyncio.Event()
     latest: list = []  # [(revision, record, first seen)]
@@ -184,6 +192,7 @@ async def follow_policy(actor, gate: PolicyGate, on_accept, *, announcements: bo
                 why = gate.refusal(pub)  # reported even if the next record supersedes it
                 if why and rev not in reported:
                     reported.add(rev)
+                    gate.reported("refuse")
                     await report_policy(actor, pub, "refuse", why)
 
         async def summaries() -> None:
@@ -210,6 +219,7 @@ async def follow_policy(actor, gate: PolicyGate, on_accept, *, announcements: bo
                         due = seen + gate.report_s
                     elif rev not in reported:
                         reported.add(rev)
+                        gate.reported(verdict)
                         await report_policy(actor, pub, verdict, why)
                     for done in (accepted, reported):
                         while len(done) > 1024:
@@ -233,33 +243,17 @@ async def _get_patiently(kv, key: str, who: str, deadline: float = 120.0):
     """``kv.get(key)``, retrying bus errors with backoff for up to ``deadline`` seconds: a
     bucket just made on a nats-server cluster answers "no responders" until its stream has a
     leader, which must not stop the node."""
-    from rollart.bus import BusError
-
-    end, attempt = time.monotonic() + deadline, 0
-    while True:
-        try:
-            return await kv.get(key)
-        except BusError as e:
-            attempt += 1
-            if time.monotonic() >= end:
-                raise
-            if attempt == 1:
-                log.warning("%s: reading KV %s failed (%s); retrying for up to %.0fs", who, key,
-                            e, deadline)
-            await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt))
+    return await retry(lambda: kv.get(key), retry_on=BusError, what=f"{who}: reading KV {key}",
+                       deadline=deadline, base=0.1, cap=2.0, logger=log)
 
 
 async def report_policy(actor, pub: m.PolicyPublished, verdict: str, why: str) -> None:
     """A policy record the gate did not accept: a log line and a dead letter on the run's
     ``dead`` subject (reason ``not_admitted: ...``; one per record and role). Never raises."""
-    from rollart.bus import BusError
-
     reason = f"not_admitted: policy v{pub.version} ({pub.digest[:40]}) {verdict}: {why}"
     (log.error if verdict == "refuse" else log.warning)(
         "%s: KV policy record %s%s", actor.name, reason,
         "" if verdict == "refuse" else " (kept the current policy meanwhile)")
-    counts = actor.__dict__.setdefault("policy_refusals", {})
-    counts[verdict] = counts.get(verdict, 0) + 1
     dl = m.DeadLetter(subject=m.subject(actor.run, "policy.published"), payload=encode(pub),
                       reason=reason, actor=actor.name, kind="permanent")
     tag = f"{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}:{verdict}:{actor.role}"

@@ -16,6 +16,8 @@ import time
 from typing import Any
 
 from rollart import messages as m
+from rollart.actors.runtime import decode_core
+from rollart.config.placement import mapped_pools
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +25,6 @@ log = logging.getLogger(__name__)
 def pool_needs(cfg: Any) -> dict[str, list[str]]:
     """Pool -> what needs it (``mapping.generate``, ``route[0] (prompt_tokens_gt=2048 -> big)``),
     from a RunConfig's ``mapping`` and ``route``, in config order. Empty without ``pools``."""
-    from rollart.config.placement import mapped_pools
-
     needs: dict[str, list[str]] = {}
     if not getattr(cfg, "pools", None):
         return needs
@@ -102,8 +102,6 @@ class PoolWatch:
 
     async def run_forever(self) -> None:
         """Watch until cancelled. Bus errors are logged and retried, never raised."""
-        from rollart.actors.runtime import decode_core
-
         async def on_hb(req) -> None:
             hb = decode_core(m.NodeHeartbeat, req)
             if hb is not None:  # junk on a core subject is counted and dropped

@@ -1,5 +1,6 @@
-"""Typed records in a run's KV bucket (policy version, ledger summary, end of run): one
-way to watch them, so a malformed record is skipped the same way everywhere."""
+"""Typed records in a run's KV bucket (policy version, ledger summary, end of run, counts):
+one way to store them (:func:`put_record`, retried) and one way to watch them, so a malformed
+record is skipped the same way everywhere."""
 
 from __future__ import annotations
 
@@ -8,11 +9,31 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from rollart import messages as m
-from rollart.bus.codec import DecodeError, decode
+from rollart.aio import retry
+from rollart.bus import BusError
+from rollart.bus.codec import DecodeError, decode, encode
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+async def put_record(store: Any, run: str, key: str, value: Any, *, what: str,
+                     deadline: float | None = None, attempts: int | None = None,
+                     base: float = 0.1, cap: float = 5.0, logger: logging.Logger | None = None) -> int:
+    """Store ``value`` (a message, encoded; or bytes as they are) under ``key`` in the run's
+    KV bucket, retrying bus errors (:func:`rollart.aio.retry`) for ``deadline`` seconds
+    and/or ``attempts`` puts; ``what`` names it in the log lines. ``store`` is the bus (the
+    bucket is opened inside the retry) or the bucket itself. Returns the new revision; the
+    last :class:`BusError` is raised when the budget is spent."""
+    data = value if isinstance(value, bytes) else encode(value)
+
+    async def put() -> int:
+        kv = await store.key_value(m.kv_bucket(run)) if hasattr(store, "key_value") else store
+        return await kv.put(key, data)
+
+    return await retry(put, retry_on=BusError, what=what, deadline=deadline, attempts=attempts,
+                       base=base, cap=cap, logger=logger or log)
 
 
 async def watch_record(bus: Any, run: str, key: str, typ: type[T], *, what: str,

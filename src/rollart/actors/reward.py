@@ -8,8 +8,10 @@ many trajectories into one forward pass of a local causal LM.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,8 @@ from rollart.actors.base import Actor, serve
 from rollart.actors.batching import Batcher
 from rollart.actors.runtime import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
+from rollart.config import ActorConfig, RunConfig
+from rollart.envs.reasoning import ReasoningGymEnv
 from rollart.telemetry import otel_metrics
 
 _NUM = re.compile(r"^[-+]?\d+(\.\d+)?([eE][-+]?\d+)?$")
@@ -37,10 +41,6 @@ def reasoning_gym_score(response: str, answer: str, metadata: dict[str, str]) ->
     The EnvManager sends ``env_args`` (JSON) and ``seed``: the env is rebuilt with the
     same arguments and reset with the same seed, so the same question is scored.
     """
-    import json
-
-    from rollart.envs.reasoning import ReasoningGymEnv
-
     if "env_args" not in metadata or "seed" not in metadata:
         raise ValueError("reasoning_gym scorer needs metadata 'env_args' and 'seed'")
     key = metadata["env_args"]
@@ -71,7 +71,8 @@ class RewardService(Actor):
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
 
     @classmethod
-    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "RewardService":
+    def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
+                    index: int = 0) -> "RewardService":
         rc = run_cfg.reward
         kw = dict(model_path=rc.model_path, gather_ms=rc.gather_ms, threads=run_cfg.model.threads)
         kw.update(actor_cfg.args)
@@ -85,8 +86,6 @@ class RewardService(Actor):
         self.served = 0
         self.progress = ProgressReporter(self, "reward.request", every=self.progress_every,
                                          pool=self.settings_of("score").pool or self.pool)
-        from concurrent.futures import ThreadPoolExecutor
-
         # rule scorers may build datasets or run user code: off the event loop, one at a
         # time (their caches are not thread-safe)
         self._rules = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-rules")
@@ -127,7 +126,7 @@ class RewardService(Actor):
 
     def _forward(self, reqs: list[m.RewardRequest]) -> list[float]:
         """exp(mean log-prob) of each ``answer`` given ``response`` as context, in one batch."""
-        import torch
+        import torch  # optional dependency: only the model_logprob scorer needs it
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if self._model is None:

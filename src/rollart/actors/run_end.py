@@ -15,32 +15,25 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rollart import messages as m
+from rollart.actors.records import put_record, watch_record
+from rollart.bus import BusError
 
 log = logging.getLogger(__name__)
 
 
 async def put_run_end(bus: Any, run: str, rec: m.RunEnd, *, attempts: int = 8) -> bool:
     """Store ``rec``; retried a few times, then logged (never raised)."""
-    from rollart.bus import BusError
-    from rollart.bus.codec import encode
-
-    for attempt in range(1, attempts + 1):
-        try:
-            kv = await bus.key_value(m.kv_bucket(run))
-            await kv.put(m.RUN_END_KEY, encode(rec))
-            return True
-        except BusError as e:
-            if attempt == attempts:
-                log.error("could not store the end of run %s (%s): its nodes keep running", run, e)
-                return False
-            await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt))
-    return False
+    try:
+        await put_record(bus, run, m.RUN_END_KEY, rec, what=f"storing the end of run {run}",
+                         attempts=attempts, base=0.1, cap=2.0, logger=log)
+        return True
+    except BusError as e:
+        log.error("could not store the end of run %s (%s): its nodes keep running", run, e)
+        return False
 
 
 async def watch_run_end(bus: Any, run: str) -> AsyncIterator[m.RunEnd]:
     """Each :class:`RunEnd` record written after this call (older ones are skipped)."""
-    from rollart.actors.records import watch_record
-
     async for rec in watch_record(bus, run, m.RUN_END_KEY, m.RunEnd,
                                   what="end-of-run record", only_new=True):
         yield rec
@@ -49,8 +42,6 @@ async def watch_run_end(bus: Any, run: str) -> AsyncIterator[m.RunEnd]:
 async def wait_run_end(bus: Any, run: str, stages: tuple[str, ...] = ("ended",)) -> m.RunEnd:
     """The first new :class:`RunEnd` record whose stage is in ``stages``. A watch that
     fails (the server is away) is started again, with one warning."""
-    from rollart.bus import BusError
-
     warned, delay = False, 0.5
     while True:
         try:

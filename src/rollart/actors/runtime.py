@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import random
 import time
 
 from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, BoundHandler, Reject, Retry
+from rollart.aio import backoff, first_of, retry
 from rollart.bus import Bus, BusError, BusTimeout, ConsumerSpec, Delivery, NoResponders, PullConsumer
 from rollart.bus.codec import DecodeError, decode, encode
 from rollart.telemetry import otel_metrics, tracing
@@ -18,11 +19,6 @@ log = logging.getLogger(__name__)
 BIND_PATIENCE_S = 120.0
 """Seconds binding a consumer retries a JetStream API that does not answer (a nats-server
 cluster has no stream leader for a few seconds after one of its servers dies)."""
-
-
-def backoff(attempt: int, base: float = 0.2, cap: float = 10.0) -> float:
-    """Jittered exponential backoff for attempt 1, 2, ..."""
-    return min(cap, base * 2 ** max(0, attempt - 1)) * (0.5 + random.random() / 2)
 
 
 class Stats:
@@ -112,19 +108,11 @@ class ConsumerLoop:
             max_ack_pending=s.max_ack_pending or max(s.max_inflight * 4, 64),
             inactive_threshold=s.inactive_threshold,
         )
-        end, attempt = time.monotonic() + BIND_PATIENCE_S, 0
-        while True:
-            try:
-                self.consumer = await self.bus.pull_consumer(self.stream, spec)
-                return
-            except (BusTimeout, NoResponders) as e:  # transient: e.g. a cluster electing a leader
-                attempt += 1
-                if time.monotonic() >= end:
-                    raise
-                if attempt == 1:
-                    log.warning("%s: binding %s failed (%s); retrying for up to %.0fs",
-                                self.actor.name, spec.durable, e, BIND_PATIENCE_S)
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+        # transient: e.g. a cluster electing a leader
+        self.consumer = await retry(
+            lambda: self.bus.pull_consumer(self.stream, spec), retry_on=(BusTimeout, NoResponders),
+            what=f"{self.actor.name}: binding {spec.durable}", deadline=BIND_PATIENCE_S,
+            base=0.2, cap=2.0, logger=log)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -338,8 +326,6 @@ class Service:
         """List the request in the actor's progress reports from arrival (queued included)
         to reply: an actor whose ``progress`` reporter is for this subject (see
         :class:`rollart.actors.service_client.ProgressReporter`)."""
-        import contextlib
-
         rep = getattr(self.actor, "progress", None)
         rid = getattr(msg, "request_id", "")
         if rid and getattr(rep, "service", None) == self.h.settings.subject:
@@ -354,13 +340,7 @@ class Service:
             await self._slots.acquire()
             return True
         slot = asyncio.ensure_future(self._slots.acquire())
-        drain = asyncio.ensure_future(self._draining.wait())
-        try:
-            await asyncio.wait({slot, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drain.cancel()
-            if not slot.done():
-                slot.cancel()
+        await first_of(slot, self._draining.wait())
         got = slot.done() and not slot.cancelled()
         if got and self._draining.is_set():
             self._slots.release()

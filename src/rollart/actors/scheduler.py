@@ -23,14 +23,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from rollart import messages as m
 from rollart.actors.admission import group_id, issued_key, member_seed
 from rollart.actors.base import Actor, consume
 from rollart.actors.ledger import admissible, watch_summary
 from rollart.actors.policy_gate import PolicyGate, follow_policy
+from rollart.actors.pool_watch import watch_pools
+from rollart.actors.records import put_record
+from rollart.actors.run_end import wait_run_end
+from rollart.bus import BusError
 from rollart.bus.codec import encode
+from rollart.config import ActorConfig, RolloutConfig, RunConfig
+from rollart.config.placement import mapped_pools
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +62,7 @@ class GroupState:
 @dataclass(kw_only=True, eq=False)
 class RolloutScheduler(Actor):
     role = "scheduler"
-    rollout: Any
-    """:class:`rollart.config.RolloutConfig`."""
+    rollout: RolloutConfig
     total_groups: int | None = None
     """Stop admitting after this many groups (None: until stopped); ``all_done`` is set
     once every member of every group has an outcome."""
@@ -81,18 +85,18 @@ class RolloutScheduler(Actor):
     groups: dict[str, GroupState] = field(default_factory=dict)
     env_pool: str | None = None
     """Pool of the EnvManagers its requests go to (``mapping.env``); None: its own pool."""
-    run_cfg: Any = field(default=None, repr=False)
+    run_cfg: RunConfig | None = field(default=None, repr=False)
     """The RunConfig (``from_config``): with ``pools`` declared, its pools without a live node
     are logged (:mod:`rollart.actors.pool_watch`)."""
 
     @classmethod
-    def from_config(cls, run_cfg: Any, actor_cfg: Any, *, pool: str, index: int = 0) -> "RolloutScheduler":
-        from rollart.config.placement import mapped_pools
-
+    def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
+                    index: int = 0) -> "RolloutScheduler":
         settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
         placed = {"env_pool": mapped_pools(run_cfg.mapping, "env")[0]} if run_cfg.pools else {}
-        return cls(run=run_cfg.run, pool=pool, settings=settings, rollout=run_cfg.rollout,
-                   run_cfg=run_cfg, **{**placed, **actor_cfg.args})
+        # actors.scheduler.args (and the builder's per-run arguments) win over the config's
+        return cls(**{"run": run_cfg.run, "pool": pool, "settings": settings,
+                      "rollout": run_cfg.rollout, "run_cfg": run_cfg, **placed, **actor_cfg.args})
 
     async def setup(self) -> None:
         self.version = 0
@@ -137,8 +141,6 @@ class RolloutScheduler(Actor):
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._watch_version())
             if self.run_cfg is not None and self.run_cfg.pools:  # logs pools with no live node
-                from rollart.actors.pool_watch import watch_pools
-
                 tg.create_task(watch_pools(self.bus, self.run_cfg, name=self.name))
             if self.bounded:
                 tg.create_task(self._watch_ledger())
@@ -184,8 +186,6 @@ class RolloutScheduler(Actor):
 
     async def _watch_run_end(self) -> None:
         """Training is over (the trainer's last step, or its circuit breaker): admit nothing more."""
-        from rollart.actors.run_end import wait_run_end
-
         rec = await wait_run_end(self.bus, self.run, stages=("trained", "ended"))
         async with self.changed:
             if self.total_groups is None or self.total_groups > self.admitted:
@@ -259,34 +259,17 @@ class RolloutScheduler(Actor):
     async def _put_issued(self, deadline: float = 300.0) -> None:
         """Store the issued count, retrying bus errors up to ``deadline`` seconds (the trainer
         refuses completions of groups not issued, so no request goes out before it)."""
-        from rollart.bus import BusError
-
-        end, attempt = time.monotonic() + deadline, 0
-        while True:
-            try:
-                await self.kv.put(issued_key(self.prefix), str(self.issued).encode())
-                return
-            except BusError as e:
-                attempt += 1
-                if time.monotonic() >= end:
-                    raise
-                if attempt == 1:
-                    log.warning("%s: storing the issued count failed (%s); retrying",
-                                self.name, e)
-                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(attempt, 6)))
+        await put_record(self.kv, self.run, issued_key(self.prefix), str(self.issued).encode(),
+                         what=f"{self.name}: storing the issued count", deadline=deadline,
+                         base=0.2, cap=5.0, logger=log)
 
     async def _put_admitted(self) -> None:
-        from rollart.bus import BusError
-
-        for attempt in range(1, 8):
-            try:
-                await self.kv.put(self._kv_key, str(self.admitted).encode())
-                return
-            except BusError as e:
-                log.warning("%s: storing the admission count failed (%s); retry %d",
-                            self.name, e, attempt)
-                await asyncio.sleep(0.1 * 2 ** attempt)
-        log.error("%s: admission count not stored; a resume may re-admit a few groups", self.name)
+        try:
+            await put_record(self.kv, self.run, self._kv_key, str(self.admitted).encode(),
+                             what=f"{self.name}: storing the admission count", attempts=7,
+                             base=0.2, cap=10.0, logger=log)
+        except BusError:
+            log.error("%s: admission count not stored; a resume may re-admit a few groups", self.name)
 
     # -- outcomes ------------------------------------------------------------------
     async def _record(self, traj_id: str, group_id: str, outcome: str) -> None:
@@ -335,8 +318,6 @@ class RolloutScheduler(Actor):
     async def _send_cancel(self, cmd: m.CancelGroup) -> None:
         """Best effort (redundant members that are not cancelled just finish): a bus error
         is logged, never raised, since the outcome that triggered it is already recorded."""
-        from rollart.bus import BusError
-
         try:
             await self.bus.publish_core(self.subject("rollout.cancel"), encode(cmd))
         except BusError as e:

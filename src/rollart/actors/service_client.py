@@ -39,7 +39,8 @@ import msgspec
 
 from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, Reject
-from rollart.actors.runtime import ERROR_KIND_HEADER, backoff, decode_core
+from rollart.actors.runtime import ERROR_KIND_HEADER, decode_core
+from rollart.aio import backoff, first_of
 from rollart.bus import BusError, BusTimeout, NoResponders
 from rollart.bus.codec import DecodeError, decode, encode
 from rollart.telemetry import tracing
@@ -186,8 +187,8 @@ class ServiceClient:
                     subject, encode(msgspec.structs.replace(msg, request_id=rid)),
                     timeout=self.timeout, **kw))
                 while not (active.done() or p.lost.done()):
-                    await asyncio.wait({active, p.lost, *lingering},
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    # shielded: the first to end wakes this loop, none of them is cancelled
+                    await first_of(*map(asyncio.shield, (active, p.lost, *lingering)))
                     if (out := self._harvest(name, lingering, what)) is not None:
                         ok = True
                         return out
@@ -271,17 +272,10 @@ class ServiceClient:
                      lingering: dict[asyncio.Future, _Pending], wake: bool) -> None:
         """Sleep ``delay`` seconds, or until a lost attempt answers, or (``wake``) until a
         replica of the pool reports."""
-        waits: set[asyncio.Future] = set(lingering)
+        waits = [asyncio.sleep(delay), *map(asyncio.shield, lingering)]  # lingering: kept running
         if wake:
-            waits.add(asyncio.ensure_future(self._appeared.setdefault(key, asyncio.Event()).wait()))
-        try:
-            if waits:
-                await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-            else:
-                await asyncio.sleep(delay)
-        finally:
-            for w in waits - set(lingering):
-                w.cancel()
+            waits.append(self._appeared.setdefault(key, asyncio.Event()).wait())
+        await first_of(*waits)
 
     def _begin(self, key: tuple[str, str], now: float) -> None:
         o = self._outages.get(key)

@@ -9,7 +9,7 @@ from rollart import messages as m
 
 def allowed_per_token(t: m.RolloutCompleted) -> list[list[int] | None] | None:
     """The constrained-decoding token sets of every generated token (None: free)."""
-    from rollart.engines.torch_engine import allowed_after
+    from rollart.engines.torch_engine import allowed_after  # optional: imports torch
 
     if not any(turn.choices for turn in t.turns):
         return None
@@ -24,9 +24,9 @@ def allowed_per_token(t: m.RolloutCompleted) -> list[list[int] | None] | None:
 
 
 def advantages(rewards: list[float], groups: list[int], kind: str) -> list[float]:
-    import torch
+    import torch  # optional: the train extra
 
-    from rollart.algos import advantages as adv
+    from rollart.algos import advantages as adv  # optional: imports torch (the train extra)
 
     r = torch.tensor(rewards, dtype=torch.float32)
     if kind == "grpo":
@@ -43,7 +43,7 @@ def advantages(rewards: list[float], groups: list[int], kind: str) -> list[float
 
 
 def build_samples(trajs: list[m.RolloutCompleted], groups: list[int], kind: str) -> list:
-    from rollart.engines.torch_trainer import TrainSample
+    from rollart.engines.torch_trainer import TrainSample  # optional: imports torch
 
     advs = advantages([t.reward for t in trajs], groups, kind)
     return [TrainSample(token_ids=list(t.token_ids), response_mask=list(t.response_mask),
@@ -52,7 +52,7 @@ def build_samples(trajs: list[m.RolloutCompleted], groups: list[int], kind: str)
 
 
 def loss_config(t: Any):
-    from rollart.algos.losses import LossConfig
+    from rollart.algos.losses import LossConfig  # optional: imports torch (the train extra)
 
     return LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, agg=t.agg, is_cap=t.is_cap,
                       decoupled=t.decoupled, entropy_coef=t.entropy_coef, kl_coef=t.kl_coef)

@@ -1,7 +1,9 @@
 """Credentials and TLS for connections to nats-server. Imports no torch.
 
 A config's ``nats:`` (a URL, or a :class:`~rollart.config.schema.NatsConfig` section) plus a
-host's command-line flags become a :class:`~rollart.bus.nats.NatsBus`::
+host's command-line flags become the settings (:func:`resolve`) and the ``nats.connect``
+options (:func:`connect_options`) of a :class:`~rollart.bus.nats.NatsBus`, which
+:func:`rollart.bus.connect.bus_from_config` builds from them::
 
     bus = bus_from_config(cfg, name="rollart-top", overrides={"user": "alice",
                                                                "password_file": "/etc/rollart/pw"})
@@ -10,7 +12,10 @@ host's command-line flags become a :class:`~rollart.bus.nats.NatsBus`::
 Secrets come only from files or environment variables, read when the bus is built; they are
 handed to nats-py as callables (:class:`Secret`) whose ``repr`` never shows them, and no URL,
 log line or error message carries one (:func:`redact`). A server that refuses the credentials,
-or a TLS failure, is an :class:`AuthError` at once, never retried as if the server were down.
+or a TLS failure, is an :class:`AuthError` at once, never retried as if the server were down
+(:func:`refusal_kind`, :func:`refusal_message`, used while connecting).
+
+A leaf of the bus: it imports the config and :mod:`rollart.bus.base`, never the bus itself.
 """
 
 from __future__ import annotations
@@ -18,17 +23,16 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from collections.abc import Mapping
+from typing import Any
 
+import msgspec
 import nats.errors
 
 from rollart.bus.base import BusError
-
-if TYPE_CHECKING:
-    from rollart.bus.nats import NatsBus
-    from rollart.config.schema import NatsConfig, NatsTlsConfig
+from rollart.config.schema import NatsConfig, NatsTlsConfig, nats_settings
+from rollart.config.urls import redact  # noqa: F401 - part of this module's API (redacted URLs)
+from rollart.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -74,26 +78,6 @@ class PlaintextRefused(nats.errors.Error):
 # -- display -------------------------------------------------------------------------
 
 
-def redact(url: str | Sequence[str] | None) -> str:
-    """``url`` for display: a password or token in it becomes ``***``
-    (``nats://u:***@h:4222``); several URLs are joined with commas."""
-    if url is None:
-        return ""
-    if not isinstance(url, str):
-        return ",".join(redact(u) for u in url)
-    if "@" not in url:
-        return url
-    try:
-        parts = urlsplit(url if "://" in url else f"nats://{url}")
-    except ValueError:
-        return "<a URL with credentials>"
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user, sep, _ = userinfo.partition(":")
-    shown = f"{user}:***" if sep else "***"  # user:password@, or token@
-    out = urlunsplit(parts._replace(netloc=f"{shown}@{hostport}"))
-    return out if "://" in url else out.split("://", 1)[1]
-
-
 def describe(ns: NatsConfig) -> str:
     """How ``ns`` authenticates, for messages: ``user 'alice' (password from nats.password_file
     /etc/pw)``; never the secret."""
@@ -124,11 +108,6 @@ def resolve(settings: Any = None, overrides: Mapping[str, Any] | None = None) ->
     password and token; ``--user``/``--password-file`` drop its token, NKey and credentials
     file (``--user`` alone keeps the config's password source, ``--password-file`` alone its
     user); ``--token-file`` drops the others. Raises ``ConfigError`` naming the key."""
-    import msgspec
-
-    from rollart.config.loader import ConfigError
-    from rollart.config.schema import NatsTlsConfig, nats_settings
-
     try:
         ns = nats_settings(settings)
     except (ValueError, msgspec.ValidationError) as e:
@@ -170,8 +149,6 @@ def resolve(settings: Any = None, overrides: Mapping[str, Any] | None = None) ->
 
 
 def _read_secret(key: str, path: str | None, env: str | None) -> Secret:
-    from rollart.config.loader import ConfigError
-
     if env:
         value = os.environ.get(env)
         if value is None:
@@ -193,8 +170,6 @@ def _read_secret(key: str, path: str | None, env: str | None) -> Secret:
 
 
 def _check_file(key: str, path: str) -> str:
-    from rollart.config.loader import ConfigError
-
     full = os.path.expanduser(path)
     try:
         with open(full, "rb"):
@@ -207,8 +182,6 @@ def _check_file(key: str, path: str) -> str:
 def tls_context(tls: NatsTlsConfig) -> ssl.SSLContext:
     """A client :class:`ssl.SSLContext`: trusts ``tls.ca`` (else the system's CAs), presents
     ``tls.cert``/``tls.key`` when given, verifies the server unless ``verify: false``."""
-    from rollart.config.loader import ConfigError
-
     ca = _check_file("nats.tls.ca", tls.ca) if tls.ca else None
     try:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
@@ -259,44 +232,6 @@ def connect_options(ns: NatsConfig, *, local: bool = False) -> dict[str, Any]:
         if name:
             out["tls_hostname"] = name
     return out
-
-
-def bus_from_config(settings: Any = None, *, url: str | Sequence[str] | None = None,
-                    name: str = "rollart", overrides: Mapping[str, Any] | None = None,
-                    local: bool = False, replicas: int | None = None, **bus_kwargs: Any) -> NatsBus:
-    """A (not yet connected) :class:`~rollart.bus.nats.NatsBus` for ``settings`` (a RunConfig,
-    a NatsConfig, a URL string or None) with the command-line ``overrides`` of :func:`resolve`.
-
-    ``url``: connect there instead of the configured URL (an embedded server's); ``local``:
-    that server is this host's own (TLS checks the name ``localhost``). ``replicas``: the bus's
-    :attr:`~rollart.bus.nats.NatsBus.replicas` (``node.stream_replicas``; None: that of
-    ``settings`` when it is a RunConfig, else 1). ``bus_kwargs`` go to
-    NatsBus (``connect_timeout``, ...). Raises ``ConfigError`` for a setting that cannot work
-    (no URL, a URL with a password in it, an unreadable secret file, an unset variable)."""
-    from rollart.bus.nats import NatsBus
-    from rollart.config.loader import ConfigError
-    from rollart.config.schema import check_nats_url
-
-    ns = resolve(settings, overrides)
-    if url is not None:
-        servers = [url] if isinstance(url, str) else list(url)
-    else:
-        servers = list(ns.urls) or ([ns.url] if ns.url else [])
-    if not servers or servers == ["memory"]:
-        raise ConfigError("no nats-server URL to connect to: give nats.url or --nats "
-                          "(an embedded server is started by `rollart run` and `python -m rollart.node`)")
-    for i, u in enumerate(servers):
-        try:
-            check_nats_url("--nats" if len(servers) == 1 else f"nats.urls[{i}]", u, memory=False)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    bus = NatsBus(servers[0] if len(servers) == 1 else servers, name=name,
-                  auth=connect_options(ns, local=local), settings=ns, **bus_kwargs)
-    if replicas is None:
-        replicas = getattr(getattr(settings, "node", None), "stream_replicas", None)
-    if replicas is not None:
-        bus.replicas = int(replicas)
-    return bus
 
 
 def has_credentials(options: Mapping[str, Any]) -> bool:

@@ -2,9 +2,11 @@
 
 :class:`MemoryBus` is a product feature, not a test double: it lets every actor run
 in one asyncio process with no server, and it passes the same contract suite as
-:class:`rollart.bus.nats.NatsBus`. Streams and consumers live in
-:mod:`rollart.bus.memory_stream`; this module holds the bus itself, core
-publish/subscribe and request/reply, the key-value store and the object store.
+:class:`rollart.bus.nats.NatsBus`. This module holds the bus itself, core
+publish/subscribe and request/reply; the pieces below it (none imports this one):
+streams in :mod:`rollart.bus.memory_stream`, durable consumers in
+:mod:`rollart.bus.memory_consumer`, the key-value and object stores in
+:mod:`rollart.bus.memory_state`, subject rules in :mod:`rollart.bus.subjects`.
 
 Everything runs on the event loop that called :meth:`MemoryBus.connect`: timers are
 ``loop.call_later`` handles and handlers are tasks, all cancelled by :meth:`close`.
@@ -20,7 +22,7 @@ import itertools
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from rollart.bus.base import (
     Bus,
@@ -28,7 +30,6 @@ from rollart.bus.base import (
     BusTimeout,
     ConsumerSpec,
     KeyValue,
-    KVEntry,
     NoResponders,
     ObjectStore,
     PullConsumer,
@@ -36,28 +37,18 @@ from rollart.bus.base import (
     StreamSpec,
     Subscription,
 )
-from rollart.bus.memory_stream import (
-    MemoryPullConsumer,
-    Stream,
-    check_name,
-    check_subject,
-    compile_matcher,
-    subjects_overlap,
-)
+from rollart.bus.memory_consumer import MemoryPullConsumer
+from rollart.bus.memory_state import MemoryKV, MemoryObjects, as_bytes
+from rollart.bus.memory_stream import Stream
+from rollart.bus.subjects import check_name, check_subject, compile_matcher, subjects_overlap
 
 log = logging.getLogger(__name__)
 
-_KV_KEY = re.compile(r"[-/_=.a-zA-Z0-9]+")
-_KV_WATCH = re.compile(r"[-/_=.a-zA-Z0-9*>]+")
 _BUCKET = re.compile(r"[-_a-zA-Z0-9]+")
 _OWNER_CACHE_MAX = 4096
 MAX_PAYLOAD = 1024 * 1024
 """nats-server's default ``max_payload``: larger messages (data and headers) are refused;
 the object store chunks bigger blobs."""
-
-
-def _as_bytes(data) -> bytes:
-    return data if type(data) is bytes else bytes(data)
 
 
 class MemoryBus(Bus):
@@ -78,8 +69,8 @@ class MemoryBus(Bus):
         self._replies: dict[str, asyncio.Future] = {}
         self._inbox = f"_INBOX.{secrets.token_hex(8)}."
         self._inbox_ids = itertools.count(1)
-        self._kv: dict[str, _MemoryKV] = {}
-        self._objects: dict[str, _MemoryObjects] = {}
+        self._kv: dict[str, MemoryKV] = {}
+        self._objects: dict[str, MemoryObjects] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
     async def connect(self) -> None:
@@ -205,7 +196,7 @@ class MemoryBus(Bus):
         stored = dict(headers) if headers else {}
         if msg_id is not None:
             stored["Nats-Msg-Id"] = msg_id
-        data = _as_bytes(data)
+        data = as_bytes(data)
         self._check_payload("publish to", subject, data, stored)
         seq = stream.store(subject, data, stored, msg_id)
         if self._subs:  # as in NATS, a stored message is also a core message
@@ -273,9 +264,9 @@ class MemoryBus(Bus):
         self.check_connected()
         fut = self._replies.get(reply)
         if fut is None:  # not one of our requests: route it like any core message
-            self.route_core(reply, _as_bytes(data), headers)
+            self.route_core(reply, as_bytes(data), headers)
         elif not fut.done():
-            fut.set_result(Request(reply, _as_bytes(data), dict(headers) if headers else {}))
+            fut.set_result(Request(reply, as_bytes(data), dict(headers) if headers else {}))
 
     async def publish_core(
         self, subject: str, data: bytes, *, headers: dict[str, str] | None = None
@@ -283,7 +274,7 @@ class MemoryBus(Bus):
         """To live subscribers; also stored (without an ack) if a stream owns ``subject``."""
         self.check_connected()
         check_subject(subject)
-        data = _as_bytes(data)
+        data = as_bytes(data)
         self._check_payload("publish to", subject, data, headers)
         self.route_core(subject, data, headers)
         stream = self._owner_of(subject)
@@ -317,12 +308,12 @@ class MemoryBus(Bus):
     ) -> Request:
         self.check_connected()
         check_subject(subject)
-        self._check_payload("request to", subject, _as_bytes(data), headers)
+        self._check_payload("request to", subject, as_bytes(data), headers)
         inbox = f"{self._inbox}{next(self._inbox_ids)}"
         fut = self.loop.create_future()
         self._replies[inbox] = fut
         try:
-            if not self.route_core(subject, _as_bytes(data), headers, reply=inbox):
+            if not self.route_core(subject, as_bytes(data), headers, reply=inbox):
                 raise NoResponders(f"no responders on {subject!r}")
             timer = self.loop.call_later(timeout, _time_out, fut, subject, timeout)
             try:
@@ -339,7 +330,7 @@ class MemoryBus(Bus):
             raise BusError(f"invalid bucket name {bucket!r}")
         kv = self._kv.get(bucket)
         if kv is None:
-            kv = self._kv[bucket] = _MemoryKV(self, bucket)
+            kv = self._kv[bucket] = MemoryKV(self, bucket)
         return kv
 
     async def object_store(self, bucket: str) -> ObjectStore:
@@ -348,7 +339,7 @@ class MemoryBus(Bus):
             raise BusError(f"invalid bucket name {bucket!r}")
         store = self._objects.get(bucket)
         if store is None:
-            store = self._objects[bucket] = _MemoryObjects(self)
+            store = self._objects[bucket] = MemoryObjects(self)
         return store
 
 
@@ -370,97 +361,3 @@ class _Sub(Subscription):
         if self in self._bus._subs:
             self._bus._subs.remove(self)
 
-
-class _MemoryKV(KeyValue):
-    """A bucket: one revision counter, last entry per key, live watchers."""
-
-    def __init__(self, bus: MemoryBus, bucket: str):
-        self._bus = bus
-        self.bucket = bucket
-        self._entries: dict[str, KVEntry] = {}
-        self._revision = 0
-        self._watchers: list[tuple[Callable[[str], bool], asyncio.Queue]] = []
-
-    def _check(self, key: str, pattern: re.Pattern = _KV_KEY) -> None:
-        self._bus.check_connected()
-        if not isinstance(key, str) or not pattern.fullmatch(key) or key[0] == "." or key[-1] == ".":
-            raise BusError(f"invalid key {key!r} in bucket {self.bucket!r}")
-
-    async def get(self, key: str) -> KVEntry | None:
-        self._check(key)
-        e = self._entries.get(key)
-        return None if e is None or e.deleted else e
-
-    def _set(self, entry: KVEntry) -> int:
-        self._entries[entry.key] = entry
-        for match, q in self._watchers:
-            if match(entry.key):
-                q.put_nowait(entry)
-        return entry.revision
-
-    async def put(self, key: str, value: bytes) -> int:
-        self._check(key)
-        self._revision += 1
-        rev = self._set(KVEntry(key=key, value=_as_bytes(value), revision=self._revision))
-        await asyncio.sleep(0)
-        return rev
-
-    async def delete(self, key: str) -> None:
-        self._check(key)
-        self._revision += 1
-        self._set(KVEntry(key=key, value=None, revision=self._revision, deleted=True))
-        await asyncio.sleep(0)
-
-    async def watch(self, key: str) -> AsyncIterator[KVEntry]:
-        """Current entries of matching keys (oldest revision first), then every change.
-
-        As in NATS, a key whose last operation was a delete starts with its delete
-        marker. ``key`` may use ``*`` and ``>`` like a subject. Ends when the bus closes.
-        """
-        self._check(key, _KV_WATCH)
-        check_subject(key, wildcards=True)
-        match = compile_matcher(key)
-        q: asyncio.Queue = asyncio.Queue()
-        watcher = (match, q)
-        # snapshot and registration happen with no await between: nothing is missed
-        current = sorted(
-            (e for k, e in self._entries.items() if match(k)),
-            key=lambda e: e.revision,
-        )
-        self._watchers.append(watcher)
-        try:
-            for e in current:
-                yield e
-            while True:
-                e = await q.get()
-                if e is None:
-                    return
-                yield e
-        finally:
-            self._watchers.remove(watcher)
-
-    def close(self) -> None:
-        for _, q in self._watchers:
-            q.put_nowait(None)
-
-
-class _MemoryObjects(ObjectStore):
-    def __init__(self, bus: MemoryBus):
-        self._bus = bus
-        self._blobs: dict[str, bytes] = {}
-
-    async def put(self, name: str, data: bytes) -> None:
-        self._bus.check_connected()
-        self._blobs[name] = _as_bytes(data)
-
-    async def get(self, name: str) -> bytes:
-        self._bus.check_connected()
-        try:
-            return self._blobs[name]
-        except KeyError:
-            raise KeyError(name) from None
-
-    async def delete(self, name: str) -> None:
-        """Deleting a missing object is a no-op."""
-        self._bus.check_connected()
-        self._blobs.pop(name, None)

@@ -2,12 +2,13 @@
 
 Generated from the config classes, never written by hand:
 
-- keys, types and defaults from the msgspec Structs of :mod:`rollart.config.schema`, walked
-  recursively; a ``dict[str, Struct]`` (``envs``, ``actors``, ``handlers``) is documented once
+- keys, types and defaults from the msgspec Structs under :class:`rollart.config.schema.RunConfig`,
+  walked recursively; a ``dict[str, Struct]`` (``envs``, ``actors``, ``handlers``) is documented once
   under a placeholder key (``envs.<name>.sampling.temperature``);
 - meanings from each field's docstring (the string right after the field, read with ``ast``);
-- allowed values from ``Literal`` types (choices) and from the ``_in_range(...)`` and
-  ``_token(...)`` checks in each Struct's ``__post_init__`` (ranges, subject-token names);
+- allowed values from ``Literal`` types (choices) and from the ``in_range(...)`` and
+  ``subject_token(...)`` checks (:mod:`rollart.config.base`) in each Struct's
+  ``__post_init__`` (ranges, subject-token names);
 - the arguments of the built-in env types (``envs.<name>.args``) from their constructors'
   signatures and the ``Args:`` section of their class docstrings.
 """
@@ -15,6 +16,7 @@ Generated from the config classes, never written by hand:
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import json
 import re
@@ -27,6 +29,9 @@ from typing import Any, Iterator, Literal
 import msgspec
 
 from rollart.config.loader import field_docs
+from rollart.config.schema import RunConfig
+from rollart.envs.gym import GymEnv
+from rollart.envs.registry import BUILTIN_ENVS
 
 WIDTH = 88
 """Line width the meanings are wrapped to."""
@@ -150,8 +155,8 @@ def _range_text(ge: Any = None, gt: Any = None, le: Any = None, lt: Any = None) 
 
 def checks(typ: type) -> dict[str, str]:
     """Allowed values stated by ``typ.__post_init__``: ``{field: "in (0, 1]" | ">= 1" | ...}``,
-    read from its ``_in_range(self, prefix, "names", ge=..)`` and ``_token(prefix, name, ..)``
-    calls (also inside a ``for name in (...)`` loop)."""
+    read from its ``in_range(self, prefix, "names", ge=..)`` and ``subject_token(prefix, name,
+    ..)`` calls (also inside a ``for name in (...)`` loop)."""
     fn = typ.__dict__.get("__post_init__")
     if fn is None:
         return {}
@@ -173,7 +178,7 @@ def checks(typ: type) -> dict[str, str]:
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
             continue
-        if node.func.id == "_in_range" and len(node.args) >= 3:
+        if node.func.id == "in_range" and len(node.args) >= 3:
             try:
                 names = _const(node.args[2], module)
                 bounds = {k.arg: _const(k.value, module) for k in node.keywords if k.arg}
@@ -181,7 +186,7 @@ def checks(typ: type) -> dict[str, str]:
                 continue
             for name in str(names).split():
                 out[name] = _range_text(**bounds)
-        elif node.func.id == "_token" and len(node.args) >= 2:
+        elif node.func.id == "subject_token" and len(node.args) >= 2:
             arg = node.args[1]
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 out[arg.value] = TOKEN_RULE
@@ -295,10 +300,6 @@ def env_args(name: str, cls: Any, skip: tuple[str, ...] = ()) -> list[Key]:
 
 
 def _builtin_envs() -> list[tuple[str, list[Key]]]:
-    import importlib
-
-    from rollart.envs.registry import BUILTIN_ENVS
-
     out = []
     for short, path in sorted(BUILTIN_ENVS.items()):
         mod, _, attr = path.partition(":")
@@ -307,12 +308,7 @@ def _builtin_envs() -> list[tuple[str, list[Key]]]:
         except Exception:  # an optional dependency missing at import time: leave it out
             continue
         out.append((f"type: {short}", env_args(short, cls)))
-    try:
-        from rollart.envs.gym import GymEnv
-
-        out.append(('type: "gym:<id>" (any registered gymnasium id)', env_args("gym", GymEnv, ("env_id",))))
-    except Exception:
-        pass
+    out.append(('type: "gym:<id>" (any registered gymnasium id)', env_args("gym", GymEnv, ("env_id",))))
     return out
 
 
@@ -341,8 +337,6 @@ def _line(k: Key, indent: str = "") -> list[str]:
 def document(typ: type | None = None, *, env_types: bool = True) -> str:
     """The text of ``rollart config --doc``: every key of ``typ`` (default: RunConfig)."""
     if typ is None:
-        from rollart.config.schema import RunConfig
-
         typ = RunConfig
     lines = [
         f"# Every key of a rollart config ({typ.__name__}), generated from rollart.config.schema.",

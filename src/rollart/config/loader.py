@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -10,11 +13,11 @@ from typing import Any, TypeVar
 import msgspec
 import yaml
 
+from rollart.errors import ConfigError
+
+__all__ = ["ConfigError", "convert", "describe", "field_docs", "load", "load_yaml"]
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key and what is allowed."""
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -76,6 +79,11 @@ def load(path: str | Path, typ: type[T]) -> T:
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
+MOVED = {"proxy.replicas": "actors.generate.replicas", "reward.replicas": "actors.reward.replicas"}
+"""Keys an earlier release had, and the key that took their place (one replica setting per
+role): a config that still uses one is told where it went."""
+
+
 def _explain(msg: str, root: type, prefix: str = "") -> str:
     """Turn msgspec's ``... - at `$.a.b``` into ``a.b: ...`` plus the allowed keys or values."""
     m = _AT.search(msg)
@@ -88,6 +96,8 @@ def _explain(msg: str, root: type, prefix: str = "") -> str:
         where = _resolve(root, path)
         allowed = sorted(where.__struct_fields__) if _is_struct(where) else []
         full = f"{key}.{unknown.group(1)}" if (path or prefix) else unknown.group(1)
+        if full in MOVED:
+            return f"'{full}' is now '{MOVED[full]}'"
         return f"unknown key '{full}'; allowed keys here: {', '.join(allowed)}"
     missing = re.match(r"Object missing required field `(.+)`", text)
     if missing:
@@ -142,7 +152,7 @@ def _resolve(root: Any, path: str) -> Any:
 def _unwrap(t: Any) -> Any:
     """Strip Optional/Union to the first Struct member, if any."""
     args = typing.get_args(t)
-    if args and typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if args and typing.get_origin(t) in (typing.Union, types.UnionType):
         for a in args:
             if _is_struct(a):
                 return a
@@ -165,9 +175,6 @@ def describe(typ: type, indent: str = "") -> str:
 
 def field_docs(typ: type) -> dict[str, str]:
     """Field docstrings: the string literal right after each field in the class body."""
-    import ast
-    import inspect
-
     try:
         tree = ast.parse(inspect.getsource(typ))
     except (OSError, TypeError):

@@ -15,24 +15,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
+from rollart.config.base import Base
 
 POOLED_ROLES = ("env", "generate", "reward")
 """Roles whose work subjects carry a pool token: with ``pools`` declared each must be mapped."""
 
 
-class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    pass
-
-
-class PoolConfig(_Base):
+class PoolConfig(Base):
     description: str = ""
     """What the pool's hosts are (free text, shown by ``rollart nodes``)."""
     tags: list[str] = []
     """Hardware tags (``gpu``, ``prefill``, ``cpu``...): documentation for people and tools."""
 
 
-class RouteWhen(_Base):
+class RouteWhen(Base):
     """Conditions of a route rule; all that are set must hold."""
 
     prompt_tokens_gt: int | None = None
@@ -54,7 +50,7 @@ class RouteWhen(_Base):
                 and (self.env is None or env == self.env))
 
 
-class RouteRule(_Base):
+class RouteRule(Base):
     pool: str
     """The generation pool of a turn this rule matches (a key of ``pools``)."""
     when: RouteWhen | None = None

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import msgspec
+from rollart.config.base import Base
 
 
-class TracingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+class TracingConfig(Base):
     exporter: Literal["none", "console", "jsonl", "otlp"] = "none"
     """Where spans and metrics go: ``none`` (neither), ``console`` (stdout), ``jsonl``
     (``<run_dir>/<run>/traces.jsonl``, one span a line; ``otel-metrics.jsonl``) or ``otlp`` (an OpenTelemetry

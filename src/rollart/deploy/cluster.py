@@ -24,6 +24,8 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollart.bus.server_config import config_text, sections, setting
+
 CLUSTER_NAME = "rollart"
 ROUTE_USER = "route"
 
@@ -43,17 +45,15 @@ def server_urls(servers: int, hosts: Sequence[str] | None = None, client_port: i
 def _secure_blocks(secure: Path) -> tuple[str, bool]:
     """The ``tls``, ``authorization`` (and ``max_payload``) of a ``rollart secure init`` folder's
     server.conf, as config text; and whether it has TLS."""
-    from rollart.bus.server import _config_text, _sections, _setting
-
     conf = secure / "server.conf"
     if not conf.is_file():
         raise ValueError(f"--secure {secure}: no server.conf here; give a folder written by "
                          "`rollart secure init`")
-    top, blocks = _sections(_config_text(conf))
+    top, blocks = sections(config_text(conf))
     if "authorization" not in blocks:
         raise ValueError(f"--secure {secure}: its server.conf has no authorization block")
     out = [f"# users and TLS from {conf} (`rollart secure init`)"]
-    payload = _setting(top, "max_payload")
+    payload = setting(top, "max_payload")
     if payload:
         out.append(f"max_payload: {payload}")
     for name in ("tls", "authorization"):

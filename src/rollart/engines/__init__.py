@@ -1,12 +1,14 @@
 """Generation engines.
 
 `rollart.engines.base` (the interface, no torch import) is re-exported here; the torch
-engine and the tiny-model builder are imported lazily so that importing this package does not
-import torch.
+engine and the tiny-model builder import torch, so they are imported lazily (importing this
+package does not import torch; the batcher, the vLLM and the SGLang clients import what
+needs torch or the engine lazily themselves).
 """
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import Any
 
 from .base import (
@@ -22,6 +24,9 @@ from .base import (
     save_weights,
     validate_choices,
 )
+from .batched import BatchedEngine
+from .sglang_engine import SglangEngine
+from .vllm_engine import VllmEngine
 
 __all__ = [
     "AsyncEngine",
@@ -44,8 +49,6 @@ __all__ = [
 def missing_for(name: str) -> str | None:
     """What ``proxy.engine: name`` needs that this Python lacks (an install hint), or None.
     Cheap (no import of the engine): for a clear error before a run starts."""
-    from importlib.util import find_spec
-
     if name == "vllm" and find_spec("vllm") is None:
         return ("proxy.engine 'vllm' needs vLLM, which is not installed here: pip install "
                 "'rollart[vllm]' (GPU) or, on CPU, make setup-vllm (see README: Engines)")
@@ -71,8 +74,6 @@ def build_engine(name: str, model_dir: str, *, seed: int = 0, threads: int | Non
     last engine call's duration, at most 50 ms)."""
     args = dict(engine_args or {})
     if name == "torch":
-        from .batched import BatchedEngine
-
         bad = sorted(set(args) - TORCH_ENGINE_ARGS)
         if bad:
             raise ValueError(f"proxy.engine_args.{bad[0]}: not an argument of the torch engine "
@@ -87,23 +88,20 @@ def build_engine(name: str, model_dir: str, *, seed: int = 0, threads: int | Non
             eng.gather_max_s = float(gmax) / 1e3
         return eng
     if name == "vllm":
-        from .vllm_engine import VllmEngine
-
         return VllmEngine(model_dir, seed=seed, threads=threads, engine_args=args)
     if name == "sglang":
-        from .sglang_engine import SglangEngine
-
         return SglangEngine(model_dir, seed=seed, engine_args=args)
     raise ValueError(f"proxy.engine {name!r} is not one of torch, vllm, sglang")
 
 
 def __getattr__(name: str):
     if name == "TorchGenerationEngine":
+        # optional dependency: this module imports torch
         from .torch_engine import TorchGenerationEngine
 
         return TorchGenerationEngine
     if name == "build_tiny_model":
-        from .tiny import build_tiny_model
+        from .tiny import build_tiny_model  # optional dependency: this module imports torch
 
         return build_tiny_model
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

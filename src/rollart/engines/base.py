@@ -244,7 +244,7 @@ def save_weights(state_dict: dict[str, Any], path: str | Path) -> Path:
     Tensors are copied to contiguous CPU tensors first, so tied (shared) parameters are
     written as separate entries and `load_weights(strict)` finds every name.
     """
-    import torch
+    import torch  # optional dependency
     from safetensors.torch import save_file
 
     path = Path(path)

@@ -141,6 +141,7 @@ class BatchedEngine(AsyncEngine):
         """A BatchedEngine of a ``TorchGenerationEngine`` (built on :meth:`start`)."""
 
         def build() -> GenerationEngine:
+            # optional dependency: this module imports torch
             from .torch_engine import TorchGenerationEngine
 
             return TorchGenerationEngine(model_dir, threads=threads, seed=seed, **engine_kw)
@@ -329,7 +330,7 @@ class BatchedEngine(AsyncEngine):
     def _load_bytes(self, data: bytes, version: int) -> None:
         eng = self.engine
         if hasattr(eng, "load_state_dict"):
-            from safetensors.torch import load
+            from safetensors.torch import load  # optional dependency
 
             try:
                 sd = load(data)

@@ -204,7 +204,7 @@ def session_cache(mb: float, new_cache: Callable[[], object]) -> SessionKVCache 
 def _plain_dynamic_cache(new_cache: Callable[[], object]) -> bool:
     """Whether the caches `new_cache` builds keep one K/V per position in every layer (what
     the session cache stores and rebuilds); False for sliding windows, linear attention."""
-    try:
+    try:  # optional dependency
         from transformers.cache_utils import DynamicLayer
 
         cache = new_cache()

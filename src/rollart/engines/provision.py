@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
-from typing import Any
+
+import msgspec
+
+from rollart.config import RunConfig
 
 
-def model_dir(run_cfg: Any) -> Path:
+def model_dir(run_cfg: RunConfig) -> Path:
     """The model folder of ``run_cfg``; builds the configured tiny model if no path is set."""
     mc = run_cfg.model
     if mc.path:
@@ -15,11 +19,7 @@ def model_dir(run_cfg: Any) -> Path:
             raise ValueError(f"model.path {str(p)!r} holds no config.json (a local HF model folder)")
         return p
     t = mc.tiny
-    from rollart.engines.tiny import build_tiny_model
-
-    import hashlib
-
-    import msgspec
+    from rollart.engines.tiny import build_tiny_model  # optional dependency: it imports torch
 
     tag = hashlib.sha256(msgspec.json.encode(t)).hexdigest()[:8]
     name = f"tiny-v{t.vocab_size}-h{t.hidden_size}-l{t.num_layers}-s{t.seed}-{tag}"

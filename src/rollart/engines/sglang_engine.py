@@ -74,6 +74,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rollart.aio import first_of
+
 from .base import (
     FINISH_INTERRUPTED,
     PAUSE_MODES,
@@ -184,7 +186,7 @@ class SglangEngine(SglangRequests, AsyncEngine):
             return
         if self._closed:
             raise RuntimeError("the sglang engine is closed")
-        try:
+        try:  # optional dependency
             import aiohttp
         except ImportError:
             raise RuntimeError(AIOHTTP_HINT) from None
@@ -288,13 +290,7 @@ class SglangEngine(SglangRequests, AsyncEngine):
         self._reqs[request_id] = st
         try:
             while not self._open.is_set() and not st.aborted:  # paused: wait for resume
-                waiters = {asyncio.ensure_future(self._open.wait()),
-                           asyncio.ensure_future(st.woken.wait())}
-                try:
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waiters:
-                        w.cancel()
+                await first_of(self._open.wait(), st.woken.wait())
             version = int(self.version)
             if st.aborted:
                 raise EngineAborted(request_id, GenOutput([], [], FINISH_INTERRUPTED, version),

@@ -46,6 +46,7 @@ SGLang API facts this relies on (``python/sglang/srt``, SGLang 0.4.x-0.5.x)
 
 from __future__ import annotations
 
+import builtins
 import functools
 import json
 import math
@@ -108,8 +109,6 @@ class _BuildFromSource:
         self.source, self.name = source, name
 
     def __reduce__(self):
-        import builtins
-
         expr = (f"(lambda ns: (exec({self.source!r}, ns), ns[{self.name!r}])[1])"
                 f"({{'__name__': 'rollart_sglang_processor'}})")
         return (builtins.eval, (expr, {}))

@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rollart.procs import die_with_parent
+
 __all__ = [
     "INSTALL_HINT",
     "server_flags",
@@ -115,13 +117,6 @@ def tail(path: Path | None, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @functools.lru_cache(maxsize=8)
 def sglang_unavailable_reason(python: str | None = None) -> str | None:
     """None when ``python`` (default ``$ROLLART_SGLANG_PYTHON`` or this interpreter) has
@@ -131,7 +126,7 @@ def sglang_unavailable_reason(python: str | None = None) -> str | None:
         if importlib.util.find_spec("sglang") is None:
             return ("sglang is not installed (pip install uv && uv pip install sglang, or "
                     "$ROLLART_SGLANG_PYTHON naming an interpreter that has it)")
-        try:
+        try:  # optional dependency
             import torch
         except ImportError:
             return "torch is not installed"
@@ -188,7 +183,7 @@ def spawn_server(command: list[str], log_path: Path, env: Mapping[str, str]
                and threading.current_thread() is threading.main_thread())
         return subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=full_env, start_new_session=True, preexec_fn=_die_with_parent if tie else None)
+            env=full_env, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM) if tie else None)
 
 
 def exited_error(proc: subprocess.Popen | None, command: list[str] | None,

@@ -158,6 +158,7 @@ def _args_record(
 
 
 def _train_tokenizer(vocab_size: int, corpus: list[str]):
+    # optional dependency
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -243,7 +244,7 @@ def build_tiny_model(
     if _manifest_matches(out_dir, record):
         return out_dir
 
-    import torch
+    import torch  # optional dependency
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, TokenizersBackend
 
     texts = _builtin_corpus() + list(corpus or [])

@@ -34,10 +34,10 @@ from .base import (
     GenerationEngine,
     GenInput,
     GenOutput,
+    save_weights,
     validate_choices,
 )
-from . import kv_cache
-from .kv_cache import SessionKVCache
+from .kv_cache import Hit, SessionKVCache, cached_prefill_batch, lookup, row_kv, session_cache
 
 __all__ = ["TorchGenerationEngine", "allowed_after", "build_choice_trie"]
 
@@ -111,7 +111,7 @@ class TorchGenerationEngine(GenerationEngine):
         version: int = 0,
         kv_cache_mb: float = 256,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # optional dependency
 
         if threads is not None:
             torch.set_num_threads(int(threads))
@@ -154,10 +154,10 @@ class TorchGenerationEngine(GenerationEngine):
         # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
         params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._kv = kv_cache.session_cache(kv_cache_mb, self._new_cache)
+        self._kv = session_cache(kv_cache_mb, self._new_cache)
 
     def _new_cache(self):
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # optional dependency
 
         return DynamicCache(config=self.model.config)
 
@@ -170,7 +170,7 @@ class TorchGenerationEngine(GenerationEngine):
     def tokenizer(self):
         """The tokenizer saved next to the model (loaded on first use)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional dependency
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         return self._tokenizer
@@ -216,7 +216,7 @@ class TorchGenerationEngine(GenerationEngine):
             return [GenOutput([], [], finish[i]) for i in range(n)]
 
         dev = self.device
-        hits = kv_cache.lookup(self._kv, [(inputs[i].session, inputs[i].prompt_ids) for i in rows])
+        hits = lookup(self._kv, [(inputs[i].session, inputs[i].prompt_ids) for i in rows])
         out, attn = self._prefill(inputs, rows, hits)
         next_pos = torch.tensor([len(inputs[i].prompt_ids) for i in rows], dtype=torch.long,
                                 device=dev)
@@ -252,7 +252,7 @@ class TorchGenerationEngine(GenerationEngine):
                 elif finish[i] != FINISH_INTERRUPTED and self._kv is not None and inputs[i].session:
                     # Before the row leaves the batch cache: all it has seen but its last token.
                     seen = list(inputs[i].prompt_ids) + out_tokens[i][:-1]
-                    to_store.append((inputs[i].session, seen, kv_cache.row_kv(cache, attn, r)))
+                    to_store.append((inputs[i].session, seen, row_kv(cache, attn, r)))
             if not keep:
                 break
             if len(keep) < len(rows):
@@ -282,13 +282,13 @@ class TorchGenerationEngine(GenerationEngine):
             self._kv.put_rows(to_store)
         return [GenOutput(out_tokens[i], out_lps[i], finish[i]) for i in range(n)]
 
-    def _prefill(self, inputs: list[GenInput], rows: list[int], hits: list[kv_cache.Hit]):
+    def _prefill(self, inputs: list[GenInput], rows: list[int], hits: list[Hit]):
         """Read the prompts of `rows`, left-padded: only what follows each row's reused prefix
         if any row hits, else from scratch; return (model output, attention mask over all
         positions, cached ones included)."""
         prompts = [inputs[i].prompt_ids for i in rows]
         if any(reuse for _, reuse in hits):
-            ids, attn, pos, cache = kv_cache.cached_prefill_batch(
+            ids, attn, pos, cache = cached_prefill_batch(
                 prompts, hits, self.pad_token_id, self._new_cache())
             return self._prefill_forward(ids, attn, pos, cache), attn.to(self.device)
         width = max(len(p) for p in prompts)
@@ -373,7 +373,7 @@ class TorchGenerationEngine(GenerationEngine):
         unknown names; a tied parameter may be present under either name. Nothing is changed
         if the check fails. dtypes are converted to the engine's dtype.
         """
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # optional dependency
 
         path = Path(path)
         try:
@@ -417,7 +417,7 @@ class TorchGenerationEngine(GenerationEngine):
 
     def state_dict_bytes(self) -> bytes:
         """The current weights as safetensors bytes (tied tensors written under each name)."""
-        from safetensors.torch import save
+        from safetensors.torch import save  # optional dependency
 
         tensors = {
             k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()
@@ -426,8 +426,6 @@ class TorchGenerationEngine(GenerationEngine):
 
     def save_weights(self, path: str | Path) -> Path:
         """Write the current weights to a safetensors file (atomically)."""
-        from .base import save_weights
-
         return save_weights(self.model.state_dict(), path)
 
     def forget(self, sessions) -> None:

@@ -19,10 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import _TYPES, save_file
 
 from rollart.algos.losses import LossConfig, entropy_per_token, kl_k3, kl_k3_per_token, policy_loss
 from rollart.algos.reduce import agg_units, aggregate, masked_mean
+from rollart.engines.digest import TensorDigest, file_content_digest
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class TorchTrainBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
     def _load_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # optional dependency
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, local_files_only=True)
         return model.to(self.device).eval()
@@ -317,7 +318,7 @@ class TorchTrainBackend:
 
     def weights_digest(self) -> str:
         """The content digest (``"tensors-sha256:<hex>"``, see
-        :func:`rollart.actors.policy.file_content_digest`) of the current weights, without
+        :func:`rollart.engines.digest.file_content_digest`) of the current weights, without
         writing them: equal to what :meth:`save_weights` would return now."""
         return tensors_digest(self._weight_tensors())
 
@@ -325,8 +326,6 @@ class TorchTrainBackend:
         """Write the model's state dict as one safetensors file (atomically: temp file,
         fsync, rename) and return the file's content digest ``"tensors-sha256:<hex>"``
         (tensor names, dtypes, shapes and data; independent of the header's byte order)."""
-        from rollart.actors.policy import file_content_digest
-
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
         save_file(self._weight_tensors(), tmp,
@@ -366,16 +365,12 @@ _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """The content digest of ``tensors`` as a safetensors file of them would have it
-    (:func:`rollart.actors.policy.file_content_digest`), computed from memory."""
-    from rollart.actors.policy import TensorDigest
-
+    (:func:`rollart.engines.digest.file_content_digest`), computed from memory."""
     d = TensorDigest()
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
         dtype = _SAFETENSORS_DTYPES.get(t.dtype)
         if dtype is None:
-            from safetensors.torch import _TYPES
-
             dtype = next((k for k, v in _TYPES.items() if v == t.dtype), None)
             if dtype is None:
                 raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name")

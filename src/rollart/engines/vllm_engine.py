@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollart.aio import first_of
+
 from .base import (
     FINISH_CHOICE,
     FINISH_INTERRUPTED,
@@ -76,7 +78,7 @@ _ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, 
 
 
 def _import_vllm():
-    try:
+    try:  # optional dependency
         import vllm
     except ImportError as e:
         raise RuntimeError(INSTALL_HINT) from e
@@ -253,7 +255,7 @@ class VllmEngine(AsyncEngine):
 
     # ------------------------------------------------------------------ lifecycle
     def _engine_args(self, vllm) -> Any:
-        from vllm import AsyncEngineArgs
+        from vllm import AsyncEngineArgs  # optional dependency
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
@@ -302,7 +304,7 @@ class VllmEngine(AsyncEngine):
         # vLLM logs ~10 INFO lines per weight update (VLLM_LOGGING_LEVEL=INFO brings them back)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = await asyncio.to_thread(_import_vllm)
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams  # optional dependency
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._sp_cls, self._output_kind = SamplingParams, RequestOutputKind.FINAL_ONLY
@@ -374,14 +376,8 @@ class VllmEngine(AsyncEngine):
             raise ValueError(f"request {request_id!r} is already in flight")
         req = self._reqs[request_id] = _Req()
         try:
-            if not self._serving.is_set():
-                waits = [asyncio.ensure_future(self._serving.wait()),
-                         asyncio.ensure_future(req.abort_event.wait())]
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waits:
-                        w.cancel()
+            while not self._serving.is_set() and not req.aborted:  # paused: wait for resume
+                await first_of(self._serving.wait(), req.abort_event.wait())
             if req.aborted:
                 raise EngineAborted(request_id, GenOutput([], [], FINISH_INTERRUPTED, self.version),
                                     self.version)
@@ -405,7 +401,7 @@ class VllmEngine(AsyncEngine):
             async for out in self._llm.generate({"prompt_token_ids": list(prompt)}, sp, vid):
                 final = out
         except Exception as e:
-            from vllm.exceptions import VLLMClientError
+            from vllm.exceptions import VLLMClientError  # optional dependency
 
             if isinstance(e, VLLMClientError):
                 raise ValueError(str(e)) from e

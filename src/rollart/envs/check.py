@@ -30,15 +30,15 @@ import asyncio
 import concurrent.futures
 import difflib
 import inspect
-import random
 import string
 import threading
 from typing import Any, Iterable
 
-from rollart.config.loader import ConfigError
+from rollart.aio import retry
 from rollart.envs.actions import compile_pattern
 from rollart.envs.registry import BUILTIN_ENVS, resolve_env_class
 from rollart.envs.runner import EnvError, EnvRunner, EnvTimeout, _describe
+from rollart.errors import ConfigError
 
 try:  # the runner's permanent kinds of EnvError
     from rollart.envs.runner import EnvContractError, EnvSetupError
@@ -64,6 +64,10 @@ class EnvCheckError(ConfigError):
 
 class _Fail(Exception):
     """One env's problem (internal)."""
+
+
+class _Again(Exception):
+    """A construction or reset that failed in a way a fresh env may not (internal)."""
 
 
 # -- static part -------------------------------------------------------------------------
@@ -188,43 +192,48 @@ async def _exercise(name: str, ec: Any, seed: int) -> None:
     """Construct, reset and (with legal actions) step one env of ``ec``; raise ``_Fail``."""
     where = f"envs.{name}"
     attempts = ec.reset_retries + 1
-    last = ""
     runner: EnvRunner | None = None
-    try:
-        for attempt in range(1, attempts + 1):
-            runner = EnvRunner(ec.type, dict(ec.args), executor=ec.executor,
-                               timeout=ec.step_timeout, start_timeout=START_TIMEOUT)
-            try:
-                await runner.start()
-            except EnvTimeout as e:
-                raise _Fail(f"{where}: constructing {ec.type!r} ({ec.executor}) did not finish "
-                            f"within {START_TIMEOUT:g}s") from e
-            except EnvError as e:
-                if _is_setup(e):  # a bad type, bad args, a constructor that raised
-                    raise _Fail(f"{where}: cannot construct {ec.type!r} with args "
-                                f"{dict(ec.args)!r:.200}: {_cause(e)}") from e
-                last = f"construction failed: {_cause(e)}"
-            else:
-                try:
-                    obs, info = await runner.reset(seed, timeout=ec.reset_timeout)
-                    break
-                except EnvTimeout as e:
-                    raise _Fail(f"{where}: reset({seed}) did not return within {ec.reset_timeout:g}s "
-                                f"(envs.{name}.reset_timeout; or set envs.{name}.check: false)") from e
-                except EnvError as e:
-                    if _is_contract(e):  # a wrong shape: the same every time
-                        raise _Fail(f"{where}: {e}") from e
-                    last = _cause(e)  # the env raised: maybe flaky, try a fresh one
-                except Exception as e:  # normalising the result failed (e.g. info not a dict)
-                    raise _Fail(f"{where}: reset() must return (observation: str, info: dict): "
-                                f"{_describe(e)}") from e
-            await runner.close()
-            runner = None
-            if attempt < attempts:
-                await asyncio.sleep(min(2.0, 0.05 * 2 ** (attempt - 1)) * (0.5 + random.random() / 2))
+
+    async def fresh() -> None:
+        """Construct and reset one env into ``runner``; ``_Again`` when a fresh one may do."""
+        nonlocal runner
+        runner = EnvRunner(ec.type, dict(ec.args), executor=ec.executor,
+                           timeout=ec.step_timeout, start_timeout=START_TIMEOUT)
+        try:
+            await runner.start()
+        except EnvTimeout as e:
+            raise _Fail(f"{where}: constructing {ec.type!r} ({ec.executor}) did not finish "
+                        f"within {START_TIMEOUT:g}s") from e
+        except EnvError as e:
+            if _is_setup(e):  # a bad type, bad args, a constructor that raised
+                raise _Fail(f"{where}: cannot construct {ec.type!r} with args "
+                            f"{dict(ec.args)!r:.200}: {_cause(e)}") from e
+            why = f"construction failed: {_cause(e)}"
         else:
+            try:
+                await runner.reset(seed, timeout=ec.reset_timeout)
+                return
+            except EnvTimeout as e:
+                raise _Fail(f"{where}: reset({seed}) did not return within {ec.reset_timeout:g}s "
+                            f"(envs.{name}.reset_timeout; or set envs.{name}.check: false)") from e
+            except EnvError as e:
+                if _is_contract(e):  # a wrong shape: the same every time
+                    raise _Fail(f"{where}: {e}") from e
+                why = _cause(e)  # the env raised: maybe flaky, try a fresh one
+            except Exception as e:  # normalising the result failed (e.g. info not a dict)
+                raise _Fail(f"{where}: reset() must return (observation: str, info: dict): "
+                            f"{_describe(e)}") from e
+        await runner.close()
+        runner = None
+        raise _Again(why)
+
+    try:
+        try:
+            await retry(fresh, retry_on=_Again, what=f"{where}: reset({seed})", attempts=attempts,
+                        base=0.05, cap=2.0, quiet=True)
+        except _Again as e:
             raise _Fail(f"{where}: reset({seed}) failed {attempts} times "
-                        f"(1 + envs.{name}.reset_retries): {last}")
+                        f"(1 + envs.{name}.reset_retries): {e}") from None
         assert runner is not None
         legal = runner.legal_actions()
         if legal:

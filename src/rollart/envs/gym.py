@@ -46,7 +46,7 @@ _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 def _gymnasium() -> Any:
     try:
-        import gymnasium
+        import gymnasium  # optional: the envs extra
     except ImportError as e:
         raise ImportError(f"env type '{PREFIX}...' needs gymnasium: pip install gymnasium "
                           f"(or pip install 'rollart[envs]'): {e}") from e
@@ -82,7 +82,7 @@ def find_spec(env_id: str) -> Any:
 
 
 def _supports_ansi(spec: Any) -> bool:
-    from gymnasium.envs.registration import load_env_creator
+    from gymnasium.envs.registration import load_env_creator  # optional: the envs extra
 
     creator = spec.entry_point
     try:
@@ -117,7 +117,7 @@ def _obs_text(obs: Any) -> str:
     if isinstance(obs, tuple):
         return " ".join(_obs_text(v) for v in obs)
     if hasattr(obs, "shape") and hasattr(obs, "tolist"):  # numpy arrays and scalars
-        import numpy as np
+        import numpy as np  # optional: comes with torch or gymnasium
 
         if getattr(obs, "ndim", 0) == 0:
             return _obs_text(obs.item())
@@ -236,7 +236,7 @@ class GymEnv:
             return i
         if isinstance(space, gym.spaces.Text):
             return a if space.contains(a) else None
-        import numpy as np
+        import numpy as np  # optional: comes with torch or gymnasium
 
         nums = _NUMBER.findall(a)
         want = int(np.prod(space.shape))

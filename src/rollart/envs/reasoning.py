@@ -32,7 +32,7 @@ class ReasoningGymEnv:
                  dataset_seed: int = 0, success_threshold: float = 0.99,
                  instruction: str | None = None) -> None:
         try:
-            import reasoning_gym
+            import reasoning_gym  # optional: the envs extra
         except ImportError as e:
             raise ImportError("the reasoning_gym env needs the reasoning-gym package: "
                               "pip install 'rollart[envs]'") from e

@@ -8,6 +8,7 @@ import inspect
 from typing import Any, Callable
 
 from rollart.envs.base import Env
+from rollart.envs.gym import factory
 
 BUILTIN_ENVS: dict[str, str] = {
     "frozenlake": "rollart.envs.frozenlake:FrozenLakeEnv",
@@ -29,8 +30,6 @@ def resolve_env_class(type: str) -> Callable[..., Env]:
     gymnasium does not know).
     """
     if type.startswith(GYM_PREFIX):
-        from rollart.envs.gym import factory
-
         return factory(type[len(GYM_PREFIX):])
     path = BUILTIN_ENVS.get(type, type)
     mod_name, sep, attr = path.partition(":")

@@ -51,6 +51,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Literal
 
 from rollart.envs.base import ResetResult, StepResult, legal_actions_of
+from rollart.envs.registry import make_env
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,6 @@ def _worker_main(conn: Any, env_type: str, env_args: dict, sys_path: list[str]) 
         except Exception as e:  # e.g. an unpicklable info value
             conn.send((seq, False, f"could not send result: {_describe(e)}"))
 
-    from rollart.envs.registry import make_env
     try:
         env = make_env(env_type, env_args)
     except BaseException as e:
@@ -362,7 +362,6 @@ class EnvRunner:
                  max_abandoned_threads: int | None = None) -> None:
         args = dict(args or {})
         if executor == "thread":
-            from rollart.envs.registry import make_env
             self._backend: Any = _ThreadBackend(lambda: make_env(type, args), type)
         elif executor == "process":
             self._backend = _ProcessBackend(type, args, mp_context)

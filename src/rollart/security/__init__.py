@@ -5,7 +5,7 @@
   grants them (pure functions; no third-party imports).
 - :mod:`rollart.security.init`: ``rollart secure init``: a CA, a server certificate, one
   password per role and the server config (needs ``pip install 'rollart[secure]'``).
-- :mod:`rollart.security.cli`: the ``rollart secure`` commands.
+- :mod:`rollart.app.secure`: the ``rollart secure`` commands.
 """
 
 from rollart.security.permissions import ROLES, role_permissions, server_config

@@ -28,11 +28,11 @@ _MISSING = "rollart secure needs `cryptography` and `bcrypt`: pip install 'rolla
 
 def _deps():
     try:
-        import bcrypt
-        from cryptography import x509
+        import bcrypt  # optional: the secure extra
+        from cryptography import x509  # optional: the secure extra
         from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+        from cryptography.hazmat.primitives.asymmetric import ec  # optional: the secure extra
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # optional: the secure extra
     except ImportError as e:
         raise RuntimeError(f"{_MISSING} ({e})") from None
     return bcrypt, x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID

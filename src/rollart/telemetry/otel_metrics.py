@@ -25,6 +25,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from rollart.telemetry.tracing import PIP, TracingUnavailable
+
 _m: Any = None
 """The instruments while metrics are set up, else None (every helper is then a no-op)."""
 _busy: dict[str, Busy] = {}
@@ -56,11 +58,20 @@ def redelivery(durable: str, subject: str) -> None:
         _m.redeliveries.add(1, {"durable": durable, "subject": subject})
 
 
+def reason_kind(reason: str) -> str:
+    """The stable leading token of a failure reason (``env_setup: ...`` → ``env_setup``):
+    dead letters are counted by it here, in the trainer's ledger and in ``rollart top``."""
+    head = reason.split(":", 1)[0].strip()
+    if head and len(head) <= 40 and " " not in head:
+        return head
+    return " ".join(reason.split()[:4])[:60] or "unknown"
+
+
 def dead_letter(reason: str, kind: str = "permanent") -> None:
     """A dead letter was published (``reason``: counted by its kind, ``env_setup: ...`` ->
     ``env_setup``)."""
     if _m is not None:
-        _m.dead_letters.add(1, {"reason": _m.reason_kind(reason), "kind": kind})
+        _m.dead_letters.add(1, {"reason": reason_kind(reason), "kind": kind})
 
 
 def engine_batch(rows: int, waiting: int, pool: str) -> None:
@@ -134,9 +145,7 @@ def setup_metrics(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
     cfg = getattr(cfg, "tracing", cfg)
     if cfg is None or cfg.exporter == "none":
         return lambda: None
-    from rollart.telemetry.tracing import PIP, TracingUnavailable
-
-    try:
+    try:  # optional dependency: the OpenTelemetry SDK, only once metrics are set up
         from opentelemetry.metrics import Observation
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
@@ -145,7 +154,6 @@ def setup_metrics(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
         raise TracingUnavailable(
             f"tracing.exporter {cfg.exporter!r} needs the OpenTelemetry SDK, which is not "
             f"installed ({e}): {PIP}, or set tracing.exporter: none") from None
-    from rollart.actors.ledger import reason_kind
 
     resource = Resource.create({"service.name": service_name, "host.name": socket.gethostname(),
                                 "process.pid": os.getpid()})
@@ -162,7 +170,7 @@ def setup_metrics(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
                 del _busy[r]
         return out
 
-    i = SimpleNamespace(reason_kind=reason_kind)
+    i = SimpleNamespace()
     i.trajectories = meter.create_counter(
         "rollart.trajectories", "{trajectory}", "Trajectories ended on EnvManagers, by outcome")
     i.staleness = meter.create_histogram(
@@ -201,10 +209,8 @@ def setup_metrics(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
 
 
 def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
-    from rollart.telemetry.tracing import PIP, TracingUnavailable
-
     if cfg.exporter == "console":
-        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter  # optional dependency
 
         return ConsoleMetricExporter()
     if cfg.exporter == "jsonl":
@@ -212,7 +218,7 @@ def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
             raise ValueError("tracing.exporter 'jsonl' needs the run's folder")
         return _jsonl_exporter(Path(run_dir) / "otel-metrics.jsonl")
     if cfg.otlp_protocol == "grpc":
-        try:
+        try:  # optional dependency: the OTLP gRPC exporter
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         except ImportError:
             raise TracingUnavailable(
@@ -220,7 +226,7 @@ def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
                 "installed: pip install opentelemetry-exporter-otlp-proto-grpc, or set "
                 "tracing.otlp_protocol: http") from None
         return OTLPMetricExporter()
-    try:
+    try:  # optional dependency: the OTLP HTTP exporter
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     except ImportError:
         raise TracingUnavailable(
@@ -231,7 +237,7 @@ def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
 
 def point_records(data: Any) -> list[dict[str, Any]]:
     """The data points of an SDK ``MetricsData`` as JSON-able dicts (``otel-metrics.jsonl``)."""
-    from opentelemetry.sdk.metrics.export import Histogram, Sum
+    from opentelemetry.sdk.metrics.export import Histogram, Sum  # optional dependency
 
     out = []
     for rm in data.resource_metrics:
@@ -262,7 +268,7 @@ def _jsonl_exporter(path: Path) -> Any:
     reader's thread, never on the event loop); processes sharing a run folder append to the
     same file, each export one ``write`` on an ``O_APPEND`` descriptor. Values are cumulative
     since the process started: a series' last line (per ``resource.process.pid``) is its total."""
-    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult  # optional dependency
 
     class JsonlMetricExporter(MetricExporter):
         def __init__(self, p: Path) -> None:

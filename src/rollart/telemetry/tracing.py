@@ -48,7 +48,7 @@ def tracer() -> Any:
     API's no-op tracer (``opentelemetry`` installed) or None."""
     if _tracer is not None:
         return _tracer
-    try:
+    try:  # optional dependency: opentelemetry (rollart[trace])
         from opentelemetry import trace
     except ImportError:
         return None
@@ -68,7 +68,7 @@ def span(name: str, attributes: dict[str, Any] | None = None, *, parent: Any = N
 
 
 def _links(headers: list[dict[str, str]]) -> list[Any]:
-    from opentelemetry import trace
+    from opentelemetry import trace  # optional dependency
 
     out = []
     for h in headers:
@@ -89,7 +89,7 @@ def add_links(sp: Any, headers: list[dict[str, str]]) -> None:
 def inject(headers: dict[str, str]) -> dict[str, str]:
     """Add the current context's ``traceparent`` to ``headers`` (nothing when tracing is off)."""
     if _tracer is not None:
-        from opentelemetry.propagate import inject as _inject
+        from opentelemetry.propagate import inject as _inject  # optional dependency
 
         _inject(headers)
     return headers
@@ -107,7 +107,7 @@ def extract(headers: dict[str, str] | None) -> Any:
     """The context carried by ``headers`` (None when tracing is off)."""
     if _tracer is None:
         return None
-    from opentelemetry.propagate import extract as _extract
+    from opentelemetry.propagate import extract as _extract  # optional dependency
 
     return _extract(headers or {})
 
@@ -125,12 +125,12 @@ class _Attached:
         self.headers = headers
 
     def __enter__(self) -> None:
-        from opentelemetry import context
+        from opentelemetry import context  # optional dependency
 
         self.token = context.attach(extract(self.headers))
 
     def __exit__(self, *exc: Any) -> None:
-        from opentelemetry import context
+        from opentelemetry import context  # optional dependency
 
         context.detach(self.token)
 
@@ -145,7 +145,7 @@ def setup_tracing(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
     cfg = getattr(cfg, "tracing", cfg)
     if cfg is None or cfg.exporter == "none":
         return lambda: None
-    try:
+    try:  # optional dependency: opentelemetry (rollart[trace])
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -176,7 +176,7 @@ def setup_tracing(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
 
 def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
     if cfg.exporter == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter  # optional dependency
 
         return ConsoleSpanExporter()
     if cfg.exporter == "jsonl":
@@ -184,7 +184,7 @@ def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
             raise ValueError("tracing.exporter 'jsonl' needs the run's folder")
         return JsonlSpanExporter(Path(run_dir) / "traces.jsonl")
     if cfg.otlp_protocol == "grpc":
-        try:
+        try:  # optional dependency: opentelemetry (rollart[trace])
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise TracingUnavailable(
@@ -192,7 +192,7 @@ def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
                 "installed: pip install opentelemetry-exporter-otlp-proto-grpc, or set "
                 "tracing.otlp_protocol: http") from None
         return OTLPSpanExporter()
-    try:
+    try:  # optional dependency: opentelemetry (rollart[trace])
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise TracingUnavailable(
@@ -218,7 +218,7 @@ def span_record(s: Any) -> dict[str, Any]:
 
 
 def _jsonl_exporter_base() -> type:
-    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.export import SpanExporter  # optional dependency
 
     return SpanExporter
 
@@ -239,7 +239,7 @@ class JsonlSpanExporter:
                 self._lock = threading.Lock()
 
             def export(self, spans: Any) -> Any:
-                from opentelemetry.sdk.trace.export import SpanExportResult
+                from opentelemetry.sdk.trace.export import SpanExportResult  # optional dependency
 
                 data = "".join(json.dumps(span_record(s), default=str) + "\n" for s in spans)
                 with self._lock:

@@ -6,17 +6,30 @@ and which replicas loaded it, trajectory outcomes with reward and time split (th
 top started). Step, ETA and totals since the run started come from the run's state: the
 trainer's ledger summary and the end of the run in KV, and the streams' info. Each JetStream
 consumer's backlog and drain rate, the α headroom and the dead letters by reason come from
-:mod:`rollart.telemetry.queues`.
+:mod:`rollart.app.queues`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+from rich.console import Group
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
 from rollart import messages as m
+from rollart.actors.ledger import reason_kind, watch_summary
+from rollart.actors.pool_watch import missing_pools, node_pools, pool_needs
+from rollart.actors.records import watch_record
+from rollart.app.queues import poll_jetstream, renderables
+from rollart.bus import BusError
 from rollart.bus.codec import DecodeError, decode
+from rollart.telemetry.hardware import describe_hardware, describe_versions
+from rollart.telemetry.progress import fmt_duration
 
 
 @dataclass
@@ -39,7 +52,7 @@ class RunMonitor:
         ``batch_groups`` give the α headroom; None: what α allows is unknown."""
         self.consumers: dict[tuple[str, str], dict] = {}
         """(stream kind, durable) -> its consumer info as last polled, with rates
-        (:mod:`rollart.telemetry.queues`)."""
+        (:mod:`rollart.app.queues`)."""
         self.consumer_prev: dict[tuple[str, str], tuple[float, int, int]] = {}
         self.scheduler: dict[str, int] = {}
         """The training scheduler's KV counts: ``admitted``, ``issued``."""
@@ -78,8 +91,6 @@ class RunMonitor:
     def progress(self, now: float | None = None) -> str:
         """Step, ETA and elapsed time of the run, from the trainer's published progress
         (so since the run started, whenever top was started)."""
-        from rollart.telemetry.progress import fmt_duration
-
         lg = self.ledger
         if lg is None or not lg.steps_total:
             return "no progress published by the trainer yet"
@@ -159,8 +170,6 @@ class RunMonitor:
         elif isinstance(msg, m.DeadLetter):
             self.outcomes["dead"] += 1
             self.dead_reasons.append(msg.reason[:100])
-            from rollart.actors.ledger import reason_kind
-
             if len(self.dead_by_reason) < 256 or reason_kind(msg.reason) in self.dead_by_reason:
                 self.dead_by_reason[reason_kind(msg.reason)] += 1
             else:  # junk reasons must not grow the table without end
@@ -176,8 +185,6 @@ class RunMonitor:
     def pool_report(self, now: float | None = None) -> list[str]:
         """Pools without a live node: those the config's mapping and route need (when top
         has the config), else those whose nodes have all gone silent since top started."""
-        from rollart.actors.pool_watch import missing_pools, node_pools
-
         live = self.live_nodes(now)
         if self.needs:
             return [f"pool {p}: no live node (needed by {'; '.join(why)}); its work waits"
@@ -188,12 +195,6 @@ class RunMonitor:
 
     def render(self):
         """A rich renderable of the current state."""
-        from rollart.actors.pool_watch import node_pools
-        from rollart.telemetry.hardware import describe_hardware, describe_versions
-        from rich.console import Group
-        from rich.markup import escape  # every string from the bus: junk must not break markup
-        from rich.table import Table
-
         now = time.monotonic()
         subj = Table(title=f"run {self.run}: subjects (since top started)", expand=True)
         for col in ("subject", "msgs", "msgs/s (5s)", "KiB"):
@@ -227,8 +228,6 @@ class RunMonitor:
             lg = self.ledger
             summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",
                             "failed in a row", str(lg.failed_streak))
-        from rollart.telemetry.queues import renderables
-
         parts = [summary, *renderables(self, now), subj, nodes]
         parts += [f"[yellow]{escape(line)}" for line in self.pool_report(now)]
         if self.ledger is not None and self.ledger.stopped:
@@ -247,12 +246,6 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
     allows. ``once``: show nothing; listen ``duration`` seconds (``refresh`` if None), poll
     JetStream at the start and the end (so the consumer rates span the window) and return
     the monitor (``rollart top --once`` prints its snapshot)."""
-    import asyncio
-
-    from rich.live import Live
-
-    from rollart.actors.pool_watch import pool_needs
-
     mon = RunMonitor(run, needs=pool_needs(config) if config is not None else None,
                      rollout=config.rollout if config is not None else None)
 
@@ -260,14 +253,10 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
         mon.observe(req.subject, req.data)
 
     async def watch_ledger() -> None:
-        from rollart.actors.ledger import watch_summary
-
         async for summary in watch_summary(bus, run):
             mon.ledger = summary
 
     async def watch_end() -> None:
-        from rollart.bus.codec import DecodeError, decode
-
         kv = await bus.key_value(m.kv_bucket(run))
         async for e in kv.watch(m.RUN_END_KEY):
             if e.deleted or not e.value:
@@ -280,8 +269,6 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
     async def patiently(watch) -> None:
         """Run a watcher again while the bus says no: before the first node has made the
         run's KV bucket (a monitor may not create it), or while the server is away."""
-        from rollart.bus import BusError
-
         delay = 1.0
         while True:
             try:
@@ -292,16 +279,12 @@ async def top(bus, run: str, *, refresh: float = 1.0, duration: float | None = N
                 delay = min(2 * delay, 10.0)
 
     async def watch_policy() -> None:
-        from rollart.actors.records import watch_record
-
         async for pub in watch_record(bus, run, m.POLICY_KEY, m.PolicyPublished,
                                       what="policy record", validate=True):
             if mon.policy is None or pub.version >= mon.policy.version:
                 mon.policy = pub
 
     async def poll_once() -> None:
-        from rollart.telemetry.queues import poll_jetstream
-
         try:  # streams, consumers, the scheduler's counts: a failure is shown, never fatal
             await poll_jetstream(bus, mon)
         except Exception as e:  # noqa: BLE001 - e.g. a reply of an unexpected shape

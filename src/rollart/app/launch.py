@@ -1,117 +1,30 @@
-"""In-process deployments: the actor sets behind ``rollart rollout`` and ``rollart run``,
-and how a training run ends (evaluation, ``summary.json``, the end published to its nodes)."""
+"""How a training run ends, the same in ``rollart run`` and on the node that hosts the
+trainer: final evaluation, ``summary.json``, the plot, the end published to its nodes.
+(The actors a run hosts are built by :mod:`rollart.node.build`.)"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 
 import msgspec
+import yaml
 
-from rollart.actors.base import Actor
-from rollart.config import ActorConfig, RunConfig
+from rollart import messages as m
+from rollart.actors.base import Retry
+from rollart.actors.run_end import put_run_end
+from rollart.actors.runtime import decode_core
+from rollart.aio import first_of
+from rollart.app.report import plot
+from rollart.config import RunConfig
+from rollart.config.schema import nats_settings
+from rollart.node import Node, rollout_actors
 
 log = logging.getLogger(__name__)
-
-
-def _role(cfg: RunConfig, role: str) -> ActorConfig:
-    return cfg.actors.get(role, ActorConfig())
-
-
-def _cls(cfg: RunConfig, role: str, default: type) -> type:
-    """The class of ``role`` in a one-process run: ``actors.<role>.type`` when given (as a
-    node builds it), a subclass of the built-in ``default`` (this module sets its
-    attributes), else ``default``."""
-    path = _role(cfg, role).type
-    if not path:
-        return default
-    from rollart.node import resolve
-
-    try:
-        cls = resolve(path)
-    except ValueError as e:
-        raise ValueError(f"actors.{role}.type: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, default)):
-        raise ValueError(f"actors.{role}.type: {path} is not a subclass of "
-                         f"{default.__module__}:{default.__name__}")
-    return cls
-
-
-def role_pool(cfg: RunConfig, role: str, pool: str) -> str:
-    """The pool an actor of ``role`` joins on a node started with ``--pool pool``.
-
-    Without ``pools`` (or for a role ``mapping`` does not name: trainer, scheduler, custom
-    roles) it is the node's pool. With them, the node's pool if the mapping gives it the role;
-    a node left on the default pool name ``default`` puts the role in its first mapped pool;
-    any other pool is a ValueError naming ``mapping.<role>``."""
-    from rollart.config.placement import mapped_pools
-
-    if not cfg.pools or role not in cfg.mapping:
-        return pool
-    mapped = mapped_pools(cfg.mapping, role)
-    if pool in mapped:
-        return pool
-    if pool == "default":
-        return mapped[0]
-    raise ValueError(f"mapping.{role}: this node's pool {pool!r} does not serve role {role!r} "
-                     f"(mapping.{role}: {', '.join(mapped)}); start the node with --pool "
-                     f"{mapped[0]}, or add {pool!r} to mapping.{role}")
-
-
-TRANSIENT_DURABLE_IDLE_S = 300.0
-"""Idle seconds after which the server deletes an evaluation scheduler's durables."""
-
-
-def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
-                   keep_results: bool = False, greedy: bool = False, eval: bool = False,
-                   env: str | None = None, pool: str = "default",
-                   prefix: str = "g") -> tuple[Actor, list[Actor]]:
-    """Scheduler, EnvManager, LLMProxy replicas and RewardService replicas for one host."""
-    from rollart.actors.env_manager import EnvManager
-    from rollart.actors.llm_proxy import LLMProxy
-    from rollart.actors.reward import RewardService
-    from rollart.actors.scheduler import RolloutScheduler
-
-    sched = _cls(cfg, "scheduler", RolloutScheduler).from_config(
-        cfg, _role(cfg, "scheduler"), pool=role_pool(cfg, "scheduler", pool))
-    if prefix != "g":  # a second scheduler on the same run reads every outcome itself
-        sched.name = f"scheduler-{prefix.strip('-')}"
-        # one-off durables: the server deletes them once idle (a long run's evaluations
-        # would otherwise leave three each on the run's stream)
-        sched.settings = {h: {"durable": f"{sched.name}-{h}".replace("_", "-"),
-                              "inactive_threshold": TRANSIENT_DURABLE_IDLE_S}
-                          for h in ("on_completed", "on_cancelled", "on_dead")}
-    sched.total_groups, sched.bounded, sched.keep_results = groups, bounded, keep_results
-    sched.greedy, sched.eval, sched.env, sched.prefix = greedy, eval, env, prefix
-    if eval:
-        sched.seed_offset = 1_000_000  # held-out tasks: training seeds start at rollout.seed
-        sched.run_cfg = None  # the training scheduler already watches the pools
-    actors: list[Actor] = [sched, _cls(cfg, "env", EnvManager).from_config(
-        cfg, _role(cfg, "env"), pool=role_pool(cfg, "env", pool))]
-    for i, gen_pool in enumerate(_generate_pools(cfg, pool)):
-        actors.append(_cls(cfg, "generate", LLMProxy).from_config(cfg, _role(cfg, "generate"),
-                                                                 pool=gen_pool, index=i))
-    for i in range(cfg.reward.replicas):
-        actors.append(_cls(cfg, "reward", RewardService).from_config(
-            cfg, _role(cfg, "reward"), pool=role_pool(cfg, "reward", pool), index=i))
-    return sched, actors
-
-
-def _generate_pools(cfg: RunConfig, pool: str) -> list[str]:
-    """The pool of each generate replica of a one-process run: ``proxy.replicas`` of them in
-    the node's pool; with ``pools`` declared (and the node on ``default``), at least one per
-    pool of ``mapping.generate``, the replicas dealt round the pools (a turn routed to a pool
-    with no replica would wait for ever)."""
-    from rollart.config.placement import mapped_pools
-
-    if not cfg.pools or "generate" not in cfg.mapping or pool != "default":
-        return [role_pool(cfg, "generate", pool)] * cfg.proxy.replicas
-    gen = mapped_pools(cfg.mapping, "generate")
-    return [gen[i % len(gen)] for i in range(max(cfg.proxy.replicas, len(gen)))]
 
 
 def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
@@ -119,8 +32,6 @@ def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
     out = cfg
     for name, values in sections.items():
         if name == "nats" and isinstance(values, dict):  # a section given as a mapping
-            from rollart.config.schema import nats_settings
-
             values = nats_settings(values)
         if name in ("run", "nats", "run_dir"):
             out = msgspec.structs.replace(out, **{name: values})
@@ -129,26 +40,12 @@ def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
     return out
 
 
-def training_actors(cfg: RunConfig, *, resume: bool = False, pool: str = "default"):
-    """Everything ``rollart run`` hosts in one process: rollout actors plus the Trainer."""
-    from rollart.actors.trainer import Trainer
-
-    sched, actors = rollout_actors(cfg, groups=None, bounded=True, pool=pool)
-    sched.resume = resume
-    trainer = _cls(cfg, "trainer", Trainer).from_config(cfg, _role(cfg, "trainer"),
-                                                       pool=role_pool(cfg, "trainer", pool))
-    trainer.resume = resume
-    return sched, trainer, actors + [trainer]
-
-
 # -- the end of a training run: the same in one process (`rollart run`) and on the node
 #    that hosts the trainer (`python -m rollart.node --roles trainer,...`) ------------
 
 
 def write_config(cfg: RunConfig, *, overwrite: bool = True) -> Path:
     """The run's resolved config as ``<run_dir>/<run>/config.yaml``."""
-    import yaml
-
     path = Path(cfg.run_dir) / cfg.run / "config.yaml"
     if overwrite or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,10 +57,6 @@ async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
                    pool: str = "default") -> dict:
     """Greedy success of the policy ``version`` on ``groups`` fresh groups, on whatever
     env, generate and reward replicas serve the run (in this process or others)."""
-    import uuid
-
-    from rollart.node import Node
-
     deadline = time.monotonic() + 60
     while any(p.version < version for p in proxies) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -188,8 +81,6 @@ class _QuietHandBacks(logging.Filter):
     not news: their ``retry`` lines are logged only at DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from rollart.actors.base import Retry
-
         args = record.args if isinstance(record.args, tuple) else ()
         if (record.levelno == logging.INFO and str(record.msg).startswith("retry ")
                 and args and isinstance(args[-1], Retry) and str(args[-1]).startswith("trainer ")):
@@ -220,17 +111,11 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
     folder, and publishes the end of the run (:mod:`rollart.actors.run_end`), on which the
     other nodes of the run drain and exit. ``proxies``: generate replicas in this process.
     """
-    from rollart import messages as m
-    from rollart.actors.run_end import put_run_end
-
     quiet_hand_backs()
     t0 = time.perf_counter() if t0 is None else t0
     done = asyncio.ensure_future(trainer.finished.wait())
-    stop = asyncio.ensure_future(node.wait())
-    await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
-    stop.cancel()
-    interrupted = not done.done()
-    done.cancel()
+    won, _ = await first_of(done, node.wait())
+    interrupted = done not in won
     _stop_consuming(node, trainer)
     final: dict = {}
     if not interrupted and trainer.failure is None:
@@ -241,28 +126,21 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
         ev = asyncio.ensure_future(
             evaluate(bus, cfg, trainer.version, cfg.trainer.eval_groups, proxies, pool=pool))
         stop = asyncio.ensure_future(node.wait())  # SIGINT/SIGTERM stop it too
-        await asyncio.wait({ev, stop}, return_when=asyncio.FIRST_COMPLETED,
-                           timeout=cfg.trainer.eval_timeout)
-        stopped = stop.done()
-        stop.cancel()
-        if ev.done():
+        won, _ = await first_of(ev, stop, asyncio.sleep(cfg.trainer.eval_timeout))
+        if ev in won:
             try:
                 final = ev.result()
             except Exception as e:  # noqa: BLE001 - training is done: the run ends, saying why
                 log.error("run %s: the final evaluation failed: %s; the run ends without its "
                           "result", cfg.run, e)
                 final = {"eval_error": str(e)[:500]}
+        elif stop in won:  # stopped: the evaluation is cancelled and has ended
+            interrupted = True
         else:
-            ev.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ev
-            if stopped:
-                interrupted = True
-            else:
-                log.error("run %s: the final evaluation did not finish within %.0fs "
-                          "(trainer.eval_timeout); the run ends without its result", cfg.run,
-                          cfg.trainer.eval_timeout)
-                final = {"eval_error": f"timed out after {cfg.trainer.eval_timeout:.0f}s"}
+            log.error("run %s: the final evaluation did not finish within %.0fs "
+                      "(trainer.eval_timeout); the run ends without its result", cfg.run,
+                      cfg.trainer.eval_timeout)
+            final = {"eval_error": f"timed out after {cfg.trainer.eval_timeout:.0f}s"}
     summary = await write_summary(cfg, trainer, wall=time.perf_counter() - t0,
                                   interrupted=interrupted, final=final)
     if not interrupted:
@@ -277,8 +155,6 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
 async def write_summary(cfg: RunConfig, trainer, *, wall: float, interrupted: bool,
                         final: dict) -> dict:
     """``summary.json`` (and the plot) of a training run; returns the summary."""
-    from rollart.telemetry.report import plot
-
     run_path = Path(cfg.run_dir) / cfg.run
     summary = {"run": cfg.run, "steps": trainer.version, "wall_s": wall,
                "interrupted": interrupted, **final}
@@ -299,9 +175,6 @@ async def wait_for_peers(bus, run: str, node_id: str, *, heartbeat_every: float,
     the run has stopped heartbeating, i.e. has drained, so that an embedded server is not
     stopped under them. ``known``: node id -> last :class:`NodeHeartbeat` seen so far.
     Returns how many were still heartbeating at the deadline."""
-    from rollart import messages as m
-    from rollart.actors.runtime import decode_core
-
     if heartbeat_every <= 0:
         return 0
     now, wall = time.monotonic(), time.time()

@@ -42,9 +42,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
-import msgspec
 
-from rollart.config import ActorConfig, RunConfig
+from rollart import messages as m
+from rollart.actors.runtime import decode_core
+from rollart.app.local_plan import config_file, describe_exit, log_name, plan, tail
+from rollart.config import RunConfig
+from rollart.node.build import role_config
+from rollart.procs import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -55,145 +59,10 @@ RESTART_WINDOW_S = 600.0
 and then, and stops on one that keeps dying."""
 BACKOFF_S = 1.0
 """Seconds before the first restart of a child; doubled for each further one."""
-TAIL_LINES = 15
-"""Lines of a child's log quoted when it exits before the end of the run."""
 CLEAN_EXIT_WAIT_S = 2.0
 """A child that exited cleanly (drained, status 0 or by SIGINT/SIGTERM) while the run goes on
 is restarted unless this process stops within these seconds: Ctrl-C reaches the whole
 process group, and this process may see its children exit before its own signal."""
-
-_CRED_FLAGS = (("user", "--user"), ("password_file", "--password-file"),
-               ("token_file", "--token-file"), ("creds_file", "--creds"), ("tls_ca", "--tls-ca"))
-"""Credential overrides (:func:`rollart.cli.nats_overrides`) a child gets, as flags: names
-and file paths only; the secrets stay in the files (or in environment variables, inherited)."""
-
-
-def log_name(roles: list[str]) -> str:
-    """The log file of a child: ``generate.log``, ``env-reward.log``."""
-    return "-".join(roles) + ".log"
-
-
-def plan(cfg: RunConfig, *, bus_url: str, nats: str | None = None,
-         overrides: dict | None = None, single_process: bool = False) -> tuple[list[list[str]], list[str]]:
-    """The role lists of the child processes to start and the bus flags each gets;
-    ``([], [])`` for a single process (``single_process``, the in-process bus, an empty
-    ``node.local_processes``, or a placement a child node cannot reproduce, said in one line)."""
-    from rollart.bus.auth import resolve
-
-    if single_process or bus_url.startswith("memory"):
-        return [], []
-    groups = [list(g) for g in cfg.node.local_processes]
-    if cfg.reward.replicas == 0:  # no reward service in this run (only scorers need one)
-        groups = [[r for r in g if r != "reward"] for g in groups]
-    groups = [g for g in groups if g]
-    if not groups:
-        return [], []
-    if cfg.pools and any("generate" in g for g in groups):
-        from rollart.config.placement import mapped_pools
-
-        pools = mapped_pools(cfg.mapping, "generate") if "generate" in cfg.mapping else []
-        if len(pools) > 1:
-            log.warning("node.local_processes: mapping.generate names %d pools (%s) and a child "
-                        "node joins one, so rollart run keeps every role in this process; start "
-                        "a node per pool (python -m rollart.node --pool NAME) to use more "
-                        "processes", len(pools), ", ".join(pools))
-            return [], []
-    over = {k: v for k, v in (overrides or {}).items() if v is not None}
-    ns = resolve(cfg, {**over, **({"url": nats} if nats else {})})
-    url = nats or over.get("url")
-    flags: list[str] = []
-    if url:
-        flags += ["--nats", url]
-    elif not ns.joins:  # this process's embedded server
-        flags += ["--nats", bus_url]
-    # else the config's nats.url / nats.urls, which the child reads too
-    for key, flag in _CRED_FLAGS:
-        if over.get(key):
-            v = str(over[key])
-            flags += [flag, v if key == "user" else os.path.abspath(os.path.expanduser(v))]
-    return groups, flags
-
-
-def child_config(cfg: RunConfig) -> RunConfig:
-    """``cfg`` as a child node must read it to host what ``rollart run`` would in one process:
-    one EnvManager, ``proxy.replicas`` LLMProxy replicas, ``reward.replicas`` RewardServices
-    (a node starts ``actors.<role>.replicas`` of each)."""
-    want = {"env": 1, "generate": cfg.proxy.replicas, "reward": max(1, cfg.reward.replicas)}
-    actors = dict(cfg.actors)
-    for role, n in want.items():
-        acfg = actors.get(role, ActorConfig())
-        if acfg.replicas != n:
-            actors[role] = msgspec.structs.replace(acfg, replicas=n)
-    return cfg if actors == cfg.actors else msgspec.structs.replace(cfg, actors=actors)
-
-
-def _config_file(cfg: RunConfig) -> Path:
-    """The config file the children read: the run's ``config.yaml`` (written if missing) when
-    it says what ``cfg`` says, else ``logs/local-nodes.yaml`` (a resumed run moved, replicas
-    a node counts differently)."""
-    import yaml
-
-    from rollart.config import ConfigError, load
-    from rollart.launch import write_config
-
-    want = child_config(cfg)
-    path = write_config(cfg, overwrite=False)
-    try:
-        if load(path, RunConfig) == want:
-            return path
-    except ConfigError:
-        pass
-    alt = Path(cfg.run_dir) / cfg.run / "logs" / "local-nodes.yaml"
-    alt.parent.mkdir(parents=True, exist_ok=True)
-    alt.write_text(yaml.safe_dump(msgspec.to_builtins(want), sort_keys=False))
-    return alt
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies (Linux
-    ``prctl(PR_SET_PDEATHSIG)``), or None where that does not exist. It must run in the thread
-    that lives as long as the process (the event loop's): the signal follows the thread that
-    forked."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-        if os.getppid() != parent:  # the parent died before the prctl
-            os._exit(1)
-
-    return preexec
-
-
-def tail(path: Path, n: int = TAIL_LINES) -> str:
-    """The last ``n`` lines of a text file (blocking: call it in a thread)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError as e:
-        return f"(cannot read {path}: {e})"
-    return "\n".join(lines[-n:])
-
-
-def describe_exit(rc: int | None) -> str:
-    if rc is None:
-        return "no status"
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"status {rc}"
-
 
 class Child:
     """One child node process: its roles, log file, current process and restarts."""
@@ -248,7 +117,7 @@ class LocalNodes:
         self._ending = asyncio.Event()
         self._ended_normally = False
         self._tasks: list[asyncio.Task] = []
-        self._preexec = _die_with_parent()
+        self._preexec = die_with_parent(signal.SIGKILL)
         self._config: Path | None = None
 
     @property
@@ -272,7 +141,7 @@ class LocalNodes:
             self._tasks.append(asyncio.ensure_future(self._watch_stuck()))
         where = ", ".join(f"{c.name} (pid {c.proc.pid}, log {c.log_path})" for c in self.children)
         here = ["trainer", "scheduler"] + [r for r in ("env", "generate", "reward") if r not in
-                                           self.roles and (r != "reward" or self.cfg.reward.replicas)]
+                                           self.roles and role_config(self.cfg, r).replicas]
         print(f"rollart run: {', '.join(here)} in this process (pid {os.getpid()}); started "
               f"{len(self.children)} node process{'es' if len(self.children) > 1 else ''}: {where}",
               flush=True)
@@ -303,7 +172,7 @@ class LocalNodes:
             node.stop()
 
     def run_ended(self) -> None:
-        """The end of the run is published (:func:`rollart.launch.drive_training` returned
+        """The end of the run is published (:func:`rollart.app.launch.drive_training` returned
         without interruption): the children drain and exit by themselves."""
         self._ended_normally = True
         self._ending.set()
@@ -311,7 +180,7 @@ class LocalNodes:
     # -- internals ---------------------------------------------------------------------
     def _prepare(self) -> Path:
         self.logs.mkdir(parents=True, exist_ok=True)
-        return _config_file(self.cfg)
+        return config_file(self.cfg)
 
     def _command(self, child: Child) -> list[str]:
         return [sys.executable, "-m", "rollart.node", "--config", str(self._config),
@@ -405,9 +274,6 @@ class LocalNodes:
         """Follow the run's node heartbeats; SIGKILL a child whose last one is older than
         ``node.stuck_after`` (its supervisor then restarts it). Never raises but
         CancelledError: bus errors are logged and retried."""
-        from rollart import messages as m
-        from rollart.actors.runtime import decode_core
-
         host, limit = socket.gethostname(), self.cfg.node.stuck_after
 
         async def on_hb(req) -> None:

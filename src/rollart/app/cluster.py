@@ -1,8 +1,10 @@
-"""``rollart cluster init``: register with ``register(subparsers)`` (see :mod:`rollart.cli`)."""
+"""``rollart cluster init``: register with ``register(subparsers)`` (see :mod:`rollart.app.cli`)."""
 
 from __future__ import annotations
 
 import argparse
+
+from rollart.deploy.cluster import cluster_init
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -44,8 +46,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 async def cluster_main(args) -> int:
     """The ``fn`` of ``rollart cluster init`` (the rollart CLI awaits it)."""
-    from rollart.deploy.cluster import cluster_init
-
     servers = args.servers if args.servers is not None else (len(args.host) if args.host else 3)
     made = cluster_init(args.dir, servers, args.host, client_port=args.client_port,
                         cluster_port=args.cluster_port, store_dir=args.store_dir,

@@ -12,12 +12,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 
 import msgspec
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 from rollart import messages as m
+from rollart.actors.pool_watch import missing_pools, node_pools, pool_needs
+from rollart.actors.runtime import decode_core
+from rollart.app.args import add_nats_args, nats_overrides
+from rollart.app.configs import resolve_config
+from rollart.bus.connect import bus_from_config
+from rollart.config import ConfigError, RunConfig, load
+from rollart.telemetry.hardware import describe_hardware, describe_versions
 
 DEFAULT_EVERY = 5.0
 """``node.heartbeat_every``'s default: the window without ``--config`` is two of them (+1 s)."""
@@ -25,8 +36,6 @@ DEFAULT_EVERY = 5.0
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``nodes`` to a ``add_subparsers()`` object."""
-    from rollart.cli import add_nats_args
-
     p = subparsers.add_parser(
         "nodes", help="who is alive: each node's host, pools, roles, hardware, load, policy versions",
         description="Listen to the node heartbeats of a run for two heartbeat intervals and list "
@@ -49,8 +58,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 async def listen(bus, run: str, wait: float) -> list[tuple[float, m.NodeHeartbeat]]:
     """The last heartbeat of each node heard within ``wait`` seconds, with its arrival time
     (``time.time()``), by pool then node id."""
-    from rollart.actors.runtime import decode_core
-
     seen: dict[str, tuple[float, m.NodeHeartbeat]] = {}
 
     async def on_hb(req) -> None:
@@ -77,12 +84,6 @@ def as_dict(hb: m.NodeHeartbeat, now: float) -> dict:
 
 def render_table(beats: list[m.NodeHeartbeat], run: str, now: float):
     """A rich table of nodes (``rollart nodes``)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from rollart.actors.pool_watch import node_pools
-    from rollart.telemetry.hardware import describe_hardware, describe_versions
-
     t = Table(title=f"run {escape(run)}: {len(beats)} live node(s)")
     for col in ("node", "host", "pool", "roles", "hardware", "load", "versions", "in flight", "age s"):
         t.add_column(col, justify="right" if col in ("load", "in flight", "age s") else "left",
@@ -98,8 +99,6 @@ def render_table(beats: list[m.NodeHeartbeat], run: str, now: float):
 def missing_lines(needs: dict[str, list[str]], declared: dict, beats: list[m.NodeHeartbeat]) -> list[str]:
     """``pool big: no live node (needed by mapping.generate; route[0] (...))`` for each needed
     pool without a live node, then declared pools nothing needs and no node serves."""
-    from rollart.actors.pool_watch import missing_pools, node_pools
-
     lines = [f"pool {p}: no live node (needed by {'; '.join(why)}); its work waits in the stream"
              for p, why in missing_pools(needs, beats).items()]
     served = {p for hb in beats for p in node_pools(hb)}
@@ -109,10 +108,6 @@ def missing_lines(needs: dict[str, list[str]], declared: dict, beats: list[m.Nod
 
 
 async def nodes_main(args) -> int:
-    from rollart.bus.auth import bus_from_config
-    from rollart.cli import nats_overrides, resolve_config
-    from rollart.config import ConfigError, RunConfig, load
-
     cfg = load(resolve_config(args.config), RunConfig) if args.config else None
     run = args.run or (cfg.run if cfg is not None else None)
     if not run:
@@ -133,8 +128,6 @@ async def nodes_main(args) -> int:
               f"nodes beat less often than --wait: node.heartbeat_every; 0 turns heartbeats off)",
               file=sys.stderr)
         return 1
-    from rollart.actors.pool_watch import pool_needs
-
     now = time.time()
     beats = [hb for _, hb in heard]
     lines = missing_lines(pool_needs(cfg), cfg.pools if cfg is not None else {}, beats)
@@ -143,11 +136,6 @@ async def nodes_main(args) -> int:
         for line in lines:
             print(f"rollart nodes: {line}", file=sys.stderr)
         return 0
-    from rich.console import Console
-    from rich.markup import escape
-
-    import os
-
     piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
     con = Console(width=200 if piped else None)  # a pipe (grep, a file) gets whole lines
     con.print(render_table(beats, run, now))

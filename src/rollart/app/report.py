@@ -4,7 +4,7 @@
 visible) with the final greedy evaluation marked; :func:`table` is a summary (first, best, last
 and every 10th step); :func:`report` writes both under a folder of its own choosing, so that
 ``rollart report`` never touches the ``learning.png`` a live run keeps rewriting, with
-``report.md`` and the figures of :mod:`rollart.telemetry.trace_report` (the trajectory Gantt
+``report.md`` and the figures of :mod:`rollart.app.trace_report` (the trajectory Gantt
 and trainer step bars from ``traces.jsonl``, the staleness histogram). All of them read a run
 that is still being written (a half-written last line is skipped).
 """
@@ -15,6 +15,9 @@ import json
 import math
 import os
 from pathlib import Path
+
+from rollart.app import trace_report as tr
+from rollart.app.trace_report import LABELS, STEP_PARTS
 
 
 def read_summary(run_path: str | Path) -> dict:
@@ -52,10 +55,10 @@ def plot(run_path: str | Path, out: str | Path | None = None, *,
     ``out`` defaults to ``<run>/learning.png``. ``summary`` is the run's final summary (default:
     its ``summary.json`` when there is one): its greedy evaluation is marked at the last step.
     The file is replaced atomically (a reader never sees half a PNG)."""
-    import matplotlib
+    import matplotlib  # optional: the train extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the train extra
 
     rows = read_metrics(run_path)
     out = Path(out or Path(run_path) / "learning.png")
@@ -211,10 +214,8 @@ def report(run_path: str | Path, out_dir: str | Path | None = None, *,
     """Write into ``out_dir`` (default: the run folder; never ``learning.png``):
     ``report.txt`` (the :func:`table`), ``report.png`` (the :func:`plot`), ``report.md`` (the
     summary, the time split, per-step seconds and links to the figures) and the figures of
-    :mod:`rollart.telemetry.trace_report`: ``staleness.png`` always, ``gantt.png`` and
+    :mod:`rollart.app.trace_report`: ``staleness.png`` always, ``gantt.png`` and
     ``steps.png`` when the run has a ``traces.jsonl``. Returns (table, {file name: path})."""
-    from rollart.telemetry import trace_report as tr
-
     run_path = Path(run_path)
     out = Path(out_dir) if out_dir is not None else run_path
     out.mkdir(parents=True, exist_ok=True)
@@ -249,8 +250,6 @@ def markdown(name: str, summary: dict, text: str, numbers: dict, files: dict[str
              traced: bool) -> str:
     """``report.md``: the run's summary, table, time split and per-step seconds, and links to
     the figures in ``files`` (all in report.md's folder)."""
-    from rollart.telemetry.trace_report import LABELS, STEP_PARTS
-
     md = [f"# rollart report: {name}", ""]
     scalars = {k: v for k, v in summary.items() if isinstance(v, (str, int, float, bool))}
     if scalars:

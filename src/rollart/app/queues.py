@@ -15,12 +15,19 @@ while ``admitted - lost < (v + alpha + 1) * batch_groups``
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import msgspec
+from rich.markup import escape
+from rich.table import Table
 
 from rollart import messages as m
+from rollart.actors.admission import TRAINING_PREFIX, issued_key
+from rollart.actors.pool_watch import node_pools
+from rollart.bus import BusError
 
-if TYPE_CHECKING:
-    from rollart.telemetry.monitor import RunMonitor
+RunMonitor = Any
+"""A :class:`rollart.app.monitor.RunMonitor` (which imports this module to render)."""
 
 STREAM_KINDS = tuple(m.STREAM_RETENTION)
 """The run's streams: ``events`` (limits) and ``work`` (work queue)."""
@@ -32,9 +39,6 @@ async def poll_jetstream(bus: Any, mon: RunMonitor, now: float | None = None) ->
     """One poll: stream and consumer info of the run's streams, and the scheduler's KV
     counts, into ``mon``. Never raises a :class:`BusError`: the first one is kept in
     ``mon.js_error`` (empty once a poll goes through)."""
-    from rollart.actors.admission import TRAINING_PREFIX, issued_key
-    from rollart.bus import BusError
-
     errors = []
     for kind in STREAM_KINDS:
         name = m.stream_name(mon.run, kind)
@@ -130,8 +134,6 @@ def replica_versions(mon: RunMonitor) -> dict[str, dict]:
 
 def nodes_by_pool(mon: RunMonitor, now: float | None = None) -> dict[str, list[str]]:
     """Pool -> the live nodes serving it (a node of several pools is under each)."""
-    from rollart.actors.pool_watch import node_pools
-
     out: dict[str, list[str]] = {}
     for hb in mon.live_nodes(now):
         for p in node_pools(hb):
@@ -141,10 +143,6 @@ def nodes_by_pool(mon: RunMonitor, now: float | None = None) -> dict[str, list[s
 
 def snapshot(mon: RunMonitor, now: float | None = None) -> dict:
     """Everything top shows, as JSON-ready builtins (``rollart top --once --json``)."""
-    import msgspec
-
-    from rollart.actors.pool_watch import node_pools
-
     now = time.monotonic() if now is None else now
     wall = time.time()
     lg = mon.ledger
@@ -187,9 +185,6 @@ def _rate(x: float | None) -> str:
 def renderables(mon: RunMonitor, now: float | None = None) -> list:
     """The α, replica, pool and dead-letter lines and the consumer table of the live view
     (above the subjects, which may run past the bottom of a small terminal)."""
-    from rich.markup import escape
-    from rich.table import Table
-
     cons = Table(title="consumers (JetStream)", expand=True)
     for col in ("stream", "consumer", "pending", "ack pending", "redelivered", "waiting",
                 "delivered/s", "acked/s"):

@@ -1,12 +1,13 @@
 """``rollart secure init | show``: credentials for a multi-host run.
 
 ``register(subparsers)`` adds the ``secure`` command to the ``rollart`` parser; ``main(argv)``
-runs it alone (``python -m rollart.security.cli init DIR --host NAME``).
+runs it alone (``python -m rollart.app.secure init DIR --host NAME``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rollart import messages as m
+from rollart.security.init import MANIFEST, secure_init
 from rollart.security.permissions import ROLES
 
 _ROLES_HELP = ", ".join(ROLES)
@@ -65,8 +67,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def init(args) -> int:
-    from rollart.security.init import secure_init
-
     roles = args.role or list(ROLES)
     try:
         made = secure_init(args.dir, args.host, roles, run=args.run, force=args.force,
@@ -83,8 +83,6 @@ def init(args) -> int:
 
 
 def show(args) -> int:
-    from rollart.security.init import MANIFEST
-
     path = Path(args.dir) / MANIFEST
     if not path.exists():
         raise ValueError(f"{args.dir}: no {MANIFEST} here; give a folder written by `rollart secure init`")
@@ -154,8 +152,6 @@ async def secure_main(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import asyncio
-
     p = argparse.ArgumentParser(prog="rollart")
     register(p.add_subparsers(dest="cmd", required=True, metavar="COMMAND"))
     args = p.parse_args(["secure", *(sys.argv[1:] if argv is None else argv)])

@@ -34,6 +34,11 @@ import time
 import msgspec
 
 from rollart import messages as m
+from rollart.app.args import add_nats_args, nats_overrides
+from rollart.app.configs import resolve_config
+from rollart.bus.connect import bus_from_config
+from rollart.bus.codec import DecodeError, decode
+from rollart.config import ConfigError, RunConfig, load
 
 RAW_MAX = 4096
 """Bytes of an undecodable payload shown (the rest is cut; ``size`` says how many)."""
@@ -41,8 +46,6 @@ RAW_MAX = 4096
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``tap`` to a ``add_subparsers()`` object."""
-    from rollart.cli import add_nats_args
-
     p = subparsers.add_parser(
         "tap", help="print the live messages of a run's subjects, decoded",
         description="Subscribe to SUBJECT_PATTERN and print each message decoded by the subject "
@@ -110,8 +113,6 @@ def decode_message(subject: str, data: bytes) -> tuple[type | None, object | Non
     """``(type, message, error)`` of a payload on ``subject``, by the subject table:
     ``(None, None, why)`` for an unknown subject, ``(type, None, why)`` for a payload that
     does not decode, ``(type, msg, "invalid: why")`` for one that fails validation."""
-    from rollart.bus.codec import DecodeError, decode
-
     d = m.lookup(subject)
     if d is None:
         return None, None, "unknown subject (not in the subject table)"
@@ -331,10 +332,6 @@ def _silence_stdout(out) -> None:
 
 
 async def tap_main(args) -> int:
-    from rollart.bus.auth import bus_from_config
-    from rollart.cli import nats_overrides, resolve_config
-    from rollart.config import ConfigError, RunConfig, load
-
     cfg = load(resolve_config(args.config), RunConfig) if args.config else None
     run = args.run or (cfg.run if cfg is not None and not args.pattern.startswith(f"{m.PREFIX}.")
                        else None)

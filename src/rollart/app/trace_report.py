@@ -258,10 +258,10 @@ def pick_rows(trajs: list[dict], n: int = GANTT_ROWS,
 
 # -- drawing ---------------------------------------------------------------------------
 def _plt():
-    import matplotlib
+    import matplotlib  # optional: the train extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the train extra
 
     return plt
 
@@ -339,7 +339,7 @@ def plot_steps(numbers: dict, out: Path, *, title: str = "") -> Path:
     """Paper Fig. 4: per trainer step, stacked seconds of its parts; beside it, how all
     trajectory time split (fractions over the run)."""
     plt = _plt()
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional: the train extra
 
     steps = numbers["steps"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [4, 1.25]})
@@ -388,7 +388,7 @@ def plot_steps(numbers: dict, out: Path, *, title: str = "") -> Path:
 def plot_staleness(numbers: dict, out: Path, *, title: str = "") -> Path:
     """How stale the trained samples' policies were: a histogram, and the mean per step."""
     plt = _plt()
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional: the train extra
 
     st = numbers["staleness"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [1, 1.4]})

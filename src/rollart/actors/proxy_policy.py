@@ -1,0 +1,221 @@
+"""How a generation replica follows the policy: which records it loads, when a refused one is
+tried again (:class:`PolicyFollow`), and the loads themselves between the engine's
+``pause()`` and ``resume()`` (:class:`PolicyLoading`, a part of
+:class:`rollart.actors.llm_proxy.LLMProxy`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from rollart import messages as m
+from rollart.actors.policy import current_policy, fetch_weights
+from rollart.actors.policy_gate import PolicyGate, follow_policy
+from rollart.bus import BusError
+from rollart.bus.codec import DecodeError
+from rollart.engines.base import AsyncEngine
+from rollart.telemetry import tracing
+
+log = logging.getLogger("rollart.actors.llm_proxy")  # the proxy's log lines, wherever written
+
+
+class StalePolicy(RuntimeError):
+    """The proxy cannot serve a version as new as the request needs."""
+
+
+class PolicyLoading:
+    """The policy side of :class:`rollart.actors.llm_proxy.LLMProxy` (a mixin: the state it
+    works on is declared, and set up, by the proxy; the names below say which)."""
+
+    name: str
+    pool: str
+    run: str
+    bus: Any
+    on_update: str
+    version_wait: float
+    version: int
+    async_engine: AsyncEngine | None
+    gate: PolicyGate
+    _follow: PolicyFollow
+    _target: m.PolicyPublished | None
+    _lock: asyncio.Lock
+    _loaded: asyncio.Condition
+    loads: list[tuple[int, float]]
+    publish_patiently: Any
+
+    async def _watch(self) -> None:
+        """Follow KV ``policy.version`` through the policy gate (:class:`PolicyGate`: only
+        versions the trainer's ledger and announcements confirm, one by one); load each newer
+        version (and a version already loaded whose digest changed). A refused record is tried
+        again when it is announced again (a new KV record, even an identical one) and
+        otherwise after a backoff."""
+        follow = self._follow
+
+        async def accepted(pub: m.PolicyPublished) -> None:
+            if follow.wanted(pub, self.version):
+                self._target = pub
+                follow.announced(pub)  # wakes loads()
+
+        async def records() -> None:  # only what the gate accepts (see PolicyGate)
+            await follow_policy(self, self.gate, accepted)
+
+        async def loads() -> None:
+            # Loads run here, not in the gate's callback: a slow or failed weight read must
+            # not hold up judging the records after it (a newer version supersedes it).
+            while True:
+                follow.changed.clear()
+                pub = self._target
+                await self._maybe_load()
+                if pub is not None and not follow.wanted(pub, self.version):
+                    follow.refused.pop(follow.key(pub), None)  # superseded: no retry
+                due = follow.due_at(self._target)
+                timeout = None if due is None else max(0.0, due - time.monotonic())
+                try:
+                    await asyncio.wait_for(follow.changed.wait(), timeout)
+                except TimeoutError:
+                    pass
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(records())
+            tg.create_task(loads())
+
+    async def _maybe_load(self) -> None:
+        """Load ``self._target`` if it is newer than the loaded weights: fetch it, then
+        ``pause`` the engine (``wait`` or ``abort`` by ``on_update``), load, ``resume``.
+        Never raises for a bad record or a failed status publish: a refused record keeps
+        the old weights serving."""
+        follow = self._follow
+        pub = self._target
+        if pub is None or not follow.wanted(pub, self.version) or follow.blocked(pub):
+            return
+        async with self._lock:
+            if not follow.wanted(pub, self.version) or follow.blocked(pub):
+                return
+            t0 = time.perf_counter()
+            try:
+                with tracing.span("policy.load", {"version": pub.version, "replica": self.name,
+                                                  "on_update": self.on_update}):
+                    data = await fetch_weights(self.bus, pub)  # the engine serves meanwhile
+                    await self._load_paused(data, pub.version)
+            except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
+                tries, delay = follow.refuse(pub)
+                log.error("%s refused policy v%s (try %d, again in %.0fs or when announced "
+                          "again): %s", self.name, pub.version, tries, delay, e)
+                report = m.PolicyLoaded(version=self.version, replica=self.name, pool=self.pool,
+                                        error=str(e))
+                msg_id = f"refused:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}:{tries}"
+            else:
+                dt = time.perf_counter() - t0
+                follow.loaded_ok(pub)
+                self.gate.loaded(pub)
+                self.loads.append((pub.version, dt))
+                log.info("%s loaded policy v%s in %.2fs", self.name, pub.version, dt)
+                report = m.PolicyLoaded(version=pub.version, replica=self.name, pool=self.pool,
+                                        load_s=dt)
+                msg_id = f"loaded:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}"
+        if not report.error:
+            async with self._loaded:
+                self._loaded.notify_all()
+        await self._report_loaded(report, msg_id)
+
+    async def _report_loaded(self, report: m.PolicyLoaded, msg_id: str) -> None:
+        """Publish ``policy.loaded``: bus errors are retried briefly, then logged, never raised
+        (a status report must not take the proxy down)."""
+        try:
+            await self.publish_patiently("policy.loaded", report, msg_id=msg_id,
+                                         deadline=self._follow.report_deadline)
+        except Exception as e:  # noqa: BLE001 - a lost status report is not fatal
+            log.warning("%s: policy.loaded report (v%s%s) not published: %s", self.name,
+                        report.version, ", refused" if report.error else "", e)
+
+    async def _load_paused(self, data: bytes, version: int) -> None:
+        """Load weights between ``pause()`` and ``resume()`` of the engine: ``finish`` waits
+        for the requests in flight, ``interrupt`` aborts them (they continue afterwards, see
+        :meth:`_serve`). A refused file raises; the engine resumes on its old weights."""
+        eng = self.async_engine
+        await eng.pause("abort" if self.on_update == "interrupt" else "wait")
+        try:
+            await eng.load_weights(data, version)
+        finally:
+            await eng.resume()
+
+
+    async def _check_reachable(self, v: int) -> None:
+        """Refuse at once a ``min_version`` beyond the published policy (+1): no requester
+        can have seen it, and waiting ``version_wait`` for it holds the caller for nothing."""
+        known = max(self.version, self._target.version if self._target is not None else 0)
+        if v <= known + 1:
+            return
+        try:  # the watch may lag: ask KV itself before refusing
+            pub = await current_policy(self.bus, self.run)
+        except (BusError, DecodeError):
+            return
+        latest = max(known, pub.version if pub is not None else 0)
+        if v > latest + 1:
+            raise ValueError(f"invalid: min_version {v} is beyond the published policy v{latest}")
+
+    async def _wait_for_version(self, v: int) -> None:
+        deadline = time.monotonic() + self.version_wait
+        async with self._loaded:
+            while self.version < v:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StalePolicy(f"{self.name} serves v{self.version}, request needs >= v{v}")
+                try:
+                    await asyncio.wait_for(self._loaded.wait(), left)
+                except TimeoutError:
+                    pass
+
+
+class PolicyFollow:
+    """Which policy records a proxy loaded or refused; when a refused one is tried again."""
+
+    first_retry = 2.0
+    max_retry = 60.0
+    report_deadline = 2.0
+    """Seconds a ``policy.loaded`` report is retried (it delays the next batch meanwhile)."""
+
+    def __init__(self) -> None:
+        self.loaded: tuple[int, str] | None = None
+        """``(version, digest)`` of the last record loaded."""
+        self.refused: dict[tuple[int, str, str], tuple[float, int]] = {}
+        """``(version, digest, uri)`` -> ``(monotonic time of the next try, tries)``."""
+        self.changed = asyncio.Event()
+
+    @staticmethod
+    def key(pub: m.PolicyPublished) -> tuple[int, str, str]:
+        return (pub.version, pub.digest, pub.uri)
+
+    def wanted(self, pub: m.PolicyPublished, version: int) -> bool:
+        return pub.version > version or (
+            pub.version == version and self.loaded is not None
+            and self.loaded != (pub.version, pub.digest))
+
+    def blocked(self, pub: m.PolicyPublished) -> bool:
+        r = self.refused.get(self.key(pub))
+        return r is not None and time.monotonic() < r[0]
+
+    def due_at(self, pub: m.PolicyPublished | None) -> float | None:
+        r = self.refused.get(self.key(pub)) if pub is not None else None
+        return None if r is None else r[0]
+
+    def announced(self, pub: m.PolicyPublished) -> None:
+        """A (re-)announced record: if it was refused, try it now."""
+        r = self.refused.get(self.key(pub))
+        if r is not None:
+            self.refused[self.key(pub)] = (0.0, r[1])
+        self.changed.set()
+
+    def refuse(self, pub: m.PolicyPublished) -> tuple[int, float]:
+        tries = self.refused.get(self.key(pub), (0.0, 0))[1] + 1
+        delay = min(self.max_retry, self.first_retry * 2 ** (tries - 1))
+        self.refused[self.key(pub)] = (time.monotonic() + delay, tries)
+        self.changed.set()
+        return tries, delay
+
+    def loaded_ok(self, pub: m.PolicyPublished) -> None:
+        self.loaded = (pub.version, pub.digest)
+        self.refused = {k: r for k, r in self.refused.items() if k[0] > pub.version}
+        self.changed.set()

@@ -1,0 +1,264 @@
+"""The trainer's step loop: take a batch of groups from the ledger, train on it, checkpoint,
+announce the new weights and the ledger summary (:class:`StepLoop`).
+
+Groups are taken oldest first. The α rule (DESIGN.md §4): the step producing ``v+1`` uses
+only groups whose ``min_version >= v - alpha``; ``rollout.stale`` decides what happens to a
+group beyond it (see :class:`rollart.config.RolloutConfig`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from rollart import messages as m
+from rollart.actors.admission import RESTART_BASE
+from rollart.actors.ledger import Group, GroupLedger, put_summary
+from rollart.actors.run_end import put_run_end
+from rollart.actors.trainer_files import RunFiles
+from rollart.actors.trainer_publish import KvGuard, WeightPublisher
+from rollart.config import RunConfig
+from rollart.config.placement import mapped_pools
+from rollart.telemetry import otel_metrics, tracing
+
+log = logging.getLogger("rollart.actors.trainer")  # the trainer's log lines, wherever written
+
+
+class StepLoop:
+    """The step loop of :class:`rollart.actors.trainer.Trainer` (a mixin: the state it works
+    on is declared, and set up, by the Trainer; the names below say which)."""
+
+    name: str
+    run: str
+    bus: Any
+    cfg: RunConfig
+    version: int
+    backend: Any
+    ledger: GroupLedger
+    files: RunFiles
+    weights: WeightPublisher
+    kv_guard: KvGuard
+    counts: dict[str, int]
+    unacked: list[asyncio.Future]
+    changed: asyncio.Condition
+    failure: str | None
+    waiting: str
+    history: deque[dict]
+    wall_s: float
+    started_at: float
+    nodes: dict[str, m.NodeHeartbeat]
+    lost_max: int
+    end_published: bool
+    trace_heads: dict[str, dict[str, str]]
+    on_step: Any
+    publish_patiently: Any
+    _publish: Any
+    _save_checkpoint: Any
+
+    async def _train(self) -> None:
+        if self.version >= self.cfg.trainer.steps:
+            log.info("%s: version %d already reached trainer.steps = %d", self.name, self.version,
+                     self.cfg.trainer.steps)
+            return
+        self.started_at = time.time() - self.wall_s  # for `rollart top`: step, ETA, totals
+        if self.version > 0:
+            await self._publish()  # a resumed run re-announces its weights
+        await self._publish_ledger()
+        t_start = time.perf_counter() - self.wall_s
+        while self.version < self.cfg.trainer.steps:
+            with tracing.span("trainer.step", {"version": self.version}) as sp:
+                t0 = time.perf_counter()
+                with tracing.span("get_batch"):
+                    batch = await self._next_batch()
+                if batch is None:
+                    return
+                if sp is not None:  # links (not parents) to the trajectories it trains
+                    tracing.add_links(sp, self._trace_links(batch))
+                    sp.set_attribute("staleness", self._staleness_counts(batch))
+                metrics = await self._step(batch, wait_s=time.perf_counter() - t0, t_start=t_start)
+            otel_metrics.trainer_step(time.perf_counter() - t0)
+            if self.on_step is not None:
+                self.on_step(metrics)
+
+    def _staleness_counts(self, batch: list[Group]) -> list[int]:
+        """``counts[k]``: the samples of ``batch`` that are ``k`` versions stale now."""
+        k = self.cfg.rollout.group_size
+        stale = [max(0, self.version - t.min_version) for g in batch for t, _ in g.members[:k]]
+        counts = [0] * (max(stale, default=-1) + 1)
+        for s in stale:
+            counts[s] += 1
+        return counts
+
+    def _keep_trace(self, traj_id: str, headers: dict[str, str]) -> None:
+        """Tracing on: remember a trajectory's ``traceparent`` for the step that trains it."""
+        heads = self.trace_heads
+        heads[traj_id] = {tracing.TRACEPARENT: headers[tracing.TRACEPARENT]}
+        while len(heads) > 100_000:  # bounded: groups dropped or failed never claim theirs
+            del heads[next(iter(heads))]
+
+    def _trace_links(self, batch: list[Group]) -> list[dict[str, str]]:
+        heads = self.trace_heads
+        k = self.cfg.rollout.group_size
+        return [h for g in batch for t, _ in g.members[:k]
+                if (h := heads.pop(t.traj_id, None)) is not None]
+
+    def _release_unacked(self) -> None:
+        """A checkpoint holds the fate of the held deliveries: ack them."""
+        for fut in self.unacked:
+            fut.done() or fut.set_result(None)
+        self.unacked = []
+
+    async def _next_batch(self) -> list[Group] | None:
+        """The next step's groups, or None when the circuit breaker stopped the run."""
+        r = self.cfg.rollout
+        t0 = time.monotonic()
+        next_report = t0 + self.cfg.trainer.stall_after
+        async with self.changed:
+            while True:
+                sel = self.ledger.select(self.version)
+                changed = bool(sel.failed or sel.stale)
+                for g in sel.failed:
+                    self.unacked += self.ledger.close(g, "failed")
+                    log.warning("group %d failed: %s", g.index,
+                                "; ".join(sorted({x for _, x in g.dead})) or "every member cancelled")
+                for g in sel.stale:
+                    self.unacked += self.ledger.close(g, "restarted" if r.stale == "restart" else "dropped")
+                    if r.stale == "restart":
+                        await self._restart(g)
+                if changed:
+                    await self._publish_ledger()
+                reason = self.ledger.tripped()
+                if reason:
+                    await self._stop_run(reason)
+                    return None
+                if sel.batch:
+                    for g in sel.batch:
+                        self.unacked += self.ledger.close(g, "trained")
+                    if self.waiting:
+                        log.info("trainer: no longer waiting after %.0fs", time.monotonic() - t0)
+                        self.waiting = ""
+                    return sel.batch
+                left = next_report - time.monotonic()
+                if left <= 0:
+                    await self._report_wait(time.monotonic() - t0)
+                    next_report = time.monotonic() + max(60.0, self.cfg.trainer.stall_after)
+                    continue
+                try:
+                    await asyncio.wait_for(self.changed.wait(), left)
+                except TimeoutError:
+                    pass
+
+    async def _stop_run(self, reason: str) -> None:
+        self.failure = reason
+        await asyncio.to_thread(self._save_checkpoint)  # the ledger knows the failed groups
+        self._release_unacked()
+        kinds = ", ".join(f"{k}: {n}" for k, n in self.ledger.failure_kinds.most_common())
+        log.error("run stopped: %s (dead letters by kind: %s)", reason, kinds or "none")
+        await self._publish_ledger(stopped=reason)
+
+    async def _report_wait(self, waited: float) -> None:
+        """Say what the trainer waits for: groups, queued work, pools without a live node."""
+        parts = [f"trainer waited {waited:.0f}s: {self.ledger.describe_wait(self.version)}"]
+        try:
+            info = await self.bus.stream_info(m.stream_name(self.run, "work"))
+            parts.append(f"work queue holds {info.get('messages', '?')} requests")
+        except Exception as e:  # noqa: BLE001 - a report must not stop training
+            parts.append(f"work queue unknown ({type(e).__name__})")
+        horizon = 3 * max(1.0, self.cfg.node.heartbeat_every)
+        alive = [hb for hb in self.nodes.values() if time.time() - hb.ts < horizon]
+        missing = [role for role in ("env", "generate") if not any(role in hb.roles for hb in alive)]
+        if self.nodes:
+            parts.append("live nodes: " + (", ".join(
+                f"{hb.pool}[{','.join(hb.roles)}]" for hb in alive) or "none"))
+            if missing:
+                parts.append("no live node serves " + " or ".join(missing))
+        self.waiting = "; ".join(parts)
+        log.warning("%s", self.waiting)
+        await self._publish_ledger(waiting=self.waiting)
+
+    async def _publish_ledger(self, **extra: Any) -> None:
+        """The ledger summary in KV (admission frees lost groups' headroom from it), with the
+        run's progress (`rollart top`); once the steps are taken or the circuit breaker
+        stopped the run, the end of training (:mod:`rollart.actors.run_end`)."""
+        hist = list(self.history)[-10:]
+        step_s = last_s = 0.0
+        if hist:
+            last_s = hist[-1]["wall_s"] - (hist[-2]["wall_s"] if len(hist) > 1 else self.wall_s)
+            n = hist[-1]["step"] - (hist[0]["step"] if len(hist) > 1 else self.version - 1)
+            span = hist[-1]["wall_s"] - (hist[0]["wall_s"] if len(hist) > 1 else self.wall_s)
+            step_s = span / max(1, n)
+        steps = self.cfg.trainer.steps
+        summary = self.ledger.summary(
+            version=self.version, steps_total=steps, started_at=self.started_at,
+            last_step_s=max(0.0, last_s), step_s=max(0.0, step_s),
+            trajectories=self.ledger.trained * self.cfg.rollout.group_size,
+            dead=sum(self.ledger.failure_kinds.values()), **extra)
+        self.lost_max = max(self.lost_max, self.ledger.lost)
+        self.kv_guard.wrote(m.LEDGER_KEY, summary)
+        await put_summary(self.bus, self.run, summary)
+        stopped = extra.get("stopped", "")
+        if (stopped or self.version >= steps) and not self.end_published:
+            self.end_published = True
+            await put_run_end(self.bus, self.run, m.RunEnd(
+                stage="trained", version=self.version, steps=steps, stopped=stopped, ts=time.time()))
+
+    async def _restart(self, g: Group) -> None:
+        """Roll a stale group's task out again under a fresh group index."""
+        t = g.members[0][0]
+        n = self.cfg.rollout.group_size + self.cfg.rollout.redundancy
+        idx = RESTART_BASE + g.index * 100 + t.attempt
+        gid = f"{t.group_id}-r{t.attempt}"
+        self.ledger.readmitted(idx, gid, t.seed)
+        for i in range(n):
+            await self.publish_patiently("rollout.requested", m.RolloutRequested(
+                traj_id=f"{gid}-{i}", group_id=gid, env=t.env, seed=t.seed, index_in_group=i,
+                admitted_version=self.version, min_version=self.version, group_index=idx,
+                created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}", pool=self._env_pool())
+
+    def _env_pool(self) -> str | None:
+        """The pool of the EnvManagers (``mapping.env``), None: this actor's own pool."""
+        return mapped_pools(self.cfg.mapping, "env")[0] if self.cfg.pools else None
+
+    async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict:
+        # optional dependency: train_batch imports torch (a trainer process has it)
+        from rollart.actors.train_batch import build_samples, loss_config, trajectory_stats
+
+        k = self.cfg.rollout.group_size
+        trajs = [t for g in batch for t, _ in g.members[:k]]
+        v = self.version
+        samples = build_samples(trajs, [g.index for g in batch for _ in g.members[:k]],
+                                self.cfg.trainer.advantage)
+        otel_metrics.staleness(v - t.min_version for t in trajs)
+        t0 = time.perf_counter()
+        with tracing.span("train", {"samples": len(samples)}):
+            tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))
+        train_s = time.perf_counter() - t0
+        counts = {**self.ledger.counts, **self.counts}
+        out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
+               **trajectory_stats(trajs, v),
+               **{k: float(x) for k, x in tm.items() if isinstance(x, (int, float))},
+               **{f"count_{k}": x for k, x in counts.items()},
+               "groups_lost": self.ledger.lost,
+               "traj_ids": [t.traj_id for t in trajs],
+               "traj_min_versions": [t.min_version for t in trajs]}
+        t1 = time.perf_counter()
+        out["wall_s"] = t1 - t_start
+        self.history.append(out)
+        checkpointed = (self.version % self.cfg.trainer.checkpoint_every == 0
+                        or self.version >= self.cfg.trainer.steps)
+        # the record first: a resume keeps exactly the rows of the steps its checkpoint holds
+        with tracing.span("checkpoint", {"saved": checkpointed}):
+            await asyncio.to_thread(self.files.write_metrics, out)
+            if checkpointed:
+                await asyncio.to_thread(self._save_checkpoint)
+        with tracing.span("publish"):
+            await self._publish()
+            await self._publish_ledger()
+        out["publish_s"] = time.perf_counter() - t1
+        if checkpointed:
+            self._release_unacked()
+        return out
+

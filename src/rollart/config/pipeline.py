@@ -1,0 +1,307 @@
+"""The RL pipeline: the ``model:``, ``envs:``, ``rollout:``, ``proxy:``, ``reward:`` and
+``trainer:`` sections of a run's config. Checks that span sections sit on
+:class:`rollart.config.schema.RunConfig`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rollart.config.base import Base, in_range
+from rollart.envs.actions import compile_pattern
+
+
+class TinyModelConfig(Base):
+    """A tiny Qwen3-style model built locally from a config (no download)."""
+
+    vocab_size: int = 512
+    """Tokenizer vocabulary size."""
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads."""
+    intermediate_size: int = 256
+    """MLP width."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+    def __post_init__(self) -> None:
+        k = "model.tiny."
+        in_range(self, k, "vocab_size", ge=TINY_MIN_VOCAB)
+        in_range(self, k, "hidden_size num_layers num_heads num_kv_heads intermediate_size", ge=1)
+        in_range(self, k, "seed", ge=0)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"{k}hidden_size ({self.hidden_size}) must be divisible by "
+                             f"{k}num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{k}num_heads ({self.num_heads}) must be divisible by "
+                             f"{k}num_kv_heads ({self.num_kv_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"{k}hidden_size / {k}num_heads (the head size, "
+                             f"{self.hidden_size // self.num_heads}) must be even (rotary embeddings)")
+
+
+TINY_MIN_VOCAB = 267
+"""Smallest ``model.tiny.vocab_size``: 256 bytes, 3 special tokens and a few merges
+(:func:`rollart.engines.tiny.build_tiny_model` checks the same)."""
+
+
+class ModelConfig(Base):
+    path: str | None = None
+    """Local Hugging Face model folder; empty builds ``tiny`` under the run folder."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """The tiny model to build when ``path`` is empty."""
+    threads: int = 1
+    """Torch threads per process."""
+
+    def __post_init__(self) -> None:
+        in_range(self, "model.", "threads", ge=1)
+
+
+class SamplingConfig(Base):
+    max_new_tokens: int = 32
+    """Tokens per turn at most (free-text turns)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are always reported at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+    def __post_init__(self) -> None:
+        in_range(self, "", "max_new_tokens", ge=1)
+        in_range(self, "", "temperature", ge=0)
+        in_range(self, "", "top_p", gt=0, le=1)
+
+
+class EnvConfig(Base):
+    """One environment kind that trajectories run in."""
+
+    type: str = "frozenlake"
+    """Built-in name (frozenlake, sokoban, reasoning_gym), ``gym:<id>`` (any registered
+    gymnasium environment) or ``pkg.module:Class``."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the env class."""
+    executor: Literal["thread", "process"] = "thread"
+    """Where a sync env runs: ``thread`` or ``process``. A thread cannot be killed: a step
+    that times out leaves it running (abandoned); in ``process`` the worker is killed."""
+    max_abandoned_threads: int = 16
+    """With ``executor: thread``: once this many threads of timed-out steps (or resets) of
+    this env type are still running, its trajectories fail at once as ``env_contract``
+    ("steps hang; use executor: process") instead of leaking a thread per hung step. A thread
+    whose call returns late stops counting."""
+    max_turns: int = 8
+    """Turns at most; then the trajectory stops with ``max_turns``."""
+    max_context_tokens: int = 1024
+    """Context length at most; then the trajectory stops with ``max_context``."""
+    reset_timeout: float = 30.0
+    """Seconds a reset may take."""
+    reset_retries: int = 3
+    """Fresh envs tried after a failed reset before the trajectory is dead-lettered."""
+    step_timeout: float = 30.0
+    """Seconds a step may take; then the trajectory stops with ``env_timeout``."""
+    instruction: str | None = None
+    """System prompt; default: the env's own ``instruction`` attribute, else empty."""
+    turn_template: str = "{observation}"
+    """User message of each turn; ``{observation}`` and ``{turn}`` are filled in."""
+    action_pattern: str | None = None
+    """Regex with one group to extract the action (e.g. ``<answer>(.*?)</answer>``)."""
+    format_penalty: float = -0.1
+    """Reward added per turn whose action cannot be parsed."""
+    constrain: bool = True
+    """Constrain decoding to the env's legal actions when it has them."""
+    scorer: str | None = None
+    """Score the trajectory with this RewardService scorer instead of the env's rewards."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling of free-text turns."""
+    check: bool = True
+    """Before a run starts (and in ``rollart config``) construct one env, reset it and take
+    one legal step, so a broken env fails at once; ``false`` (for envs expensive to build)
+    only imports ``type`` and checks ``args`` against its constructor."""
+
+    def __post_init__(self) -> None:
+        in_range(self, "", "max_turns max_context_tokens", ge=1)
+        in_range(self, "", "reset_timeout step_timeout", gt=0)
+        in_range(self, "", "reset_retries", ge=0)
+        in_range(self, "", "max_abandoned_threads", ge=1)
+        in_range(self, "", "format_penalty")
+        try:
+            self.turn_template.format(observation="", turn=1)
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise ValueError(f"turn_template {self.turn_template!r} is not a format string with "
+                             f"only {{observation}} and {{turn}}: {type(e).__name__}: {e}") from None
+        if self.action_pattern is not None:
+            try:
+                compile_pattern(self.action_pattern)
+            except ValueError as e:
+                raise ValueError(f"action_pattern: {e}") from None
+
+
+class RolloutConfig(Base):
+    mode: Literal["trajectory", "batch"] = "trajectory"
+    """``trajectory`` (each trajectory advances on its own) or ``batch`` (lock-step turns)."""
+    env: str = "main"
+    """Key of ``envs`` to roll out in (training)."""
+    group_size: int = 8
+    """Trajectories per group (same seed); advantages are normalised within a group."""
+    redundancy: int = 0
+    """Extra trajectories per group; the first ``group_size`` finished are kept."""
+    batch_groups: int = 8
+    """Groups per training step."""
+    alpha: int = 1
+    """Asynchrony bound: a step producing version v+1 uses trajectories of version >= v - alpha."""
+    stale: Literal["wait", "drop", "restart"] = "wait"
+    """A trajectory beyond the bound: ``wait`` (the trainer waits for groups in admission
+    order and turns use at least the admission version, so none is ever stale), ``drop``
+    (discard it) or ``restart`` (discard and roll the task out again)."""
+    concurrency: int = 64
+    """Trajectories one EnvManager runs at once."""
+    generate_timeout: float = 60.0
+    """Seconds one generate or reward request may take on a live replica; then it is sent
+    again (a replica that dies or drains is noticed sooner: ``replica_timeout``)."""
+    generate_retries: int = 3
+    """Retries of a generate or reward request that a replica answered with an error; then
+    the trajectory is dead-lettered (``service_error``). A missing, lost or stopping replica
+    is not an error but a wait (``service_wait``)."""
+    service_wait: float = 300.0
+    """Seconds one generate or reward request keeps trying while no replica answers (no
+    responders, timeouts, lost replicas or connection); then the trajectory is
+    dead-lettered (``service_unavailable``)."""
+    replica_timeout: float = 3.0
+    """Seconds without a progress report from the replica holding a request (or with no live
+    replica claiming it) before the request is sent again elsewhere; 0 turns this off."""
+    ack_wait: float = 30.0
+    """Seconds before an abandoned trajectory is redelivered (heartbeats hold live ones)."""
+    seed: int = 0
+    """Base seed of the task seeds."""
+    same_seed_per_group: bool = True
+    """All trajectories of a group share the task seed."""
+    fail_after_groups: int | None = None
+    """Circuit breaker: the run stops (non-zero exit, reason in ``summary.json``) when this
+    many groups fail in a row; default ``2 * batch_groups``; 0 never stops."""
+    on_failed_group: Literal["replace", "skip"] = "replace"
+    """A failed group (fewer than 2 completions) in a rollout of a fixed number of groups
+    (``rollart rollout``, evaluation): ``replace`` admits a fresh group (new task seed) so that
+    the number asked for complete, ``skip`` reports it as failed. Training always frees a lost
+    group's admission headroom, so a fresh group takes its place."""
+
+    def __post_init__(self) -> None:
+        wave = (self.group_size + self.redundancy) * self.batch_groups
+        if self.mode == "batch" and self.concurrency < wave:
+            raise ValueError(
+                f"rollout.mode 'batch' runs a wave of (group_size + redundancy) * batch_groups"
+                f" = {wave} trajectories in lock step on one EnvManager: set rollout.concurrency"
+                f" >= {wave} (it is {self.concurrency})")
+        for name in ("group_size", "batch_groups", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1")
+        if self.alpha < 0 or self.redundancy < 0:
+            raise ValueError("rollout.alpha and rollout.redundancy must be >= 0")
+        for name in ("generate_timeout", "service_wait"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be > 0 seconds")
+        if self.generate_retries < 0 or self.replica_timeout < 0:
+            raise ValueError("rollout.generate_retries and rollout.replica_timeout must be >= 0")
+        if self.fail_after_groups is not None and self.fail_after_groups < 0:
+            raise ValueError("rollout.fail_after_groups must be >= 0 (0: never stop)")
+        # every numeric key, finite (the checks above let NaN through); a concurrency below
+        # one group or batch only runs slower in trajectory mode (each trajectory advances
+        # on its own), so it is allowed; batch mode's lock step needs the wave (above)
+        in_range(self, "rollout.", "group_size batch_groups concurrency", ge=1)
+        in_range(self, "rollout.", "alpha redundancy generate_retries fail_after_groups seed", ge=0)
+        in_range(self, "rollout.", "generate_timeout service_wait ack_wait", gt=0)
+        in_range(self, "rollout.", "replica_timeout", ge=0)
+
+
+class ProxyConfig(Base):
+    engine: Literal["torch", "vllm", "sglang"] = "torch"
+    """Generation engine of each LLMProxy: ``torch`` (built in, CPU or GPU), ``vllm``
+    (``pip install 'rollart[vllm]'``; its CPU build runs here) or ``sglang`` (an SGLang
+    server on a GPU, launched by the node or attached by URL). See ``engine_args``."""
+    engine_args: dict[str, Any] = {}
+    """Passed to the engine: for ``vllm`` fields of vLLM's ``AsyncEngineArgs``
+    (``max_model_len``, ``gpu_memory_utilization``...); for ``sglang`` ``url`` (attach to a
+    running server) or server arguments; unused by ``torch``."""
+    on_update: Literal["finish", "interrupt"] = "finish"
+    """When a new policy version arrives: ``finish`` lets the requests in flight finish on the
+    old weights, then loads; ``interrupt`` stops them, loads, and continues each from the
+    tokens it had (a partial rollout: every token keeps the version that produced it)."""
+    gather_ms: float = 2.0
+    """Milliseconds to gather concurrent requests into one engine batch (``torch``)."""
+    max_batch: int = 128
+    """Requests per engine batch at most (``torch``)."""
+
+    def __post_init__(self) -> None:
+        in_range(self, "proxy.", "gather_ms", ge=0)
+        in_range(self, "proxy.", "max_batch", ge=1)
+
+
+class RewardConfig(Base):
+    model_path: str | None = None
+    """Local causal LM folder for the ``model_logprob`` scorer."""
+    gather_ms: float = 2.0
+    """Milliseconds to gather requests into one model forward pass."""
+
+    def __post_init__(self) -> None:
+        in_range(self, "reward.", "gather_ms", ge=0)
+
+
+class TrainerConfig(Base):
+    """Training: algorithm, optimizer, weight sync and checkpoints."""
+
+    steps: int = 20
+    """Optimizer steps (policy versions) to train."""
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator (drgrpo: group mean baseline without std normalisation)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+    warmup_steps: int = 0
+    """Linear LR warm-up steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warm-up."""
+    clip_low: float = 0.2
+    """PPO lower clip."""
+    clip_high: float = 0.2
+    """PPO upper clip."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """Loss aggregation."""
+    is_cap: float | None = 2.0
+    """Cap of the truncated importance weight between trainer and rollout log-probs (none: off)."""
+    decoupled: bool = False
+    """Decoupled PPO objective (tokens whose IS weight exceeds the cap get weight 0)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to the initial policy."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens per micro-batch (gradient accumulation above it)."""
+    weights: Literal["file", "object"] = "file"
+    """Where weights travel: the run folder (shared filesystem) or the bus object store."""
+    checkpoint_every: int = 1
+    """Steps between checkpoints; trajectories are acked only once checkpointed."""
+    keep_weights: int = 3
+    """Weight files kept on disk (older versions are deleted)."""
+    seed: int = 0
+    """Seed of the trainer."""
+    eval_groups: int = 4
+    """Groups of the greedy evaluation at the end of ``rollart run`` (held-out seeds)."""
+    eval_timeout: float = 600.0
+    """Seconds the final evaluation may take; past them the run ends without its result
+    (logged as an error) instead of waiting for ever."""
+    stall_after: float = 120.0
+    """Seconds the trainer waits for a batch before it says what it waits for (groups,
+    queued work, pools without a live node), then again every minute or so."""
+
+    def __post_init__(self) -> None:
+        if self.stall_after <= 0:
+            raise ValueError("trainer.stall_after must be > 0 seconds")
+        k = "trainer."
+        in_range(self, k, "steps micro_batch_tokens checkpoint_every keep_weights eval_groups", ge=1)
+        in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
+        in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed", ge=0)
+        in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low

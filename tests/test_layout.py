@@ -1,0 +1,142 @@
+"""The package layout of docs/design.md § 7, checked from the source: which way imports go.
+
+Every import counts, wherever it is written (module top, inside a function, under
+``if TYPE_CHECKING:``): a cycle hidden in a function is still a cycle for a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = SRC / "rollart"
+
+LAYERS = [
+    # leaves: no rollart import at all
+    {"rollart.errors", "rollart.aio", "rollart.procs", "rollart.bus.base", "rollart.bus.codec",
+     "rollart.algos"},
+    {"rollart.messages"},  # the wire contract
+    {"rollart.envs"},
+    {"rollart.config"},
+    {"rollart.bus"},  # connections read the nats section of a config
+    {"rollart.telemetry"},  # instrumentation
+    {"rollart.engines"},
+    {"rollart.actors"},
+    {"rollart.node"},
+    {"rollart.security", "rollart.deploy"},
+    {"rollart.app"},  # commands and entry points; nothing imports it
+]
+"""Bottom to top: a module imports only from its own layer or the ones below."""
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        name = ".".join(p.relative_to(SRC).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            cands = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            cands = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for c in cands:
+            while c and c not in MODULES:
+                c = c.rpartition(".")[0]
+            if c and c != name:
+                found.add(c)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _layer(mod: str) -> int:
+    if mod.endswith(".__main__"):  # an entry point (python -m ...): the app layer's
+        return len(LAYERS) - 1
+    best, depth = None, -1
+    for i, group in enumerate(LAYERS):
+        for prefix in group:
+            if (mod == prefix or mod.startswith(prefix + ".")) and len(prefix) > depth:
+                best, depth = i, len(prefix)
+    return best if best is not None else -1
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if m != "rollart" and _layer(m) < 0] == []
+
+
+def test_no_import_goes_up_a_layer():
+    up = sorted(f"{a} -> {b}" for a, deps in GRAPH.items() for b in deps
+                if _layer(a) >= 0 and _layer(b) > _layer(a)
+                and b != "rollart")  # the package root holds only the version
+    assert up == []
+
+
+def test_no_library_imports_the_app_layer():
+    lib = sorted(f"{a} -> {b}" for a, deps in GRAPH.items() for b in deps
+                 if b.startswith("rollart.app") and _layer(a) < len(LAYERS) - 1)
+    assert lib == []
+
+
+def test_there_is_no_import_cycle():
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+@pytest.mark.parametrize("module", ["rollart.app.cli", "rollart.app.node", "rollart.node",
+                                    "rollart.actors.env_manager"])
+def test_a_command_or_an_env_node_does_not_import_torch(module):
+    """torch is the optional ``train`` extra: ``rollart tap`` or an env-only node never loads it."""
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
