@@ -72,5 +72,22 @@ async def collect(bus, run: str, name: str, n: int, deadline: float = 10.0) -> l
     return out
 
 
+async def stored(bus, run: str, name: str) -> int:
+    """How many messages of subject ``name`` the run's stream holds now: an absence check
+    that reads the store instead of waiting for something not to arrive."""
+    d = m.SUBJECTS[name]
+    c = await bus.pull_consumer(
+        m.stream_name(run, d.stream),
+        ConsumerSpec(durable=f"count-{uuid.uuid4().hex[:8]}", filter_subject=m.subject(run, name)),
+    )
+    return int((await c.info())["num_pending"])
+
+
+async def all_stored(bus, run: str, name: str) -> list:
+    """Every message of subject ``name`` the run's stream holds now, decoded (no waiting for
+    more: call it once the outcomes are in)."""
+    return await collect(bus, run, name, await stored(bus, run, name), deadline=60.0)
+
+
 def new_run() -> str:
     return f"r{uuid.uuid4().hex[:8]}"

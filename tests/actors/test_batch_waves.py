@@ -54,7 +54,7 @@ async def test_a_wave_split_between_two_barriers_fails_fast_with_the_reason():
         with pytest.raises(WaveIncomplete):
             await ls.arrive("run:g0")
         ls.leave("run:g0")
-        assert not ls._waves
+        assert not ls.waves
 
 
 async def test_a_wave_short_of_room_here_keeps_waiting_for_its_members():
@@ -88,7 +88,7 @@ async def test_a_crash_remnant_runs_on_with_the_members_present():
     await asyncio.wait_for(asyncio.gather(ls.arrive("w"), ls.arrive("w")), 1)  # next phase
     ls.leave("w")
     ls.leave("w")
-    assert not ls._waves and ls.join("w", 4) is False
+    assert not ls.waves and ls.join("w", 4) is False
 
 
 async def test_a_whole_wave_never_times_out():
@@ -122,13 +122,13 @@ async def test_two_env_managers_sharing_a_wave_dead_letter_it_with_the_reason(me
     a, b = env_manager(0), env_manager(1)
     async with Node(bus, [a], heartbeat_every=0, grace=5) as node_a:
         await submit([0, 1])
-        await until(lambda: len(a._live) == 2, deadline=60, what="EnvManager a holding two members")
+        await until(lambda: len(a.running) == 2, deadline=60, what="EnvManager a holding two members")
         for loop in node_a.loops:  # a takes no more: the rest of the wave goes to b
             loop.stop()
         async with Node(bus, [b], heartbeat_every=0, grace=5):
             await submit([2, 3])
             dead = await collect(bus, cfg.run, "dead", 4, deadline=20)
-            await until(lambda: not a._live and not b._live, deadline=60, what="both EnvManagers done")
+            await until(lambda: not a.running and not b.running, deadline=60, what="both EnvManagers done")
     assert sorted(m.dead_request(d).traj_id for d in dead) == ["t0", "t1", "t2", "t3"], \
         [d.reason for d in dead]
     for d in dead:

@@ -4,8 +4,6 @@ entries up to a cap."""
 
 from __future__ import annotations
 
-import asyncio
-
 from rollart import messages as m
 from rollart.actors import cancelled as cancelled_mod
 from rollart.actors import lockstep as ls_mod
@@ -20,7 +18,7 @@ async def test_finished_waves_are_capped_newest_kept(monkeypatch):
     for i in range(500):
         assert ls.join(f"w{i}", 1)
         ls.leave(f"w{i}")
-    assert len(ls._closed) == 50 and not ls._waves
+    assert len(ls.finished) == 50 and not ls.waves
     assert ls.join("w499", 1) is False  # a late member of a recent wave still runs alone
     assert ls.join("w0", 1) is True  # long forgotten: a fresh wave
 
@@ -28,8 +26,7 @@ async def test_finished_waves_are_capped_newest_kept(monkeypatch):
 async def test_cancelled_groups_are_capped_newest_kept(monkeypatch):
     monkeypatch.setattr(cancelled_mod, "CANCELLED_GROUPS_KEPT", 40)
     em = EnvManager(run="bounded", envs={}, rollout=None, model_dir="")
-    live = asyncio.Event()
-    em._live["g0-t1"], em._group_of["g0-t1"] = live, "g0"
+    live = em.running.start("g0-t1", "g0")
     for i in range(400):
         cmd = m.CancelGroup(group_id=f"g{i}", keep=[f"g{i}-t0"])
         await em._on_cancel(Request(subject="x", data=encode(cmd)))

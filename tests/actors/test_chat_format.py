@@ -10,11 +10,23 @@ TEXTS = ["", "hello", "  two  spaces\n\nand lines\t", "Action: <answer>Left</ans
          "ünïcødé ✓ 漢字", "SFFF\nFHFH\nFFFH\nHFFG"]
 
 
+class _SlowOnly:
+    """A tokenizer without its fast backend (as a slow tokenizer has none)."""
+
+    def __init__(self, tok):
+        self.wrapped = tok
+
+    def __getattr__(self, name):
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
+
 def test_fast_path_gives_the_tokenizers_ids_and_text(tiny_model):
     chat = ChatFormat.load(tiny_model)
-    assert chat._backend is not None  # the locally built tokenizer is a fast one
+    assert chat.fast  # the locally built tokenizer is a fast one
     tok = chat.tok
-    texts = TEXTS + [chat._before_user + t + chat._after_user for t in TEXTS]
+    texts = TEXTS + [chat.user_turn(t) for t in TEXTS]
     texts.append((tok.eos_token or "") + "after the end")
     for text in texts:
         ids = chat.encode(text)
@@ -24,8 +36,9 @@ def test_fast_path_gives_the_tokenizers_ids_and_text(tiny_model):
 
 
 def test_without_a_backend_the_tokenizer_is_used(tiny_model):
-    chat = ChatFormat.load(tiny_model)
-    ids = chat.encode("Action: Left")
-    chat._backend = None
+    fast = ChatFormat.load(tiny_model)
+    ids = fast.encode("Action: Left")
+    chat = ChatFormat(_SlowOnly(fast.tok))
+    assert not chat.fast
     assert chat.encode("Action: Left") == ids
     assert chat.decode(ids) == chat.tok.decode(ids, skip_special_tokens=True)

@@ -15,7 +15,7 @@ from rollart.actors.reward import RewardService
 from rollart.bus.codec import encode
 from rollart.config import ActorConfig, RunConfig, convert
 from rollart.node import Node
-from tests.actors.sample_actors import collect, new_run
+from tests.actors.sample_actors import all_stored, collect, new_run
 from tests.waiting import until
 
 BROKEN = "tests.actors.broken_envs"
@@ -83,7 +83,7 @@ async def test_a_generate_pool_that_appears_late_is_waited_for(nats_bus, tiny_mo
         assert env.services.waits()[("generate.request", "default")][0] == 2
         async with Node(nats_bus, [build(cfg, "generate")], heartbeat_every=0, grace=1):
             done = await collect(nats_bus, cfg.run, "rollout.completed", 2, deadline=60)
-        dead = await collect(nats_bus, cfg.run, "dead", 1, deadline=0.5)
+        dead = await all_stored(nats_bus, cfg.run, "dead")  # the outcomes are in
     assert sorted(d.traj_id for d in done) == sorted(ids) and not dead
     assert all(d.attempt == 1 for d in done), "the trajectory waited; it was not re-run"
     assert env.stats.get("service_waits", 0) == 2

@@ -164,7 +164,7 @@ async def test_a_cancelled_group_aborts_its_requests_in_flight(memory_bus_only, 
         # a late request of a cancelled trajectory is refused at once
         with pytest.raises(RemoteError, match="cancelled"):
             await proxy.request("generate.request", request("g000001-2", prompt, 4), timeout=30)
-        assert not proxy._inflight and not proxy._cancelled
+        assert not proxy.in_flight and not proxy.aborting
 
 
 async def test_engine_occupancy_reaches_the_node_heartbeat(memory_bus_only, tiny_model, prompt):

@@ -134,7 +134,7 @@ async def test_a_request_on_a_lost_replica_is_sent_again_within_the_replica_time
     async with client_on(bus, run, timeout=FOREVER, count=count) as client:
         async with Node(bus, [bad], heartbeat_every=0, grace=0.2):
             async with Node(bus, [good], heartbeat_every=0, grace=0.2):
-                await until(lambda: len(client._replicas) == 2, deadline=30,
+                await until(lambda: len(client.replicas()) == 2, deadline=30,
                             what="both replicas report")
                 results = await asyncio.wait_for(
                     asyncio.gather(*(client.call("generate.request", gen_req(i)) for i in range(6))), 120)

@@ -1,4 +1,4 @@
-"""Trainer._publish: weights by content; a published version's file is never rewritten."""
+"""The trainer's WeightPublisher: weights by content; a published version's file is never rewritten."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ async def test_publish_reuses_a_version_file_and_never_overwrites_it(bus, tiny_m
 
     await ensure_run_streams(bus, run)
 
-    await trainer._publish()
+    await trainer.weights.publish()
     pub = await current_policy(bus, run)
     path = tmp_path / "runs" / run / "weights" / "v000000.safetensors"
     stat = path.stat()
@@ -34,7 +34,7 @@ async def test_publish_reuses_a_version_file_and_never_overwrites_it(bus, tiny_m
     assert pub.uri.startswith("obj://" if weights == "object" else "file://")
     assert await fetch_weights(bus, pub)
 
-    await trainer._publish()  # announced again (a resume): the same file, the same digest
+    await trainer.weights.publish()  # announced again (a resume): the same file, the same digest
     again = await current_policy(bus, run)
     assert (again.digest, again.uri) == (pub.digest, pub.uri)
     assert path.stat().st_mtime_ns == stat.st_mtime_ns and path.stat().st_ino == stat.st_ino
@@ -42,7 +42,7 @@ async def test_publish_reuses_a_version_file_and_never_overwrites_it(bus, tiny_m
     with torch.no_grad():  # other tensors under the same version: a new file, the old one kept
         next(trainer.backend.model.parameters()).add_(1.0)
     old_bytes = path.read_bytes()
-    await trainer._publish()
+    await trainer.weights.publish()
     moved = await current_policy(bus, run)
     assert moved.version == 0 and moved.digest == trainer.backend.weights_digest() != pub.digest
     assert moved.uri != pub.uri and path.read_bytes() == old_bytes

@@ -26,7 +26,7 @@ async def test_object_store_keeps_only_the_kept_versions(bus, tiny_model, tmp_pa
     store = await bus.object_store(m.object_bucket(run))
     for v in range(5):
         trainer.backend.version = v
-        await trainer._publish()
+        await trainer.weights.publish()
     pub = await current_policy(bus, run)
     data = await fetch_weights(bus, pub)
     assert pub.version == 4 and len(data) > 1024 * 1024  # more than one message holds

@@ -282,7 +282,7 @@ def _fake(tmp_path: Path, code: str, window: float = 600.0, **node):
     """LocalNodes of one ``generate`` child that runs ``code`` instead of a node."""
     cfg = convert({"run": "fake", "run_dir": str(tmp_path / "runs"), "node": node}, RunConfig)
     local = LocalNodes(cfg, [["generate"]], [], backoff=0.01, window=window)
-    local._command = lambda child: [sys.executable, "-c", code]
+    local._command = lambda child: [sys.executable, "-c", code]  # a test seam: the child's command
     return local
 
 

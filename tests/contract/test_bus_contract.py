@@ -415,7 +415,7 @@ async def test_an_object_whose_chunks_vanish_mid_read_fails_instead_of_hanging(n
     _, p = names
     store = await nats_bus.object_store(f"OBJ{p}")
     await store.put("w", bytes(range(256)) * 4096)  # 1 MiB: 8 chunks
-    info = await store._obs.get_info("w")
+    info = await store._obs.get_info("w")  # white-box: nats-py's store, to purge the chunks
     # The chunks go, the meta stays: what a reader that got the meta just before a purge sees.
     await nats_bus._js.purge_stream(f"OBJ_OBJ{p}", subject=f"$O.OBJ{p}.C.{info.nuid}")
     nats_bus.object_stall_s = 0.5

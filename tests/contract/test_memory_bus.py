@@ -119,7 +119,7 @@ async def test_delete_stream_disowns_subjects_and_fails_bound_consumers(mem):
     await mem.ensure_stream(StreamSpec(name="D", subjects=("d.>",)))
     c = await mem.pull_consumer("D", ConsumerSpec(durable="c", filter_subject="d.a"))
     parked = asyncio.ensure_future(c.fetch(1, timeout=10))
-    await until(lambda: c._state.waiters, what="fetch parked", deadline=30, step=0.005)
+    await until(lambda: _parked(c), what="fetch parked", deadline=30, step=0.005)
     await mem.delete_stream("D")
     with pytest.raises(BusError):
         await asyncio.wait_for(parked, 2)
@@ -196,6 +196,11 @@ async def test_max_age_drops_messages_and_pending(mem):
     assert await c.fetch(1, timeout=0.05) == []
 
 
+async def _parked(consumer) -> int:
+    """How many fetches of the consumer wait for messages now."""
+    return (await consumer.info())["num_waiting"]
+
+
 async def _messages(mem, stream, n):
     return (await mem.stream_info(stream))["messages"] == n
 
@@ -206,7 +211,7 @@ async def test_parked_fetch_wakes_on_publish_and_returns_early(mem):
     c = await mem.pull_consumer("F", ConsumerSpec(durable="c", filter_subject="f.a"))
     t0 = time.monotonic()
     task = asyncio.ensure_future(c.fetch(10, timeout=5))
-    await until(lambda: c._state.waiters, what="fetch parked", deadline=30, step=0.005)
+    await until(lambda: _parked(c), what="fetch parked", deadline=30, step=0.005)
     await mem.publish("f.a", b"x")
     got = await asyncio.wait_for(task, 2)
     assert [d.data for d in got] == [b"x"]
@@ -225,7 +230,7 @@ async def test_max_ack_pending_spans_bindings(mem):
     assert len(got_a) == 2 and len(got_b) == 1
     # b parks; an ack on a frees one slot and wakes it
     parked = asyncio.ensure_future(b.fetch(10, timeout=5))
-    await until(lambda: b._state.waiters, what="fetch parked", deadline=30, step=0.005)
+    await until(lambda: _parked(b), what="fetch parked", deadline=30, step=0.005)
     await got_a[0].ack()
     more = await asyncio.wait_for(parked, 2)
     assert [d.data for d in more] == [b"3"]
@@ -238,6 +243,7 @@ async def test_redelivery_comes_first_and_stale_acks_are_harmless(mem):
     await mem.publish("r.a", b"1")
     (old,) = await fetch_n(c, 1, batch=1)
     await mem.publish("r.a", b"2")
+    # white-box: no public view shows a delivery whose ack_wait ran out before its redelivery
     await until(lambda: c._state.waiters or any(p.due for p in c._state.pending.values()),
                 what="ack_wait expiry", deadline=30, step=0.005)
     got = await fetch_n(c, 2)
@@ -259,6 +265,7 @@ async def test_late_ack_of_expired_delivery_settles_the_message(mem):
     c = await mem.pull_consumer("LA", ConsumerSpec(durable="c", filter_subject="la.a", ack_wait=0.1))
     await mem.publish("la.a", b"1")
     (d,) = await fetch_n(c, 1)
+    # white-box, as above: the delivery is due for redelivery, not redelivered yet
     await until(lambda: any(p.due for p in c._state.pending.values()), what="ack_wait expiry", deadline=30, step=0.005)
     await d.ack()
     assert await c.fetch(1, timeout=0.3) == []
@@ -420,7 +427,7 @@ async def test_kv_same_bucket_wildcard_watch_and_close(mem):
         ("pool.a", b"1", False), ("pool.b", b"2", False), ("pool.a", None, True)]
     assert r1 < r2 < seen[2].revision
     await it.aclose()
-    assert kv1._watchers == []  # closing the iterator unregisters it
+    assert kv1.watchers == 0  # closing the iterator unregisters it
     with pytest.raises(BusError):
         await kv1.put("bad key", b"")
 
@@ -456,11 +463,11 @@ async def test_close_cancels_every_timer_and_task():
     request = asyncio.ensure_future(bus.request("t.svc", b"", timeout=60))
     await stuck.wait()
     parked = asyncio.ensure_future(c.fetch(1, timeout=60))
-    await until(lambda: c._state.waiters, what="fetch parked", deadline=30, step=0.005)
+    await until(lambda: _parked(c), what="fetch parked", deadline=30, step=0.005)
     kv = await bus.key_value("TK")
     watch = kv.watch("k")
     watching = asyncio.ensure_future(watch.__anext__())
-    await until(lambda: kv._watchers, what="watch registered", deadline=30, step=0.005)
+    await until(lambda: kv.watchers, what="watch registered", deadline=30, step=0.005)
     assert our_timers() and our_tasks()
 
     await bus.close()

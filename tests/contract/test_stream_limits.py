@@ -91,7 +91,7 @@ async def test_run_events_stream_gets_its_limits(bus):
     info = await bus.stream_info(events)
     assert info["bytes"] <= 4096 and info["messages"] < 10 and info["last_seq"] == 10
     assert (await bus.stream_info(work))["messages"] == 0
-    if bus.url.startswith("nats"):  # what the server holds as the stream's config
+    if bus.url.startswith("nats"):  # what the server holds (white-box: the raw JetStream context)
         cfg = (await bus._js.stream_info(events)).config
         assert (cfg.max_bytes, cfg.max_age) == (4096, 3600)
         assert (await bus._js.stream_info(work)).config.max_bytes in (-1, None)
@@ -110,7 +110,7 @@ async def test_default_limits_reserve_no_store(nats_bus):
     for _ in range(12):
         run = f"lim{uuid.uuid4().hex[:8]}"
         await ensure_run_streams(nats_bus, run)
-        cfg = (await nats_bus._js.stream_info(m.stream_name(run, "events"))).config
+        cfg = (await nats_bus._js.stream_info(m.stream_name(run, "events"))).config  # white-box
         assert cfg.max_bytes in (-1, None) and cfg.max_age > 0
 
 

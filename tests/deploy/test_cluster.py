@@ -112,7 +112,7 @@ async def test_replicated_stream_and_kv_survive_killed_server(cluster):
         await _without_bus_error("stream with 3 replicas (the cluster has a meta leader)",
                      lambda: bus.ensure_stream(spec), 30)
         kv = await _without_bus_error("kv bucket with 3 replicas", lambda: bus.key_value("cltest"), 30)
-        js = bus._jetstream()
+        js = bus._jetstream()  # white-box: the raw JetStream context, for what the servers hold
         assert (await js.stream_info("CLTEST")).config.num_replicas == 3
         assert (await js.stream_info("KV_cltest")).config.num_replicas == 3
         acked: dict[str, int] = {}
@@ -120,7 +120,7 @@ async def test_replicated_stream_and_kv_survive_killed_server(cluster):
             acked[f"m{i}"] = await bus.publish(f"cltest.{i}", f"m{i}".encode(), msg_id=f"m{i}")
         assert await kv.put("k", b"before") > 0
 
-        port = bus._nc.connected_url.port  # the server this client talks to
+        port = bus._nc.connected_url.port  # white-box (raw client): the server it talks to
         victim = next(s for s in servers if s.port == port)
         victim.kill()
 

@@ -26,7 +26,7 @@ async def test_single_server_refuses_replicas_naming_the_setting(nats_bus):
     finally:
         nats_bus.replicas = 1
     assert await nats_bus.ensure_stream(StreamSpec(name="REPL1", subjects=("repl1.>",), replicas=1))
-    info = await nats_bus._jetstream().stream_info("REPL1")
+    info = await nats_bus._jetstream().stream_info("REPL1")  # white-box: the server's config
     assert info.config.num_replicas == 1
     await nats_bus.delete_stream("REPL1")
 
@@ -38,9 +38,9 @@ async def test_memory_bus_and_run_streams_take_the_bus_replicas():
         bus.replicas = 3
         await ensure_run_streams(bus, "repl")
         for kind in ("events", "work"):
-            assert bus._streams[m.stream_name("repl", kind)].spec.replicas == 3
+            assert bus.stream_spec(m.stream_name("repl", kind)).replicas == 3
         await ensure_run_streams(bus, "repl", replicas=1)  # an explicit value wins
-        assert bus._streams[m.stream_name("repl", "work")].spec.replicas == 1
+        assert bus.stream_spec(m.stream_name("repl", "work")).replicas == 1
         with pytest.raises(BusError, match="replicas"):
             await bus.ensure_stream(StreamSpec(name="BAD", subjects=("bad.>",), replicas=0))
     finally:

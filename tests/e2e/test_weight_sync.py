@@ -107,13 +107,13 @@ async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_p
     run = new_run()
     proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model))
     async with Node(bus, [proxy], heartbeat_every=0):
-        proxy._follow.first_retry = 3600.0  # no backoff retry here: only announcements count
+        proxy.policy_follow.first_retry = 3600.0  # no backoff retry here: only announcements count
         # v1 announced with the digest of other tensors: refused
         w1, other = tmp_path / "v1.safetensors", tmp_path / "other.safetensors"
         perturbed_weights(tiny_model, w1, 0.5)
         perturbed_weights(tiny_model, other, 0.6)
         await publish(bus, run, 1, w1, file_content_digest(other))
-        await until(lambda: proxy._follow.refused, deadline=30, what="the refusal")
+        await until(lambda: proxy.policy_follow.refused, deadline=30, what="the refusal")
         assert proxy.version == 0
         # announced again with the right digest: loaded at once
         await publish(bus, run, 1, w1, file_content_digest(w1))
@@ -126,7 +126,7 @@ async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_p
         good, digest = w2.read_bytes(), file_content_digest(w2)
         w2.write_bytes(good[:-16] + b"\0" * 16)
         await publish(bus, run, 2, w2, digest)
-        await until(lambda: any(k[0] == 2 for k in proxy._follow.refused), deadline=30, what="v2 refused")
+        await until(lambda: any(k[0] == 2 for k in proxy.policy_follow.refused), deadline=30, what="v2 refused")
         assert proxy.version == 1
         w2.write_bytes(good)
         await publish(bus, run, 2, w2, digest)
@@ -144,13 +144,13 @@ async def test_refused_version_is_retried_after_a_backoff(memory_bus_only, tiny_
     bus, run = memory_bus_only, new_run()
     proxy = LLMProxy(run=run, model_dir=str(tiny_model))
     async with Node(bus, [proxy], heartbeat_every=0):
-        proxy._follow.first_retry = 0.2
+        proxy.policy_follow.first_retry = 0.2
         w1 = tmp_path / "v1.safetensors"
         perturbed_weights(tiny_model, w1, 0.5)
         good, digest = w1.read_bytes(), file_content_digest(w1)
         w1.write_bytes(good[:-16] + b"\0" * 16)
         await publish(bus, run, 1, w1, digest)
-        await until(lambda: proxy._follow.refused, deadline=30, what="the refusal")
+        await until(lambda: proxy.policy_follow.refused, deadline=30, what="the refusal")
         w1.write_bytes(good)  # fixed, not announced again
         await until(lambda: proxy.version == 1, deadline=30, what="v1 loaded by the backoff retry")
 
@@ -173,7 +173,7 @@ async def test_failed_status_publish_does_not_stop_the_proxy(memory_bus_only, ti
 
     proxy.publish = flaky
     async with Node(bus, [proxy], heartbeat_every=0) as node:
-        proxy._follow.report_deadline = 0.3
+        proxy.policy_follow.report_deadline = 0.3
         w1 = tmp_path / "v1.safetensors"
         perturbed_weights(tiny_model, w1, 0.5)
         await publish(bus, run, 1, w1, file_content_digest(w1))
@@ -183,4 +183,4 @@ async def test_failed_status_publish_does_not_stop_the_proxy(memory_bus_only, ti
         await until(lambda: any("not published" in r.getMessage() for r in caplog.records), deadline=30,
                      what="the report given up")
         assert res.version in (0, 1) and (await generate(proxy, [1, 5, 6])).version == 1
-        assert not node._stop.is_set()  # the error stayed inside: the node still serves
+        assert not node.stopping  # the error stayed inside: the node still serves

@@ -156,7 +156,7 @@ def test_diverging_prompt_reuses_the_common_prefix_only(tiny_model_dir, prompts)
                       min(len(seen), len(new)))
         after = cached.kv_stats()
         assert after["reused_tokens"] - before["reused_tokens"] == min(common, len(new) - 1)
-        seen = cached._kv._entries["x"].tokens
+        seen = list(cached.kv_sessions()["x"])
 
 
 def test_loading_weights_clears_the_cache(tiny_model_dir, prompts):  # noqa: F811
@@ -187,7 +187,7 @@ def test_byte_cap_evicts_lru(tiny_model_dir, prompts):  # noqa: F811
     st = cached.kv_stats()
     assert st["evictions"] >= 2 and st["sessions"] <= 2 and st["bytes"] <= st["max_bytes"]
     # the most recently stored sessions survive (rows are stored in input order)
-    assert "s4" in cached._kv and "s0" not in cached._kv
+    assert "s4" in cached.kv_sessions() and "s0" not in cached.kv_sessions()
     step_both(cached, plain, [GenInput(i.prompt_ids + [60], max_new_tokens=2, session=i.session)
                               for i in inputs])
     assert cached.kv_stats()["bytes"] <= cached.kv_stats()["max_bytes"]
@@ -198,9 +198,9 @@ def test_interrupted_and_failed_rows_are_not_stored(tiny_model_dir, prompts, mon
     inputs = [GenInput(list(prompts[k]), max_new_tokens=6, session=f"i{k}") for k in range(3)]
     outs = step_both(cached, plain, inputs, stop_rows={1})
     assert outs[1].finish_reason == "interrupted" and outs[0].finish_reason != "interrupted"
-    assert "i1" not in cached._kv and "i0" in cached._kv and "i2" in cached._kv
+    assert set(cached.kv_sessions()) == {"i0", "i2"}
     cached.forget(["i0", "nobody"])
-    assert "i0" not in cached._kv and cached.kv_stats()["sessions"] == 1
+    assert set(cached.kv_sessions()) == {"i2"} and cached.kv_stats()["sessions"] == 1
 
     # A batch that raises stores nothing, not even the rows that had finished.
     calls = {"n": 0}
@@ -217,7 +217,7 @@ def test_interrupted_and_failed_rows_are_not_stored(tiny_model_dir, prompts, mon
              GenInput([3, 4, 6], choices=[[10, 11, 12, 13, 14]], session="f1")]
     with pytest.raises(RuntimeError, match="boom"):
         cached.generate(batch)
-    assert "f0" not in cached._kv and "f1" not in cached._kv
+    assert not {"f0", "f1"} & set(cached.kv_sessions())
 
 
 def test_clear_kv_drops_every_session(tiny_model_dir, prompts):  # noqa: F811

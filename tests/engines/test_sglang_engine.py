@@ -26,7 +26,6 @@ from rollart.engines import build_engine  # noqa: E402
 from rollart.engines import sglang_engine as sg  # noqa: E402
 from rollart.engines import sglang_protocol as sgp  # noqa: E402
 from rollart.engines import sglang_server as sgs  # noqa: E402
-from rollart.engines import sglang_weights as sgw  # noqa: E402
 from rollart.engines.base import (  # noqa: E402
     FINISH_CHOICE,
     FINISH_INTERRUPTED,
@@ -116,65 +115,7 @@ async def test_start_says_what_is_missing(tiny_model_dir):
     assert eng._proc is None and eng._session is None
 
 
-# -- the model folder ------------------------------------------------------------------------------
-def test_model_info_reads_the_folder(tiny_model_dir):
-    from safetensors import safe_open
-
-    info = sgw.read_model_info(tiny_model_dir)
-    assert info.vocab_size == 512 and info.eos_token_ids == (2, 0) and not info.tied
-    assert info.head_dim == 32
-    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
-        want = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert info.shapes == want and "lm_head.weight" in want
-
-
-def test_safetensors_header_of_file_and_bytes(tiny_model_dir):
-    path = tiny_model_dir / "model.safetensors"
-    data = path.read_bytes()
-    assert sgw.read_safetensors_header(path) == sgw.safetensors_header(data)
-    for bad in (data[:4], data[: len(data) // 2], b"\x10\0\0\0\0\0\0\0{not json}      "):
-        with pytest.raises(ValueError, match="safetensors"):
-            sgw.safetensors_header(bad)
-    with pytest.raises(ValueError, match="cannot read"):
-        sgw.read_safetensors_header(tiny_model_dir / "missing.safetensors")
-
-
-def test_check_weights_names_and_shapes(tiny_model_dir):
-    shapes = sgw.read_model_info(tiny_model_dir).shapes
-    sgw.check_weights(shapes, dict(shapes))
-    missing = {k: v for k, v in shapes.items() if k != "model.norm.weight"}
-    with pytest.raises(ValueError, match=r"missing=\['model.norm.weight'\]"):
-        sgw.check_weights(shapes, missing)
-    with pytest.raises(ValueError, match=r"unexpected=\['extra.weight'\]"):
-        sgw.check_weights(shapes, {**shapes, "extra.weight": (1,)})
-    with pytest.raises(ValueError, match="lm_head.weight: \\(512, 129\\) != \\(512, 128\\)"):
-        sgw.check_weights(shapes, {**shapes, "lm_head.weight": (512, 129)})
-    # tied embeddings: either name stands for both, none is missing
-    tied = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
-    sgw.check_weights(tied, shapes, tied=True)
-    sgw.check_weights(tied, tied, tied=True)
-    only_head = {k: v for k, v in shapes.items() if k != "model.embed_tokens.weight"}
-    sgw.check_weights(tied, only_head, tied=True)
-    neither = {k: v for k, v in tied.items() if k != "model.embed_tokens.weight"}
-    with pytest.raises(ValueError, match="missing"):
-        sgw.check_weights(tied, neither, tied=True)
-    with pytest.raises(ValueError, match="unexpected"):
-        sgw.check_weights(tied, shapes, tied=False)
-
-
-def test_rename_tensor_keeps_the_data():
-    from safetensors.torch import load, save
-
-    g = torch.Generator().manual_seed(0)
-    tensors = {"lm_head.weight": torch.randn(7, 3, generator=g),
-               "model.norm.weight": torch.randn(3, generator=g)}
-    out = load(sgw.rename_safetensors_tensor(save(tensors), "lm_head.weight",
-                                             "model.embed_tokens.weight"))
-    assert set(out) == {"model.embed_tokens.weight", "model.norm.weight"}
-    assert torch.equal(out["model.embed_tokens.weight"], tensors["lm_head.weight"])
-    assert torch.equal(out["model.norm.weight"], tensors["model.norm.weight"])
-
-
+# -- weight updates (the files: tests/engines/test_weight_files.py) ----------------------------
 async def test_load_weights_checks_names_and_shapes_first(tiny_model_dir):
     """The check runs before anything reaches a server (here there is none)."""
     from safetensors.torch import load, save

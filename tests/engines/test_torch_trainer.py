@@ -106,12 +106,12 @@ def test_micro_batching_matches_one_batch(trainer_model_dir, cfg):
     # make behaviour log-probs close to the policy's, so some IS weights fall on each side of the cap
     samples = [TrainSample(s.token_ids, s.response_mask, (lp + 0.3 * (i % 3 - 1)).tolist(), s.advantage, s.allowed)
                for i, (s, lp) in enumerate(zip(samples, tr.token_logprobs(samples)))]
-    assert len(tr._micro_batches(samples)) == 1
+    assert len(tr.micro_batches(samples)) == 1
     m_big = tr.accumulate_gradients(samples, loss_cfg=cfg)
     g_big = [p.grad.clone() for p in tr.model.parameters()]
     tr.model.zero_grad(set_to_none=True)
     tr.micro_batch_tokens = 12
-    assert len(tr._micro_batches(samples)) >= 5
+    assert len(tr.micro_batches(samples)) >= 5
     m_small = tr.accumulate_gradients(samples, loss_cfg=cfg)
     for a, p in zip(g_big, tr.model.parameters()):
         assert torch.allclose(a, p.grad, rtol=1e-4, atol=1e-7)

@@ -2,8 +2,8 @@
 constrained decoding, stopping, abort, pause, and in-place weight updates.
 
 The engine tests need vLLM (``make test-vllm`` runs them in ``.venv-vllm``) and share one
-engine per module (starting vLLM takes 30-60 s on CPU). The safetensors checks and the
-missing-vLLM message run everywhere.
+engine per module (starting vLLM takes 30-60 s on CPU). The missing-vLLM message is checked
+everywhere; the safetensors checks are in ``test_weight_files.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,7 @@ import torch
 from rollart.engines import build_engine
 from rollart.engines.base import AsyncEngine, EngineAborted, GenInput, GenOutput
 from rollart.engines.torch_engine import allowed_after
-from rollart.engines.vllm_engine import (
-    INSTALL_HINT,
-    check_weights,
-    read_safetensors_header,
-)
+from rollart.engines.vllm_engine import INSTALL_HINT
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm)")
@@ -38,31 +34,6 @@ TOL = 1e-4
 
 
 # ---------------------------------------------------------------------------- no vLLM needed
-def test_safetensors_header_checks(tmp_path):
-    from safetensors.torch import save, save_file
-
-    sd = {"a.weight": torch.zeros(3, 4), "b.bias": torch.ones(5)}
-    blob = save(sd)
-    want = {"a.weight": (3, 4), "b.bias": (5,)}
-    got = read_safetensors_header(blob)
-    assert {k: s for k, (_, s) in got.items()} == want
-    check_weights(got, want)
-    save_file(sd, tmp_path / "w.safetensors")
-    assert read_safetensors_header(tmp_path / "w.safetensors") == got
-    for bad in (b"", b"\x00" * 7, blob[:-3], b"\xff" * 64, blob[:8] + b"{not json" + blob[17:]):
-        with pytest.raises(ValueError):
-            read_safetensors_header(bad)
-    with pytest.raises(ValueError):
-        read_safetensors_header(tmp_path / "missing.safetensors")
-    with pytest.raises(ValueError, match="shape"):
-        check_weights(got, {"a.weight": (4, 3), "b.bias": (5,)})
-    with pytest.raises(ValueError, match="missing"):
-        check_weights(got, {**want, "c.weight": (1,)})
-    with pytest.raises(ValueError, match="unexpected"):
-        check_weights(got, {"a.weight": (3, 4)})
-    check_weights(got, {"a.weight": (3, 4)}, optional={"b.bias"})  # e.g. a tied lm_head
-
-
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
 async def test_without_vllm_a_clear_error(tiny_model_dir):
     eng = build_engine("vllm", str(tiny_model_dir), engine_args={"max_model_len": 256})

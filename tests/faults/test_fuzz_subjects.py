@@ -317,7 +317,7 @@ async def test_junk_on_every_subject_during_a_training_run(bus, tiny_model, tmp_
         await send(cases[1::2])
         await asyncio.wait_for(trainer.finished.wait(), 120)
         assert trainer.version == 3 and trainer.failure is None
-        assert all(not t.done() for t in node._loop_tasks), "a consumer loop ended"
+        assert not node.ended_consumers(), "a consumer loop ended"
         dead = await _dead_letters(bus, run, set(stream_sent), deadline=30)
         end = time.monotonic() + 10
         while time.monotonic() < end and any(

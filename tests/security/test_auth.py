@@ -312,6 +312,7 @@ async def test_tls_with_the_right_ca_connects(tls_server, secrets_dir):
         bus = bus_from_config(NatsConfig(**up, tls=NatsTlsConfig(ca=str(secrets_dir / "ca.pem"))),
                               url=tls_server.url, local=local)
         async with bus:
+            # white-box: only the raw client's socket shows that TLS is on
             assert bus._nc._transport._io_writer.get_extra_info("ssl_object") is not None
             await bus.publish_core("tls.test", b"x")
 

@@ -104,7 +104,7 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
     proxies = [a for a in actors if a.role == "generate"]
     loaded: list[tuple[str, int, str]] = []
     for p in proxies:  # every load, with its digest
-        follow = p._follow
+        follow = p.policy_follow
 
         def record(pub, orig=follow.loaded_ok, name=p.name):
             loaded.append((name, pub.version, pub.digest))
@@ -180,7 +180,7 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
 
             await asyncio.wait_for(trainer.finished.wait(), 180)
             assert trainer.version == steps and trainer.failure is None, trainer.failure
-            assert all(not t.done() for t in node._loop_tasks), "a consumer loop ended"
+            assert not node.ended_consumers(), "a consumer loop ended"
             issued = int((await kv.get(issued_key())).value)
             kv_ledger = f"rollart.{run}.kv.{m.LEDGER_KEY}"
             dead = await dead_letters(
@@ -449,7 +449,7 @@ async def test_tampered_object_store_bytes_are_refused_and_the_old_version_kept(
     run = new_run()
     proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model))
     async with Node(bus, [proxy], heartbeat_every=0):
-        proxy._follow.first_retry = 3600.0  # no retry within the test
+        proxy.policy_follow.first_retry = 3600.0  # no retry within the test
         store = await bus.object_store(m.object_bucket(run))
         for v, scale in ((1, 0.3), (2, 0.6)):
             w = tmp_path / f"v{v}.safetensors"

@@ -179,7 +179,7 @@ def test_a_clear_error_without_the_secure_extra(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "c").exists()
 
 
-@pytest.mark.parametrize("run", ["*", RUN])
+@pytest.mark.parametrize("run", ["*", RUN], ids=["any", "pinned"])  # ids: the same on every xdist worker
 def test_least_privilege_by_construction(run):
     r = run if run != "*" else "anyrun"
     bucket, obj = m.kv_bucket(r), m.object_bucket(r)
@@ -316,7 +316,7 @@ async def test_env_cannot_publish_a_policy(server, creds, fresh):
         with pytest.raises(BusError):  # the JetStream publish: no ack ever comes
             await env.publish(m.subject(RUN, "policy.published"), fake, timeout=1.0)
         await env.publish_core(m.subject(RUN, "policy.published"), fake)
-        await env._client().flush()
+        await env._client().flush()  # white-box: the raw client (no flush in the bus API)
         await until(lambda: len(env.errors) >= 2, deadline=30, what="two permission errors",
                     state=lambda: env.errors)
         assert all("permissions violation for publish" in e and "policy.published" in e for e in env.errors)
@@ -356,6 +356,7 @@ async def test_monitor_only_reads(server, creds, fresh):
         req = m.RolloutRequested(traj_id="t1", group_id="g1", env="main", seed=1)
         with pytest.raises(BusError):
             await mon.publish(m.subject(RUN, "rollout.requested", "default"), encode(req), timeout=1.0)
+        # white-box: raw requests on the nats client, which the bus API does not send
         with pytest.raises(Exception):  # noqa: B017 - a KV put: never acked (no 5 s JetStream wait)
             await mon._client().request(f"$KV.{m.kv_bucket(RUN)}.{m.POLICY_KEY}", b"x", timeout=0.5)
         with pytest.raises(Exception):  # noqa: B017 - no answer: a nats-py timeout

@@ -53,7 +53,7 @@ def test_exporter_none_installs_nothing_and_helpers_do_nothing(tmp_path):
         otel_metrics.engine_batch(3, 1, "default")
         otel_metrics.trainer_step(0.5)
         otel_metrics.drop_busy("reward-x")
-        assert not otel_metrics._busy
+        assert not otel_metrics.busy_replicas()
     finally:
         stop()
     assert metrics.get_meter_provider() is before
@@ -186,7 +186,7 @@ async def test_reward_busy_fraction_reports_a_service_until_it_stops(memory_bus_
         stop()
     (busy,) = got = totals(tmp_path / "otel-metrics.jsonl")["rollart.reward.busy_fraction"]
     assert busy["attributes"] == {"replica": "reward-busy"} and 0 < busy["value"] <= 1, got
-    assert not otel_metrics._busy
+    assert not otel_metrics.busy_replicas()
 
 
 def test_otlp_http_metrics_reach_a_collector(monkeypatch):

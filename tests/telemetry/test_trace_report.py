@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rollart.config import RunConfig, convert
-from rollart.telemetry import trace_report as tr
+from rollart.app import trace_report as tr
 from rollart.telemetry import tracing
 from rollart.app.report import read_metrics, report
 from tests.actors.sample_actors import new_run

@@ -136,6 +136,10 @@ class Actor:
     name: str = ""
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     bus: Bus | None = field(default=None, init=False, repr=False)
+    progress: Any = field(default=None, init=False, repr=False)
+    """A service's :class:`~rollart.actors.service_client.ProgressReporter` (made in
+    ``setup``): the runtime lists the requests of its subject there while they are held;
+    None for an actor that reports no progress."""
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -40,6 +40,15 @@ class ChatFormat:
 
         return cls(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
 
+    @property
+    def fast(self) -> bool:
+        """Whether encode and decode call the fast tokenizer's Rust backend directly."""
+        return self._backend is not None
+
+    def user_turn(self, user: str) -> str:
+        """The text after an assistant turn: its end, the user's message, the generation prompt."""
+        return self._before_user + user + self._after_user
+
     def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False,
                                             add_generation_prompt=generation_prompt)

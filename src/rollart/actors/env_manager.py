@@ -12,19 +12,21 @@ reset attempt raised), ``service_error:`` / ``decode:`` (generate or reward answ
 or garbage), ``config:``. Missing or lost generate/reward replicas are waited for (see
 :mod:`rollart.actors.service_client`) up to ``rollout.service_wait``, then
 ``service_unavailable:``.
+
+The turn loop is here; what it works on (the token-level :class:`Trace`, the running
+trajectories, the reset with retries) is in :mod:`rollart.actors.trajectory`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, Reject, RemoteError, consume, replica_suffix, serve  # noqa: F401
+from rollart.actors.base import Actor, Reject, consume, replica_suffix
 from rollart.actors.cancelled import CancelledGroups
 from rollart.actors.chat import ChatFormat
 from rollart.actors.lockstep import LockStep, WaveIncomplete
@@ -32,12 +34,13 @@ from rollart.actors.policy import current_policy
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import decode_core
 from rollart.actors.service_client import ServiceClient
-from rollart.aio import first_of, retry
+from rollart.actors.trajectory import (Cancelled, RunningTrajectories, Trace, reset_runner,
+                                       reward_request, unless_cancelled)
 from rollart.bus import BusError, Subscription
 from rollart.bus.codec import DecodeError
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
 from rollart.config.placement import Router, mapped_pools
-from rollart.envs import EnvError, EnvRunner, EnvTimeout, parse_action
+from rollart.envs import EnvTimeout, parse_action
 from rollart.engines.provision import model_dir
 from rollart.envs.runner import EnvContractError, EnvSetupError
 from rollart.telemetry import otel_metrics, tracing
@@ -47,35 +50,6 @@ log = logging.getLogger(__name__)
 OUTCOME_PUBLISH_S = 120.0
 """Seconds a trajectory's outcome is published again after bus errors (the delivery is kept
 in progress meanwhile) before the handler fails and the request is redelivered."""
-
-
-class Cancelled(Exception):
-    """The trajectory's group no longer needs it."""
-
-
-@dataclass
-class Trace:
-    """The token-level record of one trajectory as it grows."""
-
-    token_ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turns: list[m.TurnRecord] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("reset", "generate", "step", "reward", "wait"), 0.0))
-
-    def add_prompt(self, ids: list[int]) -> None:
-        self.token_ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def add_response(self, ids: list[int], logprobs: list[float], version: int) -> None:
-        self.token_ids += ids
-        self.mask += [1] * len(ids)
-        self.logprobs += list(logprobs)
-        self.versions += [version] * len(ids)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -106,10 +80,9 @@ class EnvManager(Actor):
     ``min_version`` of its generate requests); None before :meth:`setup`."""
     cancelled: CancelledGroups = field(default_factory=CancelledGroups, init=False, repr=False)
     """Cancelled groups (``rollout.cancel``), for their requests still to come."""
-    _live: dict[str, asyncio.Event] = field(default_factory=dict, init=False, repr=False)
-    """traj_id -> the cancel event of each trajectory running here."""
-    _group_of: dict[str, str] = field(default_factory=dict, init=False, repr=False)
-    """traj_id -> group id of each trajectory running here."""
+    _running: RunningTrajectories = field(default_factory=RunningTrajectories, init=False,
+                                          repr=False)
+    """The trajectories running here, each with its group and cancel event."""
     _in_wave: set[str] = field(default_factory=set, init=False, repr=False)
     """Batch mode: the running trajectories that joined a lock-step wave."""
     _max_inflight: int = field(default=0, init=False, repr=False)
@@ -122,6 +95,11 @@ class EnvManager(Actor):
         default_factory=dict, init=False, repr=False)
     """Token ids of each set of legal actions seen (:meth:`_encode_actions`)."""
     _cancel_sub: Subscription | None = field(default=None, init=False, repr=False)
+
+    @property
+    def running(self) -> RunningTrajectories:
+        """The trajectories running here now (``len``, ``in`` and iteration over traj ids)."""
+        return self._running
 
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
@@ -144,7 +122,7 @@ class EnvManager(Actor):
         self.gate = PolicyGate()
         self._max_inflight = self.settings_of("on_request").max_inflight
         self.lockstep = LockStep(fill_timeout=self.wave_fill_timeout,
-                                 room=lambda: self._max_inflight - len(self._live))
+                                 room=lambda: self._max_inflight - len(self._running))
         r = self.rollout
         self.services = ServiceClient(self, timeout=r.generate_timeout, wait=r.service_wait,
                                       retries=r.generate_retries,
@@ -174,10 +152,7 @@ class EnvManager(Actor):
         cmd = decode_core(m.CancelGroup, req)
         if cmd is None:  # junk on a core subject: counted and dropped
             return
-        keep = self.cancelled.add(cmd.group_id, cmd.keep)
-        for tid, ev in self._live.items():
-            if self._group_of.get(tid) == cmd.group_id and tid not in keep:
-                ev.set()
+        self._running.cancel_group(cmd.group_id, self.cancelled.add(cmd.group_id, cmd.keep))
 
     async def _check_min_version(self, req: m.RolloutRequested) -> None:
         """Reject a request no policy of this run can serve: its ``min_version`` is beyond
@@ -208,11 +183,8 @@ class EnvManager(Actor):
             raise Reject(f"env_setup: unknown env {req.env!r}; configured: {sorted(self.envs)}")
         if req.min_version > self.version + self.rollout.alpha + 1:
             await self._check_min_version(req)
-        cancel = asyncio.Event()
-        if self.cancelled.cancels(req.group_id, req.traj_id):
-            cancel.set()
-        self._live[req.traj_id] = cancel
-        self._group_of[req.traj_id] = req.group_id
+        cancel = self._running.start(req.traj_id, req.group_id,
+                                     cancelled=self.cancelled.cancels(req.group_id, req.traj_id))
         outcome = "error"  # rollart.trajectories: an error is retried
         try:
             out = await (self._traced(req, cfg, cancel, delivery) if tracing.enabled()
@@ -242,8 +214,7 @@ class EnvManager(Actor):
         finally:
             otel_metrics.trajectory(outcome, req.env)
             heads = self._trace_heads.pop(req.traj_id, None)
-            self._live.pop(req.traj_id, None)
-            self._group_of.pop(req.traj_id, None)
+            self._running.finish(req.traj_id)
             if req.traj_id in self._in_wave:
                 self._in_wave.discard(req.traj_id)
                 self.lockstep.leave(req.wave_id)
@@ -290,7 +261,7 @@ class EnvManager(Actor):
             if self.lockstep.join(req.wave_id, req.wave_size, redelivered=delivery.num_delivered > 1):
                 self._in_wave.add(req.traj_id)
         with tracing.span("env.reset"):
-            runner, obs, info = await self._reset(req, cfg, tr)
+            runner, obs, info = await reset_runner(req, cfg, tr, name=self.name, count=self._count)
         reset_info = dict(info)
         reward, success, stop, text = 0.0, False, "max_turns", ""
         try:
@@ -304,7 +275,7 @@ class EnvManager(Actor):
                     break
                 await self._sync(req, tr)
                 legal = runner.legal_actions() if cfg.constrain else None
-                res, choices, pool, route = await self._unless_cancelled(
+                res, choices, pool, route = await unless_cancelled(
                     self._generate(req, cfg, tr, legal, turn), cancel)
                 start = len(tr.token_ids)
                 tr.add_response(res.token_ids, res.logprobs, res.version)
@@ -338,29 +309,12 @@ class EnvManager(Actor):
                 if turn < cfg.max_turns:
                     tr.add_prompt(self.chat.next_prompt(res.token_ids, self._user(cfg, obs, turn + 1)))
             if cfg.scorer:
-                reward, success = await self._unless_cancelled(
+                reward, success = await unless_cancelled(
                     self._score(req, cfg, tr, {**reset_info, **info}, text), cancel)
         finally:
             await runner.close()
-        versions = [v for v in tr.versions if v >= 0] or [self.version]
-        return m.RolloutCompleted(
-            traj_id=req.traj_id, group_id=req.group_id, env=req.env, seed=req.seed,
-            index_in_group=req.index_in_group, token_ids=tr.token_ids, response_mask=tr.mask,
-            logprobs=tr.logprobs, token_versions=tr.versions, turns=tr.turns,
-            min_version=min(versions), max_version=max(versions), reward=reward, success=success,
-            stop_reason=stop, timings=tr.timings, eval=req.eval,
-            attempt=delivery.num_delivered, finished_at=time.time(),
-            group_index=req.group_index, admitted_version=req.admitted_version)
-
-    @staticmethod
-    async def _unless_cancelled(coro: Any, cancel: asyncio.Event) -> Any:
-        """Await ``coro`` (a service call, which may wait minutes for a replica), but raise
-        :class:`Cancelled` as soon as the group no longer needs this trajectory."""
-        task = asyncio.ensure_future(coro)
-        done, _ = await first_of(task, cancel.wait())
-        if task in done:
-            return task.result()
-        raise Cancelled()
+        return tr.completed(req, reward=reward, success=success, stop=stop,
+                            attempt=delivery.num_delivered, version=self.version)
 
     def _encode_actions(self, legal: tuple[str, ...]) -> list[list[int]]:
         """Token ids of each legal action, cached (the same few sets recur every turn)."""
@@ -384,39 +338,6 @@ class EnvManager(Actor):
         except WaveIncomplete as e:  # split between EnvManagers: it would wait for ever
             raise Reject(f"config: batch mode: {e} ({self.name})") from None
         tr.timings["wait"] += time.perf_counter() - t0
-
-    async def _reset(self, req: m.RolloutRequested, cfg: Any, tr: Trace):
-        """A fresh runner reset with the request's seed, retried on fresh envs
-        ``cfg.reset_retries`` times; a permanent env error is raised at once."""
-        async def attempt():
-            runner = EnvRunner(cfg.type, cfg.args, executor=cfg.executor, timeout=cfg.step_timeout,
-                               max_abandoned_threads=cfg.max_abandoned_threads)
-            t0 = time.perf_counter()
-            try:
-                obs, info = await runner.reset(req.seed, timeout=cfg.reset_timeout)
-            except (EnvSetupError, EnvContractError):  # permanent: a fresh env fails the same way
-                await runner.close()
-                raise
-            except EnvError:
-                tr.timings["reset"] += time.perf_counter() - t0
-                self._count("reset_failures")
-                await runner.close()
-                raise
-            tr.timings["reset"] += time.perf_counter() - t0
-            return runner, obs, info
-
-        def failed(e: BaseException, n: int) -> None:
-            log.warning("%s reset attempt %d of %s failed: %s", self.name, n, req.traj_id, e)
-
-        tries = cfg.reset_retries + 1
-        try:
-            return await retry(attempt, retry_on=EnvError, fatal=(EnvSetupError, EnvContractError),
-                               what=f"{self.name}: reset of {req.traj_id}", attempts=tries,
-                               base=0.05, cap=2.0, quiet=True, on_error=failed)
-        except (EnvSetupError, EnvContractError):
-            raise
-        except EnvError as e:
-            raise Reject(f"env_reset_failed: {tries} attempts failed; last: {e}") from None
 
     async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
                         legal: list[str] | None, turn: int = 1,
@@ -448,17 +369,12 @@ class EnvManager(Actor):
             tr.timings["generate"] += time.perf_counter() - t0
 
     async def _score(self, req: m.RolloutRequested, cfg: Any, tr: Trace, info: dict, text: str):
-        answer = parse_action(text, cfg.action_pattern) or text
+        request = reward_request(req, cfg, info, text)
         t0 = time.perf_counter()
         try:
             with tracing.span("reward"):
-                res = await self.services.call("reward.request", m.RewardRequest(
-                    traj_id=req.traj_id, scorer=cfg.scorer, response=answer,
-                    answer=str(info.get("answer", "")),
-                    metadata={**{k: str(v) for k, v in info.items() if isinstance(v, (str, int, float))},
-                              "seed": str(req.seed), "env_type": cfg.type,
-                              "env_args": json.dumps(cfg.args, sort_keys=True)}),
-                    pool=self.reward_pool, what=f" for {req.traj_id}")
+                res = await self.services.call("reward.request", request, pool=self.reward_pool,
+                                               what=f" for {req.traj_id}")
         finally:
             tr.timings["reward"] += time.perf_counter() - t0
         return res.score, res.score >= 0.99

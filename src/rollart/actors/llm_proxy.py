@@ -171,6 +171,16 @@ class LLMProxy(PolicyLoading, Actor):
         return int(self.async_engine.version)
 
     @property
+    def in_flight(self) -> dict[str, str]:
+        """Engine request id -> traj_id of the requests in the engine now (a copy)."""
+        return dict(self._inflight)
+
+    @property
+    def aborting(self) -> frozenset[str]:
+        """Engine request ids aborted for a cancelled group that have not returned yet."""
+        return frozenset(self._cancelled)
+
+    @property
     def batcher(self) -> Any:
         """The ``BatchedEngine`` (its batch statistics: ``sizes``, ``items``, ``batches``,
         ``busy_s``, ``mean_batch``), or None for an engine that batches on its own."""

@@ -73,6 +73,16 @@ class LockStep:
         # insertion-ordered, the oldest is dropped first; the value is the failure reason
         self._closed: dict[str, str | None] = {}
 
+    @property
+    def waves(self) -> list[str]:
+        """The waves open now (members joined, not all left yet)."""
+        return list(self._waves)
+
+    @property
+    def finished(self) -> list[str]:
+        """The finished waves still remembered (a late member runs on its own), oldest first."""
+        return list(self._closed)
+
     def join(self, wave: str, size: int, *, redelivered: bool = False) -> bool:
         """Count a member in; ``False``: the wave finished, so run on your own."""
         if wave in self._closed:

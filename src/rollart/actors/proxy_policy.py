@@ -45,6 +45,11 @@ class PolicyLoading:
     loads: list[tuple[int, float]]
     publish_patiently: Any
 
+    @property
+    def policy_follow(self) -> PolicyFollow:
+        """Which policy records this replica loaded or refused, and its retry settings."""
+        return self._follow
+
     async def _watch(self) -> None:
         """Follow KV ``policy.version`` through the policy gate (:class:`PolicyGate`: only
         versions the trainer's ledger and announcements confirm, one by one); load each newer

@@ -326,9 +326,9 @@ class Service:
         """List the request in the actor's progress reports from arrival (queued included)
         to reply: an actor whose ``progress`` reporter is for this subject (see
         :class:`rollart.actors.service_client.ProgressReporter`)."""
-        rep = getattr(self.actor, "progress", None)
+        rep = self.actor.progress
         rid = getattr(msg, "request_id", "")
-        if rid and getattr(rep, "service", None) == self.h.settings.subject:
+        if rid and rep is not None and rep.service == self.h.settings.subject:
             return rep.hold(rid)
         return contextlib.nullcontext()
 

@@ -145,6 +145,10 @@ class ServiceClient:
             self.sweep(now, judge=now - last < period + 1.0)
             last = now
 
+    def replicas(self) -> list[tuple[str, str]]:
+        """(service, replica) of every replica that reported progress and is not forgotten."""
+        return list(self._replicas)
+
     def waits(self) -> dict[tuple[str, str], tuple[int, float]]:
         """(service, pool) -> (requests waiting, seconds since the first began)."""
         now = time.monotonic()

@@ -212,6 +212,10 @@ class MemoryBus(Bus):
         self.check_connected()
         return self._stream(stream).info()
 
+    def stream_spec(self, stream: str) -> StreamSpec:
+        """The spec the stream holds now (as made or last updated); BusError if it is missing."""
+        return self._stream(stream).spec
+
     async def consumers_info(self, stream: str) -> list[dict]:
         self.check_connected()
         st = self._stream(stream)

@@ -39,6 +39,11 @@ class MemoryKV(KeyValue):
         self._revision = 0
         self._watchers: list[tuple[Callable[[str], bool], asyncio.Queue]] = []
 
+    @property
+    def watchers(self) -> int:
+        """How many watches of this bucket are open (closing a watch's iterator ends it)."""
+        return len(self._watchers)
+
     def _check(self, key: str, pattern: re.Pattern = _KV_KEY) -> None:
         self._bus.check_connected()
         if not isinstance(key, str) or not pattern.fullmatch(key) or key[0] == "." or key[-1] == ".":

@@ -115,6 +115,10 @@ class SessionKVCache:
     def __contains__(self, session: str) -> bool:
         return session in self._entries
 
+    def sessions(self) -> dict[str, tuple[int, ...]]:
+        """The stored sessions and the tokens each covers, least recently used first."""
+        return {session: entry.tokens for session, entry in self._entries.items()}
+
     def get(self, session: str, prompt_ids: Sequence[int]) -> tuple[KVEntry | None, int]:
         """The entry of `session` and how many leading positions of `prompt_ids` it covers.
 

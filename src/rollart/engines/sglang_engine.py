@@ -46,8 +46,9 @@ Where the rest lives (each module's docstring lists the SGLang API facts it reli
   ``/generate`` calls, free and constrained rows);
 - :mod:`~rollart.engines.sglang_server`: the server process (command line, launch, health
   wait, stop);
-- :mod:`~rollart.engines.sglang_weights`: model folder facts, safetensors headers, the
-  name/shape check and the staging of weight updates.
+- :mod:`~rollart.engines.sglang_weights`: the staging of weight updates;
+  :mod:`~rollart.engines.weight_files` (shared with the vLLM engine): model folder facts,
+  safetensors headers and the name/shape check.
 
 Pause and abort
 ---------------
@@ -94,15 +95,8 @@ from .sglang_server import (
     spawn_server,
     wait_ready,
 )
-from .sglang_weights import (
-    TIED,
-    check_weights,
-    read_model_info,
-    read_safetensors_header,
-    rename_safetensors_tensor,
-    safetensors_header,
-    stage_weights,
-)
+from .sglang_weights import stage_weights
+from .weight_files import TIED, check_weights, read_header, read_model_info, rename_tensor
 
 __all__ = ["SglangEngine"]
 
@@ -345,23 +339,23 @@ class SglangEngine(SglangRequests, AsyncEngine):
         data: bytes | None = None
         if isinstance(source, (bytes, bytearray, memoryview)):
             data = bytes(source)
-            given = safetensors_header(data)
+            given = read_header(data)
             what = "weights (bytes)"
         else:
             path = Path(source)
-            given = await asyncio.to_thread(read_safetensors_header, path)
+            given = await asyncio.to_thread(read_header, path)
             what = f"weights in {path}"
         if not self.info.shapes:
             raise ValueError(f"cannot check {what}: the model folder {self.model_dir} has no "
                              "safetensors weights to compare names and shapes with")
-        check_weights(self.info.shapes, given, tied=self.info.tied, what=what)
+        check_weights(given, self.info.shapes, tied=self.info.tied, what=what)
         if self._session is None:
             raise RuntimeError("the sglang engine is not started (or closed)")
         head, embed = TIED
         if self.info.tied and embed not in given:  # SGLang skips lm_head of a tied model
             if data is None:
                 data = await asyncio.to_thread(Path(source).read_bytes)
-            data = rename_safetensors_tensor(data, head, embed)
+            data = rename_tensor(data, head, embed)
         assert self._work is not None
         folder = await asyncio.to_thread(stage_weights, self._work, self.model_dir,
                                          data if data is not None else Path(source),

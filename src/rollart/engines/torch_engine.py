@@ -443,6 +443,10 @@ class TorchGenerationEngine(GenerationEngine):
         self._kv.clear()
         return n
 
+    def kv_sessions(self) -> dict[str, tuple[int, ...]]:
+        """The sessions whose K/V are cached and the tokens each covers (empty when off)."""
+        return self._kv.sessions() if self._kv is not None else {}
+
     def kv_stats(self) -> dict[str, int]:
         """Counters of the session KV cache (all 0 when it is off); see `SessionKVCache`."""
         return (self._kv if self._kv is not None else SessionKVCache(0)).stats()

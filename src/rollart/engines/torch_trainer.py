@@ -209,9 +209,9 @@ class TorchTrainBackend:
             self._ref = self._load_model().requires_grad_(False)
         return self._ref
 
-    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-        """Longest first; a micro-batch holds at most ``micro_batch_tokens`` padded tokens
-        (a single longer sample gets a micro-batch of its own)."""
+    def micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        """The micro-batches a pass over `samples` runs in, longest first: each holds at most
+        ``micro_batch_tokens`` padded tokens (a single longer sample gets one of its own)."""
         out: list[list[TrainSample]] = []
         cur: list[TrainSample] = []
         for s in sorted(samples, key=lambda s: -len(s.token_ids)):
@@ -229,7 +229,7 @@ class TorchTrainBackend:
         samples = [s if isinstance(s, TrainSample) else
                    TrainSample(list(s), [0] * len(s), [0.0] * len(s), 0.0) for s in batch]
         result: dict[int, torch.Tensor] = {}
-        for mb in self._micro_batches(samples):
+        for mb in self.micro_batches(samples):
             logp, _ = sequence_logprobs(self.model, _collate(mb, self.device))
             for row, s in zip(logp, mb):
                 result[id(s)] = row[: len(s.token_ids)].float().cpu()
@@ -253,7 +253,7 @@ class TorchTrainBackend:
             raise ValueError("no response tokens in the batch")
         sums = dict.fromkeys(("loss", "pg_loss", "entropy", "kl", "clip_frac", "ratio_mean",
                               "is_weight_mean", "is_capped_frac", "approx_kl"), 0.0)
-        for mb in self._micro_batches(samples):
+        for mb in self.micro_batches(samples):
             batch = _collate(mb, self.device)
             mask = batch.response_mask
             logp, ent = sequence_logprobs(self.model, batch, with_entropy=True,

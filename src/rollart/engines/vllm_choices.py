@@ -19,19 +19,12 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
+from .choice_trie import choice_trie
+
 CHOICES_KEY = "rollart_choices"
 END_KEY = "rollart_choice_end"
 
 __all__ = ["CHOICES_KEY", "END_KEY", "ChoiceLogitsProcessor"]
-
-
-def _trie(choices) -> dict:
-    root: dict = {}
-    for c in choices:
-        node = root
-        for t in c:
-            node = node.setdefault(int(t), {})
-    return root
 
 
 class ChoiceLogitsProcessor(AdapterLogitsProcessor):
@@ -56,7 +49,7 @@ class ChoiceLogitsProcessor(AdapterLogitsProcessor):
         choices = extra.get(CHOICES_KEY)
         if not choices:
             return None
-        trie = _trie(choices)
+        trie = choice_trie(choices)
         end = int(extra[END_KEY])
         index_cache: dict[tuple[int, ...], torch.Tensor] = {}
 

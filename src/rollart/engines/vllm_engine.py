@@ -8,8 +8,8 @@ Token ids in, token ids and log-probs out, under the contract of :mod:`rollart.e
 - a constrained row (``choices``) is masked by :class:`~rollart.engines.vllm_choices.ChoiceLogitsProcessor`
   and its log-probs are renormalised here over the tokens allowed at each step, from the raw
   log-probs of those tokens (``SamplingParams.logprob_token_ids``; a step with one allowed
-  token has log-prob 0). When a request's branching tokens exceed vLLM's 128 ids, the
-  renormaliser is scored afterwards with one-token requests;
+  token has log-prob 0; :mod:`~rollart.engines.choice_trie`). When a request's branching
+  tokens exceed vLLM's 128 ids, the renormaliser is scored afterwards with one-token requests;
 - stopping is rollart's: the model's eos tokens (``generation_config.json`` and
   ``config.json``) and the row's ``stop_token_ids`` (vLLM's own eos handling is off, so the
   two engines stop on the same tokens); the stop token is kept with its log-prob;
@@ -18,9 +18,10 @@ Token ids in, token ids and log-probs out, under the contract of :mod:`rollart.e
   crashes on per-request seeds with chunked prefill).
 
 Weights: :meth:`VllmEngine.load_weights` checks names and shapes against the model folder's
-safetensors headers *before* anything reaches vLLM (a wrong shape kills vLLM's engine, missing
-names load silently), puts the file in the engine's weights folder and calls vLLM's
-``reload_weights`` in place, then resets the prefix cache (cached KV of the old weights).
+safetensors headers (:mod:`~rollart.engines.weight_files`) *before* anything reaches vLLM (a
+wrong shape kills vLLM's engine, missing names load silently), puts the file in the engine's
+weights folder and calls vLLM's ``reload_weights`` in place, then resets the prefix cache
+(cached KV of the old weights).
 
 vLLM is imported lazily; it runs as separate processes (EngineCore and a worker), started
 with ``spawn``. ``engine_args`` (``proxy.engine_args``) are fields of vLLM's
@@ -33,12 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import logging
-import math
 import os
 import shutil
-import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +56,10 @@ from .base import (
     GenOutput,
     validate_choices,
 )
+from .choice_trie import accepted_prefix, branch_ids, choice_trie, renormalised_logprobs
+from .weight_files import check_weights, place_weights, read_header, read_model_info
 
-__all__ = ["INSTALL_HINT", "VllmEngine", "check_weights", "read_safetensors_header"]
+__all__ = ["INSTALL_HINT", "VllmEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,6 @@ _WEIGHTS_NAME = "model.safetensors"
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
 
-_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                   "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2,
-                   "U32": 4, "U64": 8}
-
 
 def _import_vllm():
     try:  # optional dependency
@@ -83,131 +79,6 @@ def _import_vllm():
     except ImportError as e:
         raise RuntimeError(INSTALL_HINT) from e
     return vllm
-
-
-# ---------------------------------------------------------------------------- safetensors
-def read_safetensors_header(source: str | os.PathLike | bytes | memoryview) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{name: (dtype, shape)}`` of a safetensors file (path) or its bytes, from its header
-    only; raises ValueError if it is not a complete safetensors file (a header that does not
-    parse, or tensors whose data lies outside the file or has the wrong size)."""
-    try:
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            buf = memoryview(source)
-            total = len(buf)
-            if total < 8:
-                raise ValueError("shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", bytes(buf[:8]))
-            if n > total - 8:
-                raise ValueError("header length past the end")
-            raw = bytes(buf[8 : 8 + n])
-        else:
-            path = Path(source)
-            total = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise ValueError("shorter than a safetensors header")
-                (n,) = struct.unpack("<Q", head)
-                if n > total - 8:
-                    raise ValueError("header length past the end")
-                raw = f.read(n)
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-        data_len = total - 8 - n
-        out: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
-            size = _ST_DTYPE_BYTES.get(dtype)
-            if size is None:
-                raise ValueError(f"{name}: unknown dtype {dtype}")
-            if not 0 <= start <= end <= data_len or end - start != size * math.prod(shape):
-                raise ValueError(f"{name}: data outside the file or of the wrong size")
-            out[name] = (dtype, shape)
-        return out
-    except ValueError:
-        raise
-    except (OSError, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:
-        raise ValueError(f"not a readable safetensors file: {e}") from e
-
-
-def model_weight_shapes(model_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of the weights in an HF model folder (``*.safetensors``, sharded or not)."""
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = set(json.loads(index.read_text())["weight_map"].values())
-        files = [model_dir / n for n in sorted(names)]
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        shapes.update({k: s for k, (_, s) in read_safetensors_header(f).items()})
-    return shapes
-
-
-def check_weights(got: dict[str, tuple[str, tuple[int, ...]]], want: dict[str, tuple[int, ...]],
-                  optional: set[str] = frozenset(), what: str = "weights") -> None:
-    """Raise ValueError unless ``got`` (from :func:`read_safetensors_header`) holds every name
-    of ``want`` with its shape and no other name (``optional`` names may be absent or present,
-    e.g. a tied ``lm_head.weight``)."""
-    missing = sorted(set(want) - set(got) - set(optional))
-    unexpected = sorted(set(got) - set(want) - set(optional))
-    bad = [f"{k}: {got[k][1]} != {want[k]}" for k in sorted(set(got) & set(want))
-           if tuple(got[k][1]) != tuple(want[k])]
-    bad += [f"{k}: dtype {got[k][0]}" for k in sorted(set(got) & set(want))
-            if not got[k][0].startswith(("F", "BF"))]
-    if missing or unexpected or bad:
-        raise ValueError(f"{what} do not match the model: missing={missing[:5]} "
-                         f"unexpected={unexpected[:5]} shape mismatches={bad[:5]}")
-
-
-def _model_eos(model_dir: Path) -> tuple[int, ...]:
-    """The eos ids rollart's torch engine uses: generation_config's, then config's."""
-    eos: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        p = model_dir / name
-        if not p.exists():
-            continue
-        v = json.loads(p.read_text()).get("eos_token_id")
-        for t in [v] if isinstance(v, int) else (v or []):
-            if int(t) not in eos:
-                eos.append(int(t))
-    return tuple(eos)
-
-
-# ---------------------------------------------------------------------------- choices
-def _choice_trie(choices: list[list[int]]) -> dict:
-    root: dict = {}
-    for c in choices:
-        node = root
-        for t in c:
-            node = node.setdefault(int(t), {})
-    return root
-
-
-def _branch_ids(trie: dict) -> list[int]:
-    """Tokens allowed at some step with at least two allowed tokens (the only steps whose
-    renormalised log-prob is not 0)."""
-    out: set[int] = set()
-    stack = [trie]
-    while stack:
-        node = stack.pop()
-        if len(node) > 1:
-            out.update(node)
-        stack.extend(node.values())
-    return sorted(out)
-
-
-def _logsumexp(xs: list[float]) -> float:
-    m = max(xs)
-    if m == -math.inf:
-        return m
-    return m + math.log(sum(math.exp(x - m) for x in xs))
 
 
 @dataclass
@@ -292,12 +163,13 @@ class VllmEngine(AsyncEngine):
         self._serving = asyncio.Event()
         self._serving.set()
         self._weights_lock = asyncio.Lock()
-        self._want_shapes = await asyncio.to_thread(model_weight_shapes, self.model_dir)
-        cfg = json.loads((self.model_dir / "config.json").read_text())
-        text_cfg = cfg.get("text_config", cfg)
-        if cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)):
-            self._optional_names = {"lm_head.weight"}
-        self._eos = _model_eos(self.model_dir)
+        info = await asyncio.to_thread(read_model_info, self.model_dir)
+        if not info.shapes:
+            raise ValueError(f"no *.safetensors weights in {self.model_dir}")
+        self._want_shapes = info.shapes
+        # vLLM loads a tied model's embedding, not its lm_head: that one may come or not
+        self._optional_names = {"lm_head.weight"} if info.tied else set()
+        self._eos = info.eos_token_ids
         # EngineCore and the worker are separate processes; start them with spawn (this
         # process may have threads, and fork would copy their locks).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -435,11 +307,11 @@ class VllmEngine(AsyncEngine):
 
     async def _generate_choice(self, inp: GenInput, request_id: str, req: _Req, seed) -> GenOutput:
         choices = [[int(t) for t in c] for c in inp.choices]
-        trie = _choice_trie(choices)
+        trie = choice_trie(choices)
         union = {t for c in choices for t in c}
         end = next(t for t in (*self._eos, *range(self.vocab_size)) if t not in union)
         lengths = {len(c) for c in choices}
-        branch = _branch_ids(trie)
+        branch = branch_ids(trie)
         direct = len(branch) <= MAX_LOGPROB_IDS
         greedy = self._greedy(inp)
         sp = self._sp_cls(
@@ -457,46 +329,22 @@ class VllmEngine(AsyncEngine):
         )
         c = await self._run(inp.prompt_ids, sp, request_id, req)
         tokens = [int(t) for t in c.token_ids]
-        raw = list(c.logprobs or [])
         # The response is the longest prefix the trie accepts (drops the end token).
-        resp: list[int] = []
-        node = trie
-        for t in tokens:
-            if t not in node:
-                break
-            resp.append(t)
-            node = node[t]
-        complete = not node
+        resp, complete = accepted_prefix(trie, tokens)
         version = self.version
-        lps = await self._choice_logprobs(inp.prompt_ids, trie, resp, raw, direct, request_id, req)
+        raw = ([{t: float(lp.logprob) for t, lp in d.items()} for d in c.logprobs or []]
+               if direct else None)
+        prompt = list(inp.prompt_ids)
+
+        def score(k: int, allowed: list[int]):  # a step's log-probs after the fact
+            return self._score(prompt + resp[:k], allowed, request_id, req)
+
+        lps = await renormalised_logprobs(trie, resp, raw, score)
         if complete:
             return GenOutput(resp, lps, FINISH_CHOICE, version)
         if c.finish_reason == "abort" or req.aborted:
             raise EngineAborted(request_id, GenOutput(resp, lps, FINISH_INTERRUPTED, version), version)
         raise RuntimeError(f"vLLM returned {tokens} ({c.finish_reason}), not a whole choice")
-
-    async def _choice_logprobs(self, prompt, trie, resp, raw, direct, request_id, req) -> list[float]:
-        """Log-probs of ``resp`` renormalised over the allowed tokens at each step."""
-        out: list[float] = []
-        todo: list[tuple[int, list[int]]] = []  # (step, allowed) scored afterwards
-        node = trie
-        for k, t in enumerate(resp):
-            allowed = sorted(node)
-            if len(allowed) == 1:
-                out.append(0.0)
-            elif direct:
-                d = raw[k]
-                out.append(float(d[t].logprob) - _logsumexp([float(d[a].logprob) for a in allowed]))
-            else:
-                out.append(math.nan)
-                todo.append((k, allowed))
-            node = node[t]
-        if todo:
-            scores = await asyncio.gather(*(self._score(list(prompt) + resp[:k], allowed, request_id, req)
-                                            for k, allowed in todo))
-            for (k, allowed), lp in zip(todo, scores):
-                out[k] = lp[resp[k]] - _logsumexp([lp[a] for a in allowed])
-        return out
 
     async def _score(self, prefix: list[int], ids: list[int], request_id: str, req: _Req) -> dict[int, float]:
         """Raw log-probs of ``ids`` after ``prefix`` (one-token requests of <= 128 ids each)."""
@@ -582,17 +430,7 @@ class VllmEngine(AsyncEngine):
         """Check ``source`` against the model (ValueError) and put it in the weights folder."""
         is_bytes = isinstance(source, (bytes, bytearray, memoryview))
         what = "weights bytes" if is_bytes else f"weights in {source}"
-        got = read_safetensors_header(source)
-        check_weights(got, self._want_shapes, self._optional_names, what=what)
-        dest = self._wdir / _WEIGHTS_NAME
-        tmp = self._wdir / f".{_WEIGHTS_NAME}.tmp"
-        tmp.unlink(missing_ok=True)
-        if is_bytes:
-            with open(tmp, "wb") as f:
-                f.write(source)
-        else:
-            try:  # a hard link pins the checked file even if its path is replaced
-                os.link(source, tmp)
-            except OSError:
-                shutil.copyfile(source, tmp)
-        os.replace(tmp, dest)
+        check_weights(read_header(source), self._want_shapes, optional=self._optional_names,
+                      what=what)
+        # a hard link pins the checked file even if its path is replaced
+        place_weights(source, self._wdir / _WEIGHTS_NAME, hard_link=True)

@@ -188,6 +188,15 @@ class Node:
             except Exception:  # noqa: BLE001 - a hook must not stop the drain
                 log.exception("draining hook of %s failed", actor.name)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (by a caller, a signal, or a bus lost too long)."""
+        return self._stop.is_set()
+
+    def ended_consumers(self) -> list[str]:
+        """The names (``consume:<subject>``) of the consumer loops that ended (all, once drained)."""
+        return [t.get_name() for t in self._loop_tasks if t.done()]
+
     async def wait(self) -> None:
         """Block until :meth:`stop` is called (SIGTERM does, with ``handle_signals``)."""
         await self._stop.wait()

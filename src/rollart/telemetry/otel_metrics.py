@@ -128,6 +128,11 @@ def busy(replica: str) -> Any:
     return b
 
 
+def busy_replicas() -> list[str]:
+    """The replicas whose busy fraction is still reported (dropped ones until their last export)."""
+    return list(_busy)
+
+
 def drop_busy(replica: str) -> None:
     """The service stopped: its last interval is still reported at the next export."""
     b = _busy.get(replica)
