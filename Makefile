@@ -1,6 +1,8 @@
 # From a fresh clone (needs only python3 and make):
 #   make run     set up .venv (once) and run the quickstart: a tiny model learns FrozenLake
-#   make test    set up .venv (once) and run the tests: python -m pytest -q
+#   make test    set up .venv (once) and run the tests: python -m pytest -q -n 2 (pytest-xdist:
+#                two worker processes; TEST_WORKERS=N for another number, 0 for none)
+#   make test-fast   the same without the tests marked slow (learning runs, kills, restarts)
 # Set-up is redone only when pyproject.toml changes (a stamp file in the venv), so the
 # second call starts at once. Extra arguments: make run ARGS="--steps 20 --nats memory",
 # make test ARGS=tests/cli.
@@ -23,17 +25,21 @@ CPU_INDEX := https://download.pytorch.org/whl/cpu
 EXTRAS ?= dev,envs
 CONFIG ?= quickstart
 ARGS ?=
+TEST_WORKERS ?= 2
 
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.rollart-setup
 
-.PHONY: run test setup test-vllm setup-vllm
+.PHONY: run test test-fast setup test-vllm setup-vllm
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	. $(VENV)/bin/activate && python -m pytest -q $(ARGS)
+	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+
+test-fast: $(STAMP)
+	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(ARGS)
 
 setup: $(STAMP)
 

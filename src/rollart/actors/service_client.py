@@ -21,6 +21,9 @@ Replica side, :class:`ProgressReporter`: an actor that keeps one as its ``progre
 attribute (for the subject it serves) and runs ``await self.progress.run()`` in its
 ``main`` has every request listed by the runtime's ``Service`` from arrival (queued
 included) until the reply. One small message per replica per second.
+
+One module (~410 lines) on purpose: the request's attempts, the replica table and the
+progress reports are one state machine, read request by request.
 """
 
 from __future__ import annotations

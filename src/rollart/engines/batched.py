@@ -21,6 +21,9 @@ event loop keeps serving meanwhile.
 - Every output carries the ``version`` of the weights of its batch; each batch is a
   ``generate.batch`` span (``batch_size``, ``replica``, ``version``; linked to the spans that
   were current when its requests called ``generate``) and one ``otel_metrics.engine_batch``.
+
+Kept whole (~450 lines): the gather window, the rows of a batch and pause/abort share one
+lock and one queue, so they are read together.
 """
 
 from __future__ import annotations

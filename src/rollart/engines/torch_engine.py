@@ -15,6 +15,10 @@ the batch layout that keeps tokens unchanged). Without a hit the prefill is the 
 cache holds K/V of the current weights only: loading weights clears it.
 
 See `rollart.engines.base` for the log-prob, stopping and constrained-decoding contract.
+
+Kept whole (~450 lines): prefill, the decode loop and constrained sampling share the
+batch's tensors; the KV cache is :mod:`~rollart.engines.kv_cache`, the trie
+:mod:`~rollart.engines.choice_trie`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .base import (
     save_weights,
     validate_choices,
 )
+from .choice_trie import Trie, choice_trie
 from .kv_cache import Hit, SessionKVCache, cached_prefill_batch, lookup, row_kv, session_cache
 
 __all__ = ["TorchGenerationEngine", "allowed_after", "build_choice_trie"]
@@ -50,18 +55,10 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
-Trie = dict  # token id -> Trie; a complete choice ends at an empty dict
-
-
 def build_choice_trie(choices: list[list[int]]) -> Trie:
     """A prefix tree of the choices (validated: non-empty, prefix-free)."""
     validate_choices(choices)
-    root: Trie = {}
-    for choice in choices:
-        node = root
-        for t in choice:
-            node = node.setdefault(int(t), {})
-    return root
+    return choice_trie(choices)
 
 
 def allowed_after(choices: list[list[int]], prefix: list[int]) -> list[int]:

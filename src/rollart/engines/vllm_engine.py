@@ -28,6 +28,10 @@ with ``spawn``. ``engine_args`` (``proxy.engine_args``) are fields of vLLM's
 ``AsyncEngineArgs`` and override the defaults here (``dtype: float32``, and on CPU
 ``enforce_eager: true``, ``gpu_memory_utilization: 0.1``, the fraction of host RAM vLLM
 reserves for its KV cache there).
+
+Kept whole (~440 lines): its methods follow one request through vLLM, from validation to
+abort and weight reload, and share one request table; the pure parts are in
+:mod:`~rollart.engines.weight_files` and :mod:`~rollart.engines.choice_trie`.
 """
 
 from __future__ import annotations
