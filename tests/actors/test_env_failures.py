@@ -113,7 +113,9 @@ async def test_no_generate_pool_until_service_wait_is_dead_lettered_once(memory_
         took = time.monotonic() - t0
     assert len(dead) == 1 and dead[0].num_delivered == 1
     assert dead[0].reason.startswith("service_unavailable: no generate replica in pool 'default'")
-    assert took < 10
+    # it waited out service_wait, once (num_delivered 1: no redelivery ended it); a lower
+    # bound only, which load cannot break
+    assert took >= 1.5
 
 
 @pytest.mark.parametrize("value", [0, -1.0])
