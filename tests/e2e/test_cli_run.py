@@ -44,3 +44,30 @@ def test_run_prints_the_top_line_and_a_line_per_step(tmp_path, tiny_model):
         assert re.match(rf"step {i}/2 v{i} success \d\.\d\d reward -?\d\.\d\d ETA \S+ tok/s", line), line
     summary = json.loads(out[out.index("{"):])
     assert summary["steps"] == 2 and "greedy_success" in summary
+
+
+def test_a_run_that_does_not_learn_says_so_and_how_to_go_on(tmp_path, tiny_model):
+    """A map whose goal no move reaches: the final greedy success is 0, below the config's
+    ``trainer.expect_success``; the run ends normally (exit 0), says so in one line and
+    records it in summary.json."""
+    run = new_run()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"run: {run}\n"
+        f"run_dir: {tmp_path / 'runs'}\n"
+        f"model: {{path: '{tiny_model}'}}\n"
+        "envs: {main: {type: frozenlake, args: {map: ['SH', 'HG']}, max_turns: 4}}\n"
+        "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
+        "trainer: {steps: 2, eval_groups: 1, expect_success: 0.9}\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "rollart", "run", str(cfg), "--nats", "memory"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [x for x in r.stderr.splitlines() if "did not learn" in x]
+    assert len(lines) == 1, r.stderr
+    folder = tmp_path / "runs" / run
+    assert (f"greedy success 0.00 is below the 0.90 its config expects" in lines[0]
+            and f"rollart run --resume {folder} --steps 4" in lines[0]), lines[0]
+    below = json.loads((folder / "summary.json").read_text())["below_expected"]
+    assert below["expected"] == 0.9 and below["greedy_success"] == 0.0
+    assert below["last_sampled_success"] == [0.0, 0.0]

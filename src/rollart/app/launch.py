@@ -163,10 +163,40 @@ async def write_summary(cfg: RunConfig, trainer, *, wall: float, interrupted: bo
         summary.update(failed=trainer.failure, groups_failed=led.counts["groups_failed"],
                        groups_trained=led.trained,
                        dead_letters_by_kind=dict(led.failure_kinds.most_common()))
+    below = below_expected(cfg, summary, [h["success"] for h in trainer.history if "success" in h])
+    if below is not None:
+        summary["below_expected"] = below
     if trainer.history:  # this run's summary marks the greedy result (not an old file's)
         summary["plot"] = str(await asyncio.to_thread(plot, run_path, summary=summary))
     await asyncio.to_thread((run_path / "summary.json").write_text, json.dumps(summary, indent=2))
     return summary
+
+
+LAST_SUCCESS_SHOWN = 10
+"""Sampled success values of the last steps a run that did not learn shows."""
+
+
+def below_expected(cfg: RunConfig, summary: dict, sampled: list[float]) -> dict | None:
+    """What ``summary.json`` records of a run whose final greedy success is below
+    ``trainer.expect_success``: the two numbers, the sampled success of the last steps and the
+    command that trains it further; None when the config expects nothing or the run met it
+    (or ended without an evaluation: interrupted, stopped, timed out)."""
+    want, got = cfg.trainer.expect_success, summary.get("greedy_success")
+    if want is None or got is None or got >= want or summary.get("failed"):
+        return None
+    steps = int(summary.get("steps", cfg.trainer.steps))
+    return {"expected": want, "greedy_success": got,
+            "last_sampled_success": [round(x, 3) for x in sampled[-LAST_SUCCESS_SHOWN:]],
+            "continue": (f"rollart run --resume {Path(cfg.run_dir) / cfg.run} "
+                         f"--steps {steps + max(cfg.trainer.steps, 1)}")}
+
+
+def below_expected_line(below: dict) -> str:
+    """The one line a run that did not learn prints (``summary["below_expected"]``)."""
+    last = " ".join(f"{x:.2f}" for x in below["last_sampled_success"]) or "none"
+    return (f"this run did not learn: greedy success {below['greedy_success']:.2f} is below the "
+            f"{below['expected']:.2f} its config expects (trainer.expect_success); sampled "
+            f"success of the last steps: {last}; train it further with: {below['continue']}")
 
 
 async def wait_for_peers(bus, run: str, node_id: str, *, heartbeat_every: float,

@@ -21,7 +21,7 @@ from rollart import messages as m
 from rollart.actors.run_end import wait_run_end
 from rollart.aio import first_of, retry
 from rollart.app.args import add_nats_args, event_loop_runner, nats_overrides, quiet_libraries
-from rollart.app.launch import drive_training, wait_for_peers, write_config
+from rollart.app.launch import below_expected_line, drive_training, wait_for_peers, write_config
 from rollart.bus import Bus, BusError
 from rollart.bus.auth import AuthError, resolve
 from rollart.bus.connect import bus_from_config
@@ -168,6 +168,8 @@ async def _until_end(bus: Bus, cfg, node: Node, *, serve: bool, embedded: bool) 
               f"{Path(cfg.run_dir) / cfg.run / 'summary.json'}", flush=True)
         if summary.get("failed"):
             print(f"rollart node: run stopped: {summary['failed']}", flush=True)
+        elif summary.get("below_expected"):
+            print(f"rollart node: {below_expected_line(summary['below_expected'])}", flush=True)
         if serve:
             print("rollart node: serving until SIGTERM (--serve)", flush=True)
             await node.wait()

@@ -16,7 +16,7 @@ from rich.progress import Progress, TextColumn
 from rollart import messages as m
 from rollart.app.args import nats_overrides, open_bus
 from rollart.app.configs import check_run_config, resolve_config
-from rollart.app.launch import drive_training
+from rollart.app.launch import below_expected_line, drive_training
 from rollart.app.local_nodes import local_processes
 from rollart.bus.auth import has_credentials
 from rollart.config import ConfigError, RunConfig, load
@@ -176,4 +176,6 @@ async def run_main(args) -> int:
     if summary.get("failed"):
         print(f"rollart run: stopped: {summary['failed']}", file=sys.stderr)
         return 3
+    if summary.get("below_expected"):  # it ran to the end: exit 0, and say it did not learn
+        print(f"rollart run: {below_expected_line(summary['below_expected'])}", file=sys.stderr)
     return 130 if summary["interrupted"] else 0

@@ -290,6 +290,10 @@ class TrainerConfig(Base):
     """Seed of the trainer."""
     eval_groups: int = 4
     """Groups of the greedy evaluation at the end of ``rollart run`` (held-out seeds)."""
+    expect_success: float | None = None
+    """The final greedy success a run of this config should reach (None: no expectation).
+    Below it the run says it did not learn: one line with the last sampled success values and
+    the command that continues it, and ``below_expected`` in ``summary.json``."""
     eval_timeout: float = 600.0
     """Seconds the final evaluation may take; past them the run ends without its result
     (logged as an error) instead of waiting for ever."""
@@ -305,3 +309,4 @@ class TrainerConfig(Base):
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
         in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed", ge=0)
         in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
+        in_range(self, k, "expect_success", ge=0, le=1)
