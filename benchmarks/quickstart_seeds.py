@@ -1,0 +1,162 @@
+"""Does the quickstart learn on every seed? ``rollart run`` as a user runs it, over seeds.
+
+::
+
+    python benchmarks/quickstart_seeds.py --seeds 20                  # the promise: 20 seeds
+    python benchmarks/quickstart_seeds.py --seeds 6 --variants default,constant-lr
+    python benchmarks/quickstart_seeds.py --seeds 20 --nats memory --alpha 0
+
+Each run is the packaged config (``--config``, default ``quickstart``) through
+``python -m rollart run`` in a fresh process (child node processes and an embedded
+nats-server unless ``--nats memory``), one run at a time, with seed ``s`` as both the
+sampling seed (``actors.generate.args.seed``) and the task seed (``rollout.seed = 1000 s``),
+and a variant's overrides on top. Runs are interleaved: seed 0 of every variant, then
+seed 1, ..., so a busy spell of the machine does not fall on one variant.
+
+Per run it reads ``summary.json`` (the final greedy success, ``wall_s``) and
+``metrics.jsonl`` (sampled success per step): the first step whose sampled success is
+>= 0.5, and the mean of the last 10 steps. A run *learned* when its final greedy success
+is >= ``--threshold`` (0.9). It prints JSON; ``--write`` also stores it in
+``benchmarks/results/quickstart_seeds.json`` and the section of ``benchmarks/README.md``
+between ``<!-- quickstart_seeds:begin -->`` and ``<!-- quickstart_seeds:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "quickstart_seeds.json"
+README = HERE / "README.md"
+BEGIN, END = "<!-- quickstart_seeds:begin -->", "<!-- quickstart_seeds:end -->"
+
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "constant-lr": {"trainer": {"schedule": "constant"}},
+    "lr-0.001": {"trainer": {"lr": 0.001}},
+    "entropy-0.03": {"trainer": {"entropy_coef": 0.03}},
+    "grpo": {"trainer": {"advantage": "grpo"}},
+    "group-16": {"rollout": {"group_size": 16, "batch_groups": 4}},
+}
+
+
+def say(text: str) -> None:
+    print(f"[quickstart-seeds {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
+
+
+def run_one(config: Path, variant: str, seed: int, *, nats: str | None, alpha: int | None,
+            work: Path, timeout: float) -> dict:
+    raw = yaml.safe_load(config.read_text())
+    over = merged(VARIANTS[variant], {"actors": {"generate": {"args": {"seed": seed}}},
+                                      "rollout": {"seed": 1000 * seed}})
+    if alpha is not None:
+        over = merged(over, {"rollout": {"alpha": alpha}})
+    name = f"qs-{variant}-s{seed}-{uuid.uuid4().hex[:4]}"
+    cfg = merged(raw, over) | {"run": name, "run_dir": str(work / "runs")}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cmd = [sys.executable, "-m", "rollart", "run", str(path), "--quiet"]
+    if nats:
+        cmd += ["--nats", nats]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    folder = work / "runs" / name
+    out = {"variant": variant, "seed": seed, "rc": r.returncode, "process_s": round(wall, 1)}
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+        rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x]
+    except (OSError, ValueError) as e:
+        return out | {"error": f"{e}; stderr: {r.stderr[-400:]}"}
+    sampled = [float(x.get("success", 0.0)) for x in rows]
+    half = next((int(x["step"]) for x in rows if float(x.get("success", 0.0)) >= 0.5), None)
+    return out | {"greedy_success": summary.get("greedy_success"),
+                  "wall_s": round(float(summary.get("wall_s", 0.0)), 1),
+                  "steps": summary.get("steps"), "first_sampled_0_5": half,
+                  "last10_sampled": round(statistics.fmean(sampled[-10:]), 3) if sampled else None}
+
+
+def table(results: list[dict], variants: list[str], threshold: float) -> str:
+    lines = ["| variant | learned (greedy >= %.1f) | per seed: final greedy success (first step with sampled >= 0.5) | median wall s (min-max) |" % threshold,
+             "|---|---|---|---|"]
+    for v in variants:
+        rs = [r for r in results if r["variant"] == v]
+        ok = [r for r in rs if (r.get("greedy_success") or 0) >= threshold]
+        walls = [r["wall_s"] for r in rs if "wall_s" in r]
+        per = ", ".join(f"s{r['seed']}: {r.get('greedy_success', 'err')} ({r.get('first_sampled_0_5') or '-'})"
+                        for r in rs)
+        spread = (f"{statistics.median(walls):.0f} ({min(walls):.0f}-{max(walls):.0f})"
+                  if walls else "-")
+        lines.append(f"| {v} | {len(ok)}/{len(rs)} | {per} | {spread} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
+    p.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1 (default 20)")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--variants", default="default", help=f"comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--nats", default=None, help="memory: the in-process bus (default: embedded server)")
+    p.add_argument("--alpha", type=int, default=None, help="override rollout.alpha")
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--write", action="store_true", help="store results and the README section")
+    args = p.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="rollart-qs-seeds-") as tmp:
+        for k, seed in enumerate(seeds):
+            for v in (variants if k % 2 == 0 else variants[::-1]):  # interleaved, order flipped
+                r = run_one(Path(args.config), v, seed, nats=args.nats, alpha=args.alpha,
+                            work=Path(tmp), timeout=args.timeout)
+                results.append(r)
+                say(f"{v} seed {seed}: greedy {r.get('greedy_success')} first sampled 0.5 at "
+                    f"{r.get('first_sampled_0_5')} wall {r.get('wall_s')} s {r.get('error', '')}")
+    out = {"config": args.config, "nats": args.nats or "embedded", "alpha": args.alpha,
+           "threshold": args.threshold, "seeds": seeds, "variants": variants,
+           "host": {"cpus": os.cpu_count()}, "date": time.strftime("%Y-%m-%d"),
+           "results": results, "table": table(results, variants, args.threshold)}
+    print(json.dumps(out, indent=1))
+    if args.write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(out, indent=1))
+        text = README.read_text()
+        section = (f"{BEGIN}\n### Quickstart over seeds (`benchmarks/quickstart_seeds.py`)\n\n"
+                   f"`{' '.join(sys.argv[1:])}` on {out['date']}, {os.cpu_count()} cores, bus "
+                   f"{out['nats']}; seed s is the sampling seed and the task seed (x1000).\n\n"
+                   f"{out['table']}\n{END}")
+        if BEGIN in text:
+            text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+        else:
+            text = text.rstrip() + "\n\n" + section + "\n"
+        README.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
