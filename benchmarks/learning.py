@@ -12,7 +12,7 @@ one variant at a time, each in its own fresh Python process, all on this machine
 - ``plain``: :func:`plain_loop.run_plain`, a single-process synchronous generate-then-train
   loop with no bus and no actors (the floor for a synchronous trainer), with the engine's
   multi-turn KV cache as rollart has it; ``plain-nokv``: the same without the cache;
-- ``alpha0-mp`` / ``alpha1-mp``: ``rollart.app.cli.train`` as plain ``rollart run`` does it: an
+- ``alpha0-mp`` / ``alpha1-mp``: ``rollart.app.run.train`` as plain ``rollart run`` does it: an
   embedded ``nats-server``, generation, envs and the trainer in separate processes
   (``node.local_processes``), ``rollout.alpha`` 0 or 1; ``alpha0-batch-mp``: α = 0 with
   ``rollout.mode: batch`` (each turn of a step's trajectories in lock step), not run by default;
@@ -240,7 +240,7 @@ def child(variant: str, config: str, workdir: str, steps: int | None, tag: str,
         import msgspec
         import yaml
 
-        from rollart.app.cli import train
+        from rollart.app.run import train
         from rollart.app.launch import with_overrides
 
         _record_cpu_time()
@@ -622,7 +622,7 @@ def readme_section(results: dict) -> str:
         f"{THRESHOLD} with a plain single-process loop (`plain_loop.py`: batched lock-step "
         "rollouts with the same engine, `build_samples`, `train_step`, in-memory weight copy; no "
         "bus, no actors). Same model folder, seeds and hyper-parameters in every variant "
-        f"({job['summary']}); rollart runs call `rollart.app.cli.train` in-process and override only "
+        f"({job['summary']}); rollart runs call `rollart.app.run.train` in-process and override only "
         "`rollout.alpha` (and keep every version's weights).",
         "",
         "Evaluation never perturbs timing: after all runs, each saved version is rolled out "

@@ -78,7 +78,7 @@ def test_packaged_config_by_name_from_an_empty_folder(tmp_path):
 def test_a_folder_named_like_a_packaged_config_does_not_hide_it(tmp_path, monkeypatch):
     """Found by hand: a folder ``quickstart`` in the working directory made ``rollart run
     quickstart`` fail with IsADirectoryError and a traceback."""
-    from rollart.app.cli import packaged_configs, resolve_config
+    from rollart.app.configs import packaged_configs, resolve_config
     from rollart.config import ConfigError
 
     (tmp_path / "quickstart").mkdir()
@@ -109,7 +109,7 @@ def test_config_dump_writes_a_copy_to_edit(tmp_path, monkeypatch):
 
 
 def test_repo_configs_are_the_packaged_ones():
-    from rollart.app.cli import packaged_configs
+    from rollart.app.configs import packaged_configs
 
     packaged = packaged_configs()
     assert {"quickstart", "frozenlake-random", "reasoning-math"} <= set(packaged)

@@ -39,7 +39,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 def quickstart(tmp_path: Path, run_dir: Path, run: str, steps: int, **node) -> Path:
     """The packaged quickstart config with few steps and a one-group final evaluation."""
-    from rollart.app.cli import packaged_configs
+    from rollart.app.configs import packaged_configs
 
     raw = yaml.safe_load(packaged_configs()["quickstart"].read_text())
     raw.update(run=run, run_dir=str(run_dir))

@@ -19,6 +19,13 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def rollart_run(tmp_path: Path, cfg: Path, *flags: str) -> subprocess.CompletedProcess:
+    """``python -m rollart run CFG FLAGS`` from ``tmp_path``, with this checkout importable."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "rollart", "run", str(cfg), *flags], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=240)
+
+
 def test_run_prints_the_top_line_and_a_line_per_step(tmp_path, tiny_model):
     run = new_run()
     cfg = tmp_path / "run.yaml"
@@ -30,9 +37,7 @@ def test_run_prints_the_top_line_and_a_line_per_step(tmp_path, tiny_model):
         "envs: {main: {type: frozenlake, max_turns: 4}}\n"
         "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
         "trainer: {steps: 2, eval_groups: 1}\n")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-m", "rollart", "run", str(cfg)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=240)
+    r = rollart_run(tmp_path, cfg)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     # the exact command, once, at the default log level
@@ -59,14 +64,12 @@ def test_a_run_that_does_not_learn_says_so_and_how_to_go_on(tmp_path, tiny_model
         "envs: {main: {type: frozenlake, args: {map: ['SH', 'HG']}, max_turns: 4}}\n"
         "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
         "trainer: {steps: 2, eval_groups: 1, expect_success: 0.9}\n")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-m", "rollart", "run", str(cfg), "--nats", "memory"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    r = rollart_run(tmp_path, cfg, "--nats", "memory")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [x for x in r.stderr.splitlines() if "did not learn" in x]
     assert len(lines) == 1, r.stderr
     folder = tmp_path / "runs" / run
-    assert (f"greedy success 0.00 is below the 0.90 its config expects" in lines[0]
+    assert ("greedy success 0.00 is below the 0.90 its config expects" in lines[0]
             and f"rollart run --resume {folder} --steps 4" in lines[0]), lines[0]
     below = json.loads((folder / "summary.json").read_text())["below_expected"]
     assert below["expected"] == 0.9 and below["greedy_success"] == 0.0

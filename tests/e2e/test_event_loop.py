@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from rollart.app.cli import train
+from rollart.app.run import train
 from rollart.config import RunConfig, convert
 from rollart.app.launch import with_overrides
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollart.app.cli import train
+from rollart.app.run import train
 from rollart.config import RunConfig, load
 from rollart.app.launch import with_overrides
 

@@ -156,7 +156,7 @@ async def test_top_once_json_agrees_with_the_server(monitored_server):
     kinds = snap["dead_letters"]["by_reason"]
     assert set(kinds) == {"env_setup", "invalid"} and kinds["env_setup"] >= 2 and kinds["invalid"] >= 1
     # α headroom: quickstart's alpha and batch_groups, the ledger's version and lost count
-    from rollart.app.cli import resolve_config
+    from rollart.app.configs import resolve_config
     from rollart.config import RunConfig, load
 
     r = load(resolve_config("quickstart"), RunConfig).rollout

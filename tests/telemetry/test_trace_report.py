@@ -30,7 +30,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 async def traced_run(tiny_model, tmp_path_factory) -> Path:
     """A short training run (3 steps of 2 groups of 4 trajectories, alpha 1) on the in-process
     bus with ``tracing: {exporter: jsonl}``: its folder, with traces.jsonl and metrics.jsonl."""
-    from rollart.app.cli import train
+    from rollart.app.run import train
 
     root = tmp_path_factory.mktemp("traced")
     cfg = convert({"run": new_run(), "run_dir": str(root), "model": {"path": str(tiny_model)},

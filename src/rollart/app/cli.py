@@ -22,14 +22,11 @@ from rollart.app.nodes import register as register_nodes
 from rollart.app.queues import snapshot
 from rollart.app.report import report
 from rollart.app.rollout import rollout_main
-from rollart.app.run import run_main, train
+from rollart.app.run import run_main
 from rollart.app.secure import register as register_secure
 from rollart.app.tap import register as register_tap
 from rollart.bus.connect import bus_from_config
 from rollart.config import ConfigError, RunConfig, load
-
-__all__ = ["build_parser", "main", "packaged_configs", "resolve_config", "train"]
-
 
 async def top_main(args) -> int:
     cfg = load(resolve_config(args.config), RunConfig) if args.config else None

@@ -188,7 +188,7 @@ def below_expected(cfg: RunConfig, summary: dict, sampled: list[float]) -> dict 
     return {"expected": want, "greedy_success": got,
             "last_sampled_success": [round(x, 3) for x in sampled[-LAST_SUCCESS_SHOWN:]],
             "continue": (f"rollart run --resume {Path(cfg.run_dir) / cfg.run} "
-                         f"--steps {steps + max(cfg.trainer.steps, 1)}")}
+                         f"--steps {steps + cfg.trainer.steps}")}
 
 
 def below_expected_line(below: dict) -> str:

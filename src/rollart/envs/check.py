@@ -37,7 +37,8 @@ from typing import Any, Iterable
 from rollart.aio import retry
 from rollart.envs.actions import compile_pattern
 from rollart.envs.registry import BUILTIN_ENVS, resolve_env_class
-from rollart.envs.runner import EnvError, EnvRunner, EnvTimeout, _describe
+from rollart.envs.errors import describe
+from rollart.envs.runner import EnvError, EnvRunner, EnvTimeout
 from rollart.errors import ConfigError
 
 try:  # the runner's permanent kinds of EnvError
@@ -83,7 +84,7 @@ def import_env_class(type: str) -> Any:
     except ValueError as e:
         raise _Fail(str(e)) from e
     except Exception as e:  # a missing dependency of the module, an error at import time
-        msg = str(e) if isinstance(e, ImportError) else _describe(e)
+        msg = str(e) if isinstance(e, ImportError) else describe(e)
         raise _Fail(f"cannot import {BUILTIN_ENVS.get(type, type)!r}: {msg}") from e
 
 
@@ -138,7 +139,7 @@ def _check_template(template: str) -> None:
     try:
         template.format(observation="", turn=1)
     except Exception as e:
-        raise _Fail(_describe(e)) from e
+        raise _Fail(describe(e)) from e
 
 
 def static_problems(name: str, ec: Any) -> list[str]:
@@ -173,7 +174,7 @@ def _cause(e: BaseException) -> str:
     """What the env itself raised (the runner wraps it), else the runner's message (e.g. that
     its worker process died)."""
     c = e.__cause__
-    return _describe(c) if c is not None and not isinstance(c, (EOFError, OSError)) else str(e)
+    return describe(c) if c is not None and not isinstance(c, (EOFError, OSError)) else str(e)
 
 
 def _is_contract(e: EnvError) -> bool:
@@ -222,7 +223,7 @@ async def _exercise(name: str, ec: Any, seed: int) -> None:
                 why = _cause(e)  # the env raised: maybe flaky, try a fresh one
             except Exception as e:  # normalising the result failed (e.g. info not a dict)
                 raise _Fail(f"{where}: reset() must return (observation: str, info: dict): "
-                            f"{_describe(e)}") from e
+                            f"{describe(e)}") from e
         await runner.close()
         runner = None
         raise _Again(why)
@@ -248,7 +249,7 @@ async def _exercise(name: str, ec: Any, seed: int) -> None:
                             f"{where}: step({action!r}) after reset({seed}) failed: {_cause(e)}") from e
             except Exception as e:
                 raise _Fail(f"{where}: step() must return (observation: str, reward: float, "
-                            f"terminated, truncated, info: dict): {_describe(e)}") from e
+                            f"terminated, truncated, info: dict): {describe(e)}") from e
     finally:
         if runner is not None:
             await runner.close()
@@ -290,7 +291,7 @@ async def _check_all(cfg: Any, names: list[str]) -> list[str]:
         except _Fail as e:
             return str(e)
         except Exception as e:  # a bug here must still name the env
-            return f"envs.{n}: check failed: {_describe(e)}"
+            return f"envs.{n}: check failed: {describe(e)}"
         return None
 
     problems += [p for p in await asyncio.gather(*(one(n) for n in dynamic)) if p]

@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 __all__ = ["EnvContractError", "EnvError", "EnvRunner", "EnvSetupError", "EnvTimeout",
            "abandoned_threads"]
 
-_describe = describe  # the name rollart.envs.check imports
 
 
 def _check_info(what: str, info: Any) -> dict[str, Any]:
