@@ -136,8 +136,20 @@ async def test_a_request_on_a_lost_replica_is_sent_again_within_the_replica_time
             async with Node(bus, [good], heartbeat_every=0, grace=0.2):
                 await until(lambda: len(client.replicas()) == 2, deadline=30,
                             what="both replicas report")
-                results = await asyncio.wait_for(
-                    asyncio.gather(*(client.call("generate.request", gen_req(i)) for i in range(6))), 120)
+                calls = [asyncio.ensure_future(client.call("generate.request", gen_req(i)))
+                         for i in range(6)]
+
+                def bad_took_one() -> bool:
+                    # a queue group picks its member at random: six requests may all miss
+                    # the bad replica, so one more goes out each poll until it has taken one
+                    if bad.got == 0:
+                        calls.append(asyncio.ensure_future(
+                            client.call("generate.request", gen_req(len(calls)))))
+                    return bad.got >= 1
+
+                await until(bad_took_one, deadline=60, step=0.05,
+                            what="the bad replica to take a request")
+                results = await asyncio.wait_for(asyncio.gather(*calls), 120)
     assert bad.got >= 1, "some request went to the bad replica"
     assert {r.replica for r in results} == {"good"}
     assert counts.get("requests_resent", 0) >= bad.got, counts
