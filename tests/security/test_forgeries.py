@@ -163,10 +163,12 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
             sent[(m.subject(run, "policy.published"), encode(big))] = "invalid: policy.published"
             await set_policy(evil, run, big)
 
-            # 3. a forged version two ahead: zeroed weights, its record and a ledger summary
+            # 3. a forged version three ahead: zeroed weights, its record and a ledger summary
             #    that agrees with it (a jump: held back until the trainer puts both back)
             summary = decode(m.LedgerSummary, (await kv.get(m.LEDGER_KEY)).value)
-            nxt = summary.version + 2
+            # (three past the newest version anyone holds: the KV summary may still lag the
+            # trainer, and the trainer may step while this is forged; a jump stays a jump)
+            nxt = max(summary.version, sched.version, trainer.version) + 3
             await store.put("forged-next", zero)
             await kv.put(m.LEDGER_KEY, encode(msgspec.structs.replace(summary, version=nxt)))
             await set_policy(evil, run, m.PolicyPublished(
