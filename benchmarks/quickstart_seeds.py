@@ -46,9 +46,13 @@ VARIANTS: dict[str, dict] = {
     "default": {},
     "constant-lr": {"trainer": {"schedule": "constant"}},
     "lr-0.001": {"trainer": {"lr": 0.001}},
+    "lr-0.005": {"trainer": {"lr": 0.005}},
     "entropy-0.03": {"trainer": {"entropy_coef": 0.03}},
     "grpo": {"trainer": {"advantage": "grpo"}},
     "group-16": {"rollout": {"group_size": 16, "batch_groups": 4}},
+    "skip-8": {"trainer": {"skip_uniform": 8}},
+    "skip-16": {"trainer": {"skip_uniform": 16}},
+    "skip-16-lr-0.005": {"trainer": {"skip_uniform": 16, "lr": 0.005}},
 }
 
 
@@ -70,7 +74,7 @@ def run_one(config: Path, variant: str, seed: int, *, nats: str | None, alpha: i
                                       "rollout": {"seed": 1000 * seed}})
     if alpha is not None:
         over = merged(over, {"rollout": {"alpha": alpha}})
-    name = f"qs-{variant}-s{seed}-{uuid.uuid4().hex[:4]}"
+    name = f"qs-{variant.replace('.', '_')}-s{seed}-{uuid.uuid4().hex[:4]}"
     cfg = merged(raw, over) | {"run": name, "run_dir": str(work / "runs")}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -93,7 +97,9 @@ def run_one(config: Path, variant: str, seed: int, *, nats: str | None, alpha: i
     return out | {"greedy_success": summary.get("greedy_success"),
                   "wall_s": round(float(summary.get("wall_s", 0.0)), 1),
                   "steps": summary.get("steps"), "first_sampled_0_5": half,
-                  "last10_sampled": round(statistics.fmean(sampled[-10:]), 3) if sampled else None}
+                  "last10_sampled": round(statistics.fmean(sampled[-10:]), 3) if sampled else None,
+                  "sampled": [round(x, 2) for x in sampled],
+                  "entropy": [round(float(x.get("entropy", 0.0)), 2) for x in rows]}
 
 
 def table(results: list[dict], variants: list[str], threshold: float) -> str:

@@ -15,10 +15,10 @@ from rollart.actors.ledger import GroupLedger, IndexSet, admissible, reason_kind
 LOOP = asyncio.new_event_loop()
 
 
-def completed(g: int, i: int, min_version: int) -> m.RolloutCompleted:
+def completed(g: int, i: int, min_version: int, reward: float = 0.0) -> m.RolloutCompleted:
     return m.RolloutCompleted(traj_id=f"g{g}-{i}", group_id=f"g{g}", env="main", seed=g,
                               token_ids=[], response_mask=[], logprobs=[], group_index=g,
-                              min_version=min_version, max_version=min_version)
+                              min_version=min_version, max_version=min_version, reward=reward)
 
 
 def ledger(**kw) -> GroupLedger:
@@ -269,3 +269,67 @@ def test_the_ledger_owns_the_transitions_the_trainer_asks_for():
     assert led.add_completed(completed(1, 0, 0), c) is None
     handed = led.hand_back()  # the trainer stops: every held delivery comes back
     assert set(handed) == {a, b, c} and not led.open and not led.verdicts
+
+
+def _fill(led: GroupLedger, g: int, rewards: list[float], v: int = 0) -> None:
+    for i, r in enumerate(rewards):
+        assert led.add_completed(completed(g, i, v, reward=r), LOOP.create_future()) is None
+
+
+@pytest.mark.parametrize("stale", ["wait", "drop"])
+def test_uniform_groups_are_skipped_up_to_the_budget(stale):
+    """trainer.skip_uniform: the oldest uniform groups are passed over (lost: admission
+    replaces them), at most ``skip`` of them; past the budget they are trained."""
+    led = ledger(stale=stale, batch_groups=2)
+    _fill(led, 0, [0.0, 0.0])  # uniform
+    _fill(led, 1, [1.0, 1.0])  # uniform (all succeeded)
+    _fill(led, 2, [0.0, 1.0])
+    _fill(led, 3, [1.0, 1.0])  # uniform, past a budget of 2
+    sel = led.select(0, skip=2)
+    assert [g.index for g in sel.skipped] == [0, 1]
+    assert [g.index for g in sel.batch] == [2, 3]
+    assert [g.index for g in led.select(0).batch] == [0, 1], "skip=0 (off) trains them"
+    for g in sel.skipped:
+        led.close(g, "skipped")
+    assert led.lost == 2 and led.counts["uniform_skipped"] == 2 and led.streak == 0
+    assert [g.index for g in led.select(0, skip=0).batch] == [2, 3]
+
+
+def test_a_uniform_group_is_skipped_before_the_batch_is_ready():
+    """A skipped group frees its admission place at once, not when a batch is complete:
+    otherwise admission, bounded by α, could wait for the trainer that waits for it."""
+    led = ledger(batch_groups=2)
+    _fill(led, 0, [0.0, 0.0])
+    _fill(led, 1, [0.0])  # still running
+    sel = led.select(0, skip=4)
+    assert not sel.batch and [g.index for g in sel.skipped] == [0]
+
+
+@pytest.mark.parametrize("alpha", [0, 1])
+def test_skipping_keeps_steps_coming_and_the_bound(alpha):
+    """Admission at the α bound, 3 of 4 groups uniform, a budget of 3 a step: every step
+    comes, none skips more than its budget, and every trained group keeps the bound."""
+    B, skip = 2, 3
+    led = ledger(alpha=alpha, batch_groups=B)
+    v, admitted, skipped_total = 0, 0, 0
+    for _ in range(300):
+        while admissible(admitted, led.lost, v, alpha, B):
+            g = admitted
+            admitted += 1
+            _fill(led, g, [0.0, 1.0] if g % 4 == 3 else [0.0, 0.0], v)
+        step_skipped = 0
+        while True:
+            sel = led.select(v, skip=skip - step_skipped)
+            for g in sel.skipped:
+                led.close(g, "skipped")
+            step_skipped += len(sel.skipped)
+            if sel.batch or not sel.skipped:
+                break
+        assert step_skipped <= skip
+        skipped_total += step_skipped
+        if sel.batch:
+            assert all(g.min_version >= v - alpha for g in sel.batch)
+            for g in sel.batch:
+                led.close(g, "trained")
+            v += 1
+    assert v >= 50 and skipped_total > v, (v, skipped_total)

@@ -74,3 +74,29 @@ def test_a_run_that_does_not_learn_says_so_and_how_to_go_on(tmp_path, tiny_model
     below = json.loads((folder / "summary.json").read_text())["below_expected"]
     assert below["expected"] == 0.9 and below["greedy_success"] == 0.0
     assert below["last_sampled_success"] == [0.0, 0.0]
+
+
+def test_an_env_that_fails_one_task_in_three_trains(tmp_path, tiny_model):
+    """The start check samples task seeds: reset raising for one seed in three is one
+    warning, and the run trains (the failed tasks' groups are replaced); an env failing
+    every seed still stops the run before it starts (exit 2)."""
+    run = new_run()
+    cfg = tmp_path / "run.yaml"
+    body = (f"run_dir: {tmp_path / 'runs'}\n"
+            f"model: {{path: '{tiny_model}'}}\n"
+            "rollout: {group_size: 2, batch_groups: 2, alpha: 1, same_seed_per_group: true}\n"
+            "trainer: {steps: 2, eval_groups: 1}\n")
+    cfg.write_text(f"run: {run}\n" + body + "envs: {main: {type: 'tests.envs.fake_envs:OneInThreeEnv', "
+                   "max_turns: 3, reset_retries: 1}}\n")
+    r = rollart_run(tmp_path, cfg, "--nats", "memory", "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    warned = [x for x in r.stderr.splitlines() if "task seeds checked failed" in x]
+    assert len(warned) == 1 and "2 of the 4" in warned[0] and "the run starts anyway" in warned[0], r.stderr
+    summary = json.loads(r.stdout[r.stdout.index("{"):])
+    assert summary["steps"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["groups_lost"] >= 1, "a failed task's group was replaced"
+    cfg.write_text(f"run: {new_run()}\n" + body + "envs: {main: {type: 'tests.envs.fake_envs:FailingEnv', "
+                   "reset_retries: 0}}\n")
+    r = rollart_run(tmp_path, cfg, "--nats", "memory", "--quiet")
+    assert r.returncode == 2 and "every one of the 4 task seeds checked failed" in r.stderr, r.stderr

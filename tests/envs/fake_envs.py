@@ -179,6 +179,15 @@ class FlakyResetEnv(EchoEnv):
         return super().reset(seed)
 
 
+class OneInThreeEnv(EchoEnv):
+    """reset() raises for every seed divisible by 3 (a broken task in a working env)."""
+
+    def reset(self, seed):
+        if seed % 3 == 0:
+            raise RuntimeError(f"seed {seed} cannot be reset")
+        return super().reset(seed)
+
+
 class RaisingStepEnv(EchoEnv):
     """step() raises for every action."""
 

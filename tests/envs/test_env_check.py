@@ -111,7 +111,8 @@ def test_step_wrong_shape_in_a_worker_process():
 
 def test_reset_raising_is_retried_then_named():
     msg = problem({"main": {"type": f"{FAKE}:FailingEnv", "reset_retries": 1}})
-    assert msg == "envs.main: reset(0) failed 2 times (1 + envs.main.reset_retries): ValueError: kaboom 0", msg
+    assert msg == ("envs.main: reset(0) failed 2 times (1 + envs.main.reset_retries): ValueError: "
+                   "kaboom 0; every one of the 4 task seeds checked failed (envs.main.check_seeds)"), msg
 
 
 def test_flaky_reset_and_flaky_construction_pass():
@@ -121,7 +122,29 @@ def test_flaky_reset_and_flaky_construction_pass():
 
 def test_step_raising():
     msg = problem({"main": {"type": f"{FAKE}:RaisingStepEnv"}})
-    assert msg == "envs.main: step('a') after reset(0) failed: KeyError: 'a'", msg
+    assert msg == ("envs.main: step('a') after reset(0) failed: KeyError: 'a'; every one of the 4 "
+                   "task seeds checked failed (envs.main.check_seeds)"), msg
+    one = problem({"main": {"type": f"{FAKE}:RaisingStepEnv", "check_seeds": 1}})
+    assert one == "envs.main: step('a') after reset(0) failed: KeyError: 'a'", one
+
+
+def test_a_task_that_fails_is_a_warning_not_a_refusal(caplog):
+    """An env whose reset raises for one seed in three (a broken task, not a broken env):
+    the check warns once with the count and the run may start; a construction or contract
+    error still refuses at once."""
+    caplog.set_level("WARNING", logger="rollart.envs.check")
+    warned = check_envs(cfg_of({"main": {"type": f"{FAKE}:OneInThreeEnv", "reset_retries": 1}}))
+    assert warned == ["envs.main: 2 of the 4 task seeds checked failed (first: reset(0) failed 2 "
+                      "times (1 + envs.main.reset_retries): RuntimeError: seed 0 cannot be reset); "
+                      "the run starts anyway: a trajectory whose task fails is dead-lettered with "
+                      "its reason and its group replaced"], warned
+    assert warned[0] in caplog.text
+    warned = check_envs(cfg_of({"main": {"type": f"{FAKE}:OneInThreeEnv"}}, rollout={"seed": 1}))
+    assert len(warned) == 1 and warned[0].startswith(
+        "envs.main: 1 of the 4 task seeds checked failed (first: reset(3) failed 4 times "
+        "(1 + envs.main.reset_retries): RuntimeError: seed 3 cannot be reset)"), warned
+    msg = problem({"main": {"type": f"{FAKE}:OneInThreeEnv", "check_seeds": 1}})
+    assert msg.startswith("envs.main: reset(0) failed 4 times"), msg
 
 
 def test_hanging_reset_and_step_give_up_at_their_timeouts():

@@ -3,6 +3,7 @@
 A group is ``group_size + redundancy`` trajectories of one task. Its life::
 
     admitted ──► running ──► ready ──► trained
+                    │          ├─────► skipped    (rewards all equal, ``trainer.skip_uniform``)
                     │          └─────► dropped    (beyond the α bound, ``stale: drop|restart``)
                     └────────────────► failed     (settled with fewer than 2 completions)
 
@@ -20,6 +21,7 @@ version ``s = ceil(n / B) - 1 <= a + α``, i.e. ``a >= s - α``: never stale. A 
 break the bound; they free headroom, and admission fills it with a fresh group (a new
 task seed), which is how a lost group is replaced. Under ``drop``/``restart`` the trainer
 checks ``min_version >= s - α`` per group instead and drops the rest (counted, and freed).
+A group skipped for uniform rewards (``trainer.skip_uniform``) is lost the same way.
 
 **What the trainer takes** (defence in depth, DESIGN.md §6, even under ``rollart secure``
 permissions). Only a trajectory that admission issued: :class:`rollart.actors.admission.Admission` says why
@@ -123,6 +125,8 @@ class Selection:
     batch: list[Group]
     stale: list[Group]
     failed: list[Group]
+    skipped: list[Group] = field(default_factory=list)
+    """Ready groups whose rewards are all equal, skipped (``trainer.skip_uniform``)."""
 
 
 class GroupLedger:
@@ -147,8 +151,8 @@ class GroupLedger:
         self.failure_kinds: Counter[str] = Counter()
         """Dead letters by reason kind, over the run."""
         self.counts = dict.fromkeys(("groups_failed", "stale_dropped", "stale_restarted",
-                                     "extra", "late", "duplicates", "conflicts",
-                                     "not_admitted"), 0)
+                                     "uniform_skipped", "extra", "late", "duplicates",
+                                     "conflicts", "not_admitted"), 0)
         self.verdicts: dict[asyncio.Future, str] = {}
         """Held deliveries to dead-letter (not ack) once a checkpoint covers their group:
         both copies of a conflict. The handler pops its future's verdict when it resolves."""
@@ -267,12 +271,24 @@ class GroupLedger:
     def _failed(self, g: Group) -> bool:
         return self._ready(g) and len(g.members) < min(2, self.need)
 
-    def select(self, version: int) -> Selection:
-        """The groups of the next step (empty batch: not ready), plus stale and failed ones
-        to close now. Pure: nothing changes until :meth:`close`."""
+    def uniform(self, g: Group) -> bool:
+        """Every reward of the group's trained members is the same (all advantages 0)."""
+        rewards = [t.reward for t, _ in g.members[: self.need]]
+        return max(rewards) - min(rewards) <= 1e-9
+
+    def select(self, version: int, skip: int = 0) -> Selection:
+        """The groups of the next step (empty batch: not ready), plus stale, failed and
+        skipped ones to close now: up to ``skip`` ready groups that are :meth:`uniform` are
+        passed over (oldest first; the rest are trained as any other). Pure: nothing changes
+        until :meth:`close`."""
         failed = [g for g in self.open.values() if self._failed(g)]
         dead = {g.index for g in failed}
         live = {i: g for i, g in self.open.items() if i not in dead}
+        skipped: list[Group] = []
+
+        def take(g: Group, batch: list[Group]) -> None:
+            (skipped if len(skipped) < skip and self.uniform(g) else batch).append(g)
+
         if self.stale == "wait":
             batch, i = [], self.next_index
             while len(batch) < self.batch_groups:
@@ -281,22 +297,26 @@ class GroupLedger:
                     continue
                 g = live.get(i)
                 if g is None or not self._ready(g):
-                    return Selection([], [], failed)
-                batch.append(g)
+                    return Selection([], [], failed, skipped)
+                take(g, batch)
                 i += 1
-            return Selection(batch, [], failed)
+            return Selection(batch, [], failed, skipped)
         in_bound, stale = [], []
         for i in sorted(live):
             g = live[i]
             if self._ready(g):
-                (in_bound if g.min_version >= version - self.alpha else stale).append(g)
+                if g.min_version >= version - self.alpha:
+                    take(g, in_bound)
+                else:
+                    stale.append(g)
         if len(in_bound) < self.batch_groups:
-            return Selection([], stale, failed)
-        return Selection(in_bound[: self.batch_groups], stale, failed)
+            return Selection([], stale, failed, skipped)
+        return Selection(in_bound[: self.batch_groups], stale, failed, skipped)
 
     def close(self, g: Group, state: str) -> list[asyncio.Future]:
-        """Close ``g`` as ``trained``, ``failed``, ``dropped`` or ``restarted``; returns the
-        futures of its deliveries (to be resolved once a checkpoint holds this)."""
+        """Close ``g`` as ``trained``, ``failed``, ``dropped``, ``restarted`` or ``skipped``
+        (uniform rewards: lost, so admission replaces it); returns the futures of its
+        deliveries (to be resolved once a checkpoint holds this)."""
         self.open.pop(g.index, None)
         self.closed.add(g.index)
         if state == "trained":
@@ -312,6 +332,9 @@ class GroupLedger:
             self.streak_reasons.update(reason_kind(r) for _, r in g.dead)
             if not g.dead:
                 self.streak_reasons["cancelled"] += 1
+        elif state == "skipped":
+            self.lost += 1
+            self.counts["uniform_skipped"] += 1
         elif state in ("dropped", "restarted"):
             self.lost += state == "dropped"
             self.counts["stale_dropped" if state == "dropped" else "stale_restarted"] += 1

@@ -23,7 +23,7 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.admission import RESTART_BASE, Admission, issued_key
 from rollart.actors.base import Actor, Reject, Retry, consume
-from rollart.actors.ledger import GroupLedger
+from rollart.actors.ledger import Group, GroupLedger
 from rollart.actors.records import decode_entry
 from rollart.actors.runtime import decode_core
 from rollart.actors.trainer_files import RunFiles
@@ -88,6 +88,8 @@ class Trainer(StepLoop, Actor):
     """The most groups the trainer ever reported lost (a resume may restart below it)."""
     end_published: bool = field(default=False, init=False)
     """The end of training was stored (:mod:`rollart.actors.run_end`)."""
+    skipped: list[Group] = field(default_factory=list, init=False, repr=False)
+    """Groups skipped for uniform rewards since the last step (``trainer.skip_uniform``)."""
     trace_heads: dict[str, dict[str, str]] = field(default_factory=dict, init=False, repr=False)
     """Tracing on: traj_id -> its ``traceparent``, for the step that trains it."""
     _hb_sub: Subscription | None = field(default=None, init=False, repr=False)
@@ -95,7 +97,7 @@ class Trainer(StepLoop, Actor):
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "Trainer":
-        buf = trainer_buffer(run_cfg.rollout)
+        buf = trainer_buffer(run_cfg.rollout, run_cfg.trainer.skip_uniform)
         held = {"max_inflight": buf, "max_ack_pending": 2 * buf}
         settings = {"on_completed": dict(held), "on_dead": dict(held), "on_cancelled": dict(held)}
         for h, hc in actor_cfg.handlers.items():

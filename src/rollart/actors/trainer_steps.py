@@ -52,6 +52,7 @@ class StepLoop:
     nodes: dict[str, m.NodeHeartbeat]
     lost_max: int
     end_published: bool
+    skipped: list[Group]
     trace_heads: dict[str, dict[str, str]]
     on_step: Any
     publish_patiently: Any
@@ -118,8 +119,12 @@ class StepLoop:
         next_report = t0 + self.cfg.trainer.stall_after
         async with self.changed:
             while True:
-                sel = self.ledger.select(self.version)
-                changed = bool(sel.failed or sel.stale)
+                left_to_skip = self.cfg.trainer.skip_uniform - len(self.skipped)
+                sel = self.ledger.select(self.version, skip=max(0, left_to_skip))
+                changed = bool(sel.failed or sel.stale or sel.skipped)
+                for g in sel.skipped:  # admission replaces them (lost)
+                    self.unacked += self.ledger.close(g, "skipped")
+                    self.skipped.append(g)
                 for g in sel.failed:
                     self.unacked += self.ledger.close(g, "failed")
                     log.warning("group %d failed: %s", g.index,
@@ -228,6 +233,8 @@ class StepLoop:
 
         k = self.cfg.rollout.group_size
         trajs = [t for g in batch for t, _ in g.members[:k]]
+        settled = trajs + [t for g in self.skipped for t, _ in g.members[:k]]
+        n_skipped, self.skipped = len(self.skipped), []
         v = self.version
         samples = build_samples(trajs, [g.index for g in batch for _ in g.members[:k]],
                                 self.cfg.trainer.advantage)
@@ -239,6 +246,10 @@ class StepLoop:
         counts = {**self.ledger.counts, **self.counts}
         out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
                **trajectory_stats(trajs, v),
+               # sampled success and reward of every group settled, the skipped ones too
+               "reward": sum(t.reward for t in settled) / len(settled),
+               "success": sum(t.success for t in settled) / len(settled),
+               "groups_skipped": n_skipped,
                **{k: float(x) for k, x in tm.items() if isinstance(x, (int, float))},
                **{f"count_{k}": x for k, x in counts.items()},
                "groups_lost": self.ledger.lost,

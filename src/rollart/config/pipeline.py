@@ -119,9 +119,13 @@ class EnvConfig(Base):
     """Before a run starts (and in ``rollart config``) construct one env, reset it and take
     one legal step, so a broken env fails at once; ``false`` (for envs expensive to build)
     only imports ``type`` and checks ``args`` against its constructor."""
+    check_seeds: int = 4
+    """Task seeds the check resets (``rollout.seed`` on). It refuses the run only when every
+    one fails (or on a construction or contract error); some failing is a warning with the
+    count, since a run replaces the groups of a task that fails."""
 
     def __post_init__(self) -> None:
-        in_range(self, "", "max_turns max_context_tokens", ge=1)
+        in_range(self, "", "max_turns max_context_tokens check_seeds", ge=1)
         in_range(self, "", "reset_timeout step_timeout", gt=0)
         in_range(self, "", "reset_retries", ge=0)
         in_range(self, "", "max_abandoned_threads", ge=1)
@@ -276,6 +280,13 @@ class TrainerConfig(Base):
     """Decoupled PPO objective (tokens whose IS weight exceeds the cap get weight 0)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
+    skip_uniform: int = 0
+    """DAPO's dynamic sampling: per step, skip up to this many ready groups whose rewards are
+    all equal (every advantage is 0: no policy gradient, only a smaller step for the rest under
+    token-mean). A skipped group frees its admission place, so a fresh group replaces it; once
+    the step's budget is spent, uniform groups are trained as before (a step never waits for
+    more than ``batch_groups + skip_uniform`` groups). Sampled ``success`` and ``reward`` in the
+    metrics count the skipped groups too. 0: off."""
     kl_coef: float = 0.0
     """k3 KL penalty to the initial policy."""
     micro_batch_tokens: int = 8192
@@ -307,6 +318,6 @@ class TrainerConfig(Base):
         k = "trainer."
         in_range(self, k, "steps micro_batch_tokens checkpoint_every keep_weights eval_groups", ge=1)
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
-        in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed", ge=0)
+        in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform", ge=0)
         in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
         in_range(self, k, "expect_success", ge=0, le=1)

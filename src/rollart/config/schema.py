@@ -126,9 +126,9 @@ class RunConfig(Base):
         deliveries of every step since the last checkpoint plus those of the groups admitted
         ahead; if its input handler cannot hold that many, it waits forever for a batch."""
         r, t = self.rollout, self.trainer
-        per_step = r.batch_groups * (r.group_size + r.redundancy)
+        per_step = (r.batch_groups + t.skip_uniform) * (r.group_size + r.redundancy)
         need = (t.checkpoint_every + r.alpha) * per_step
-        buf = trainer_buffer(r)
+        buf = trainer_buffer(r, t.skip_uniform)
         hc = self.actors.get("trainer", ActorConfig()).handlers.get("on_completed", HandlerConfig())
         room = min(hc.max_inflight or buf, hc.max_ack_pending or 2 * buf)
         if need <= room:
@@ -138,14 +138,17 @@ class RunConfig(Base):
         raise ValueError(
             f"trainer.checkpoint_every: the trainer acks trajectories only once a checkpoint covers "
             f"them, so it holds up to (trainer.checkpoint_every + rollout.alpha) * "
-            f"rollout.batch_groups * (rollout.group_size + rollout.redundancy) = {need} deliveries, "
+            f"(rollout.batch_groups + trainer.skip_uniform) * (rollout.group_size + "
+            f"rollout.redundancy) = {need} deliveries, "
             f"but its on_completed handler takes {room} at once (max_inflight / max_ack_pending): "
             f"training would stop waiting for a batch. {fix} "
             f"actors.trainer.handlers.on_completed.max_inflight and max_ack_pending to >= {need}")
 
 
-def trainer_buffer(rollout: RolloutConfig) -> int:
+def trainer_buffer(rollout: RolloutConfig, skip_uniform: int = 0) -> int:
     """The trainer's default ``max_inflight`` on its input handlers (``max_ack_pending`` is
-    twice this): deliveries held at once, un-acked until a checkpoint covers them."""
+    twice this): deliveries held at once, un-acked until a checkpoint covers them (the groups
+    of the steps since it, the groups a step skipped as uniform, and those admitted ahead)."""
     r = rollout
-    return max(256, 4 * (r.alpha + 2) * r.batch_groups * (r.group_size + r.redundancy))
+    groups = (r.alpha + 2) * r.batch_groups + 2 * skip_uniform
+    return max(256, 4 * groups * (r.group_size + r.redundancy))

@@ -12,14 +12,17 @@ For every env of ``cfg.envs`` (or the ones named):
    and ``{turn}``, the ``type`` imports, and ``args`` fit the class's constructor (unknown
    and missing keyword arguments are named);
 2. unless the env says ``check: false``: one env is constructed with its configured
-   ``executor`` (thread or process, exactly as an EnvManager builds it), ``reset`` once with
-   ``rollout.seed`` under ``reset_timeout`` and its result's shape checked; when the env then
-   offers ``legal_actions()``, one step with the first legal action is taken under
-   ``step_timeout`` and its 5-tuple checked.
+   ``executor`` (thread or process, exactly as an EnvManager builds it), then ``reset`` with
+   each of ``check_seeds`` task seeds from ``rollout.seed`` on, under ``reset_timeout``,
+   and its result's shape checked; when the env then offers ``legal_actions()``, one step with
+   the first legal action is taken under ``step_timeout`` and its 5-tuple checked.
 
 A ``reset`` that *raises* (or a constructor failing with ``ConnectionError``/``TimeoutError``)
 is retried on fresh envs up to ``reset_retries`` times (transient, as in a run); a wrong shape,
-any other construction error or a timeout fails at once. All of it runs on an event loop of
+any other construction error or a timeout fails at once. A seed whose reset (or step) still
+raises is a broken *task* (a dataset entry, a sandbox image missing for it): the run would
+replace its groups, so the check fails only when every seed checked fails, and otherwise
+logs one warning with the count. All of it runs on an event loop of
 its own in a daemon thread, under an overall deadline, so neither a sync env nor an async env
 that blocks its loop can hang the caller.
 """
@@ -30,6 +33,7 @@ import asyncio
 import concurrent.futures
 import difflib
 import inspect
+import logging
 import string
 import threading
 from typing import Any, Iterable
@@ -45,6 +49,8 @@ try:  # the runner's permanent kinds of EnvError
     from rollart.envs.runner import EnvContractError, EnvSetupError
 except ImportError:  # an older runner: tell them apart by what they wrap
     EnvContractError = EnvSetupError = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT = 60.0
 """Seconds one env may take to construct (what an EnvManager's runner allows too)."""
@@ -189,76 +195,113 @@ def _is_setup(e: EnvError) -> bool:
     return not isinstance(e.__cause__, (ConnectionError, TimeoutError))
 
 
-async def _exercise(name: str, ec: Any, seed: int) -> None:
-    """Construct, reset and (with legal actions) step one env of ``ec``; raise ``_Fail``."""
+class _SeedFailed(Exception):
+    """One task seed's reset or step raised, after its retries (internal): a broken task,
+    not a broken env, unless every seed checked fails."""
+
+
+async def _exercise(name: str, ec: Any, seeds: list[int]) -> list[str]:
+    """Construct one env of ``ec``, then reset it with each of ``seeds`` and (with legal
+    actions) take one step; raise ``_Fail`` when no seed works or on a permanent failure
+    (construction, a wrong shape, a timeout); returns the problems of the seeds that failed."""
     where = f"envs.{name}"
     attempts = ec.reset_retries + 1
     runner: EnvRunner | None = None
 
-    async def fresh() -> None:
-        """Construct and reset one env into ``runner``; ``_Again`` when a fresh one may do."""
+    async def drop() -> None:
         nonlocal runner
-        runner = EnvRunner(ec.type, dict(ec.args), executor=ec.executor,
-                           timeout=ec.step_timeout, start_timeout=START_TIMEOUT)
-        try:
-            await runner.start()
-        except EnvTimeout as e:
-            raise _Fail(f"{where}: constructing {ec.type!r} ({ec.executor}) did not finish "
-                        f"within {START_TIMEOUT:g}s") from e
-        except EnvError as e:
-            if _is_setup(e):  # a bad type, bad args, a constructor that raised
-                raise _Fail(f"{where}: cannot construct {ec.type!r} with args "
-                            f"{dict(ec.args)!r:.200}: {_cause(e)}") from e
-            why = f"construction failed: {_cause(e)}"
-        else:
-            try:
-                await runner.reset(seed, timeout=ec.reset_timeout)
-                return
-            except EnvTimeout as e:
-                raise _Fail(f"{where}: reset({seed}) did not return within {ec.reset_timeout:g}s "
-                            f"(envs.{name}.reset_timeout; or set envs.{name}.check: false)") from e
-            except EnvError as e:
-                if _is_contract(e):  # a wrong shape: the same every time
-                    raise _Fail(f"{where}: {e}") from e
-                why = _cause(e)  # the env raised: maybe flaky, try a fresh one
-            except Exception as e:  # normalising the result failed (e.g. info not a dict)
-                raise _Fail(f"{where}: reset() must return (observation: str, info: dict): "
-                            f"{describe(e)}") from e
-        await runner.close()
-        runner = None
-        raise _Again(why)
-
-    try:
-        try:
-            await retry(fresh, retry_on=_Again, what=f"{where}: reset({seed})", attempts=attempts,
-                        base=0.05, cap=2.0, quiet=True)
-        except _Again as e:
-            raise _Fail(f"{where}: reset({seed}) failed {attempts} times "
-                        f"(1 + envs.{name}.reset_retries): {e}") from None
-        assert runner is not None
-        legal = runner.legal_actions()
-        if legal:
-            action = legal[0]
-            try:
-                await runner.step(action, timeout=ec.step_timeout)
-            except EnvTimeout as e:
-                raise _Fail(f"{where}: step({action!r}) did not return within {ec.step_timeout:g}s "
-                            f"(envs.{name}.step_timeout; or set envs.{name}.check: false)") from e
-            except EnvError as e:
-                raise _Fail(f"{where}: {e}" if _is_contract(e) else
-                            f"{where}: step({action!r}) after reset({seed}) failed: {_cause(e)}") from e
-            except Exception as e:
-                raise _Fail(f"{where}: step() must return (observation: str, reward: float, "
-                            f"terminated, truncated, info: dict): {describe(e)}") from e
-    finally:
         if runner is not None:
             await runner.close()
+        runner = None
+
+    async def fresh(seed: int) -> None:
+        """Reset an env with ``seed`` (constructing one when there is none); ``_Again`` when
+        a fresh env may do."""
+        nonlocal runner
+        if runner is None:
+            runner = EnvRunner(ec.type, dict(ec.args), executor=ec.executor,
+                               timeout=ec.step_timeout, start_timeout=START_TIMEOUT)
+            try:
+                await runner.start()
+            except EnvTimeout as e:
+                raise _Fail(f"{where}: constructing {ec.type!r} ({ec.executor}) did not finish "
+                            f"within {START_TIMEOUT:g}s") from e
+            except EnvError as e:
+                if _is_setup(e):  # a bad type, bad args, a constructor that raised
+                    raise _Fail(f"{where}: cannot construct {ec.type!r} with args "
+                                f"{dict(ec.args)!r:.200}: {_cause(e)}") from e
+                await drop()
+                raise _Again(f"construction failed: {_cause(e)}") from e
+        try:
+            await runner.reset(seed, timeout=ec.reset_timeout)
+            return
+        except EnvTimeout as e:
+            raise _Fail(f"{where}: reset({seed}) did not return within {ec.reset_timeout:g}s "
+                        f"(envs.{name}.reset_timeout; or set envs.{name}.check: false)") from e
+        except EnvError as e:
+            if _is_contract(e):  # a wrong shape: the same every time
+                raise _Fail(f"{where}: {e}") from e
+            why = _cause(e)  # the env raised: maybe flaky, try a fresh one
+        except Exception as e:  # normalising the result failed (e.g. info not a dict)
+            raise _Fail(f"{where}: reset() must return (observation: str, info: dict): "
+                        f"{describe(e)}") from e
+        await drop()
+        raise _Again(why)
+
+    async def one(seed: int) -> None:
+        try:
+            await retry(lambda: fresh(seed), retry_on=_Again, what=f"{where}: reset({seed})",
+                        attempts=attempts, base=0.05, cap=2.0, quiet=True)
+        except _Again as e:
+            raise _SeedFailed(f"{where}: reset({seed}) failed {attempts} times "
+                              f"(1 + envs.{name}.reset_retries): {e}") from None
+        assert runner is not None
+        legal = runner.legal_actions()
+        if not legal:
+            return
+        action = legal[0]
+        try:
+            await runner.step(action, timeout=ec.step_timeout)
+        except EnvTimeout as e:
+            raise _Fail(f"{where}: step({action!r}) did not return within {ec.step_timeout:g}s "
+                        f"(envs.{name}.step_timeout; or set envs.{name}.check: false)") from e
+        except EnvError as e:
+            if _is_contract(e):
+                raise _Fail(f"{where}: {e}") from e
+            await drop()  # the env raised: the next seed gets a fresh one
+            raise _SeedFailed(f"{where}: step({action!r}) after reset({seed}) failed: "
+                              f"{_cause(e)}") from e
+        except Exception as e:
+            raise _Fail(f"{where}: step() must return (observation: str, reward: float, "
+                        f"terminated, truncated, info: dict): {describe(e)}") from e
+
+    failed: list[str] = []
+    try:
+        for seed in seeds:
+            try:
+                await one(seed)
+            except _SeedFailed as e:
+                failed.append(str(e))
+    finally:
+        await drop()
+    if len(failed) == len(seeds):
+        more = (f"; every one of the {len(seeds)} task seeds checked failed "
+                f"(envs.{name}.check_seeds)" if len(seeds) > 1 else "")
+        raise _Fail(failed[0] + more)
+    return failed
+
+
+def check_seeds(cfg: Any, name: str) -> list[int]:
+    """The task seeds the check of env ``name`` resets: ``envs.<name>.check_seeds`` of them
+    from ``rollout.seed`` on (the first tasks a run draws)."""
+    return [cfg.rollout.seed + k for k in range(cfg.envs[name].check_seeds)]
 
 
 def _deadline(ec: Any) -> float:
     """A generous bound on one env's check (a safety net, never reached by a healthy check)."""
     per_attempt = START_TIMEOUT + ec.reset_timeout + 2.0 + 5.0  # + backoff + close
-    return per_attempt * (ec.reset_retries + 1) + ec.step_timeout + 30.0
+    per_seed = per_attempt * (ec.reset_retries + 1) + ec.step_timeout + 5.0
+    return per_seed * ec.check_seeds + 30.0
 
 
 def _selected(cfg: Any, names: Iterable[str] | None) -> list[str]:
@@ -276,8 +319,10 @@ def _selected(cfg: Any, names: Iterable[str] | None) -> list[str]:
     return wanted
 
 
-async def _check_all(cfg: Any, names: list[str]) -> list[str]:
+async def _check_all(cfg: Any, names: list[str]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of the envs ``names``."""
     problems: list[str] = []
+    warnings: list[str] = []
     dynamic = []
     for n in names:
         found = static_problems(n, cfg.envs[n])
@@ -286,16 +331,23 @@ async def _check_all(cfg: Any, names: list[str]) -> list[str]:
             dynamic.append(n)
 
     async def one(n: str) -> str | None:
+        seeds = check_seeds(cfg, n)
         try:
-            await _exercise(n, cfg.envs[n], cfg.rollout.seed)
+            failed = await _exercise(n, cfg.envs[n], seeds)
         except _Fail as e:
             return str(e)
         except Exception as e:  # a bug here must still name the env
             return f"envs.{n}: check failed: {describe(e)}"
+        if failed:
+            warnings.append(
+                f"envs.{n}: {len(failed)} of the {len(seeds)} task seeds checked failed "
+                f"(first: {failed[0].removeprefix(f'envs.{n}: ')}); the run starts anyway: a "
+                f"trajectory whose task fails is dead-lettered with its reason and its group "
+                f"replaced")
         return None
 
     problems += [p for p in await asyncio.gather(*(one(n) for n in dynamic)) if p]
-    return problems
+    return problems, warnings
 
 
 def _start(cfg: Any, names: Iterable[str] | None) -> tuple[concurrent.futures.Future, float]:
@@ -314,35 +366,39 @@ def _start(cfg: Any, names: Iterable[str] | None) -> tuple[concurrent.futures.Fu
     return fut, max([_deadline(cfg.envs[n]) for n in selected] or [0.0])
 
 
-def _finish(fut: concurrent.futures.Future, deadline: float) -> None:
+def _finish(fut: concurrent.futures.Future, deadline: float) -> list[str]:
     if not fut.done():
         raise EnvCheckError([f"envs: the env check did not finish within {deadline:g}s (an async env "
                              f"blocking its event loop?); set check: false on the env to skip it"])
-    problems = fut.result()
+    problems, warnings = fut.result()
     if problems:
         raise EnvCheckError(problems)
+    for w in warnings:
+        log.warning("%s", w)
+    return warnings
 
 
-def check_envs(cfg: Any, names: Iterable[str] | None = None) -> None:
+def check_envs(cfg: Any, names: Iterable[str] | None = None) -> list[str]:
     """Check the envs of a RunConfig (all of ``cfg.envs``, or ``names``); blocking.
 
     Raises :class:`EnvCheckError` (a ``ConfigError``, so a ``ValueError``) whose message
     names every failing env key and its problem, e.g.
-    ``envs.main.args: unknown argument 'sizee' for FrozenLakeEnv(size=4, ...)``.
+    ``envs.main.args: unknown argument 'sizee' for FrozenLakeEnv(size=4, ...)``. Returns
+    (and logs) one warning per env some of whose task seeds failed while others worked.
     """
     fut, deadline = _start(cfg, names)
     try:
         fut.result(timeout=deadline)
     except concurrent.futures.TimeoutError:
         pass
-    _finish(fut, deadline)
+    return _finish(fut, deadline)
 
 
-async def check_envs_async(cfg: Any, names: Iterable[str] | None = None) -> None:
+async def check_envs_async(cfg: Any, names: Iterable[str] | None = None) -> list[str]:
     """:func:`check_envs` for a coroutine: the event loop stays free while envs are checked."""
     fut, deadline = _start(cfg, names)
     try:
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), deadline)
     except TimeoutError:
         pass
-    _finish(fut, deadline)
+    return _finish(fut, deadline)
