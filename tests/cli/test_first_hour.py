@@ -182,3 +182,20 @@ def test_make_skips_set_up_when_it_is_current(tmp_path):
 def test_ci_runs_make_test():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+def test_a_node_takes_a_packaged_config_name():
+    """``python -m rollart.node --config quickstart`` resolves the packaged config as
+    ``rollart run quickstart`` does (it gets as far as the bus: memory is refused), and a
+    name that is neither a file nor a packaged config is named with the packaged ones."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+    def node(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rollart.node", *flags], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=ROOT / "tests")
+
+    r = node("--config", "quickstart", "--roles", "env", "--nats", "memory")
+    assert r.returncode == 2 and "a node needs a nats-server" in r.stderr, r.stderr
+    r = node("--config", "no-such-config", "--roles", "env")
+    assert r.returncode == 2 and "config file no-such-config does not exist" in r.stderr, r.stderr
+    assert "quickstart" in r.stderr, r.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from rollart import messages as m
 from rollart.actors.run_end import wait_run_end
 from rollart.aio import first_of, retry
 from rollart.app.args import add_nats_args, event_loop_runner, nats_overrides, quiet_libraries
+from rollart.app.configs import resolve_config
 from rollart.app.launch import below_expected_line, drive_training, wait_for_peers, write_config
 from rollart.bus import Bus, BusError
 from rollart.bus.auth import AuthError, resolve
@@ -42,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the actors of some roles on this host. Without --nats, start an "
                     "embedded nats-server and print its URL so other nodes can join.",
     )
-    p.add_argument("--config", required=True, help="run config (YAML)")
+    p.add_argument("--config", required=True,
+                   help="run config: a YAML path, or the name of a packaged one (quickstart)")
     p.add_argument("--roles", required=True,
                    help=f"comma-separated roles: {', '.join(BUILTIN_ROLES)} or pkg.module:Class")
     p.add_argument("--pool", default="default", help="pool this host joins (default: default)")
@@ -63,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _amain(args) -> int:
-    cfg = load(args.config, RunConfig)
+    cfg = load(resolve_config(args.config), RunConfig)
     if args.run:
         cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
     ns = resolve(cfg, nats_overrides(args))  # this host's flags over the config's nats section
@@ -206,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(_amain(args))
     except (ConfigError, ValueError) as e:
-        print(f"rollart node: error: {e}", flush=True)
+        print(f"rollart node: error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # before the node handles signals itself (connecting, loading)
         return 130
