@@ -40,3 +40,24 @@ class SandboxAway(FrozenLakeEnv):
 
     def __init__(self, **kw):
         raise ConnectionError("sandbox pool unreachable")
+
+
+class Straggler:
+    """Never ends; every step takes ``step_s`` (just under step_timeout: never an error)."""
+
+    instruction = "straggle"
+
+    def __init__(self, step_s: float = 0.4) -> None:
+        self.step_s = step_s
+
+    def reset(self, seed):
+        return f"task {seed}", {}
+
+    def step(self, action):
+        import time
+
+        time.sleep(self.step_s)
+        return f"did {action}", 0.25, False, False, {}
+
+    def legal_actions(self):
+        return ["a", "b"]

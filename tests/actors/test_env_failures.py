@@ -136,3 +136,30 @@ async def test_a_trajectory_waiting_for_a_replica_still_obeys_cancel(memory_bus_
         cancelled = await collect(bus, cfg.run, "rollout.cancelled", 1, deadline=10)
     assert [c.traj_id for c in cancelled] == ids
     assert env.services.waits() == {}
+
+
+async def test_a_straggler_is_bounded_by_max_trajectory_s(memory_bus_only, tiny_model):
+    """Steps just under step_timeout (never an error) and a step that runs past the limit:
+    each trajectory stops with ``max_time`` near ``max_trajectory_s`` and completes with the
+    turns it has; its reward is still what its turns add up to (admission's check)."""
+    bus = memory_bus_only
+    cfg = make_cfg(tiny_model, {
+        "slow": {"type": f"{BROKEN}:Straggler", "args": {"step_s": 0.3}, "max_turns": 50,
+                 "step_timeout": 0.5, "max_trajectory_s": 1.0},
+        "hang": {"type": f"{BROKEN}:Straggler", "args": {"step_s": 5.0}, "max_turns": 50,
+                 "step_timeout": 30.0},
+    }, max_trajectory_s=1.5)
+    env, gen = build(cfg, "env"), build(cfg, "generate")
+    t0 = time.monotonic()
+    async with Node(bus, [env, gen], heartbeat_every=0, grace=1):
+        await submit(bus, cfg.run, ["slow", "hang"])
+        done = await collect(bus, cfg.run, "rollout.completed", 2, deadline=60)
+    took = time.monotonic() - t0
+    by_env = {d.env: d for d in done}
+    assert {d.stop_reason for d in done} == {"max_time"}, [(d.env, d.stop_reason) for d in done]
+    assert 2 <= len(by_env["slow"].turns) <= 4, len(by_env["slow"].turns)  # ~1.0 s of 0.3 s steps
+    assert by_env["hang"].turns == [], "the one step ran into the run default (1.5 s)"
+    assert took < 30, f"{took:.1f}s: the 5 s steps x 50 turns were not cut"
+    assert env.stats.get("max_time") == 2
+    for d in done:  # what the trainer's admission check recomputes from the turns
+        assert d.reward == sum(t.reward for t in d.turns), (d.reward, d.turns)

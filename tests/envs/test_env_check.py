@@ -274,8 +274,8 @@ def test_cli_rollout_and_node_fail_fast(tmp_path):
     r, wall = rollart("-m", "rollart", "rollout", cfg, "--quiet", "--out", str(tmp_path / "o.jsonl"))
     assert r.returncode == 2 and "envs.main: step() must return" in r.stderr and wall < 30, r.stderr
     r, wall = rollart("-m", "rollart.node", "--config", cfg, "--roles", "env", "--pool", "cpu")
-    assert r.returncode == 2 and "envs.main: step() must return" in r.stdout and wall < 30, r.stdout
-    assert "embedded nats-server" not in r.stdout
+    assert r.returncode == 2 and "envs.main: step() must return" in r.stderr and wall < 30, r.stderr
+    assert "embedded nats-server" not in r.stdout + r.stderr
 
 
 def test_cli_config_good_and_skips(tmp_path):

@@ -107,7 +107,7 @@ def test_node_bad_config_names_the_key(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", "echo"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert "node.grace" in r.stdout and "float" in r.stdout
+    assert "node.grace" in r.stderr and "float" in r.stderr
 
 
 def test_node_unknown_role_is_a_clear_error(tmp_path):
@@ -115,7 +115,7 @@ def test_node_unknown_role_is_a_clear_error(tmp_path):
     cfg.write_text("run: x\n")
     r = subprocess.run([sys.executable, "-m", "rollart.node", "--config", str(cfg), "--roles", "wizard"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "unknown role 'wizard'" in r.stdout
+    assert r.returncode == 2 and "unknown role 'wizard'" in r.stderr
 
 
 async def test_second_signal_stops_a_draining_node_at_once(tmp_path):

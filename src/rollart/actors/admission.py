@@ -79,7 +79,7 @@ class Admission:
        newest version this trainer ever announced (a generator cannot have used it);
     4. *reward*: without a ``scorer`` the reward is what the env manager adds up (each turn's
        reward plus ``format_penalty`` per malformed turn; one more penalty for a last turn
-       cut by ``env_timeout``); with one, ``success == (reward >= 0.99)``;
+       cut by ``env_timeout`` or ``max_time``); with one, ``success == (reward >= 0.99)``;
     5. *issued*: ``group_index`` < the scheduler's issued count (KV :func:`issued_key`,
        stored before the group's requests are published, so no real completion can be
        ahead of it; the trainer keeps the highest count it saw and reads KV again before
@@ -145,7 +145,8 @@ class Admission:
             if not t.format_ok:
                 total += penalty
             total += t.reward
-        options = [total] + ([total + penalty] if msg.stop_reason == "env_timeout" else [])
+        cut = msg.stop_reason in ("env_timeout", "max_time")  # in a step: its turn is not recorded
+        options = [total] + ([total + penalty] if cut else [])
         if not any(math.isclose(msg.reward, x, rel_tol=1e-9, abs_tol=1e-9) for x in options):
             return (f"reward {msg.reward} is not what its turns add up to ({total}); "
                     f"rewards are summed by the env manager")

@@ -264,6 +264,8 @@ class EnvManager(Actor):
             runner, obs, info = await reset_runner(req, cfg, tr, name=self.name, count=self._count)
         reset_info = dict(info)
         reward, success, stop, text = 0.0, False, "max_turns", ""
+        cap = cfg.max_trajectory_s if cfg.max_trajectory_s is not None else self.rollout.max_trajectory_s
+        deadline = time.monotonic() + cap if cap is not None else None
         try:
             instruction = cfg.instruction if cfg.instruction is not None else runner.instruction
             tr.add_prompt(self.chat.first_prompt(instruction, self._user(cfg, obs, 1)))
@@ -272,6 +274,9 @@ class EnvManager(Actor):
                     raise Cancelled()
                 if len(tr.token_ids) >= cfg.max_context_tokens:
                     stop = "max_context"
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    stop = "max_time"
                     break
                 await self._sync(req, tr)
                 legal = runner.legal_actions() if cfg.constrain else None
@@ -288,12 +293,15 @@ class EnvManager(Actor):
                     reward += cfg.format_penalty
                 await self._sync(req, tr)
                 t0 = time.perf_counter()
+                step_timeout, capped = cfg.step_timeout, False
+                if deadline is not None and deadline - time.monotonic() < step_timeout:
+                    step_timeout, capped = max(0.001, deadline - time.monotonic()), True
                 try:
                     with tracing.span("env.step", {"turn": turn}):
                         obs, r, term, trunc, info = await runner.step(
-                            action if format_ok else text, timeout=cfg.step_timeout)
+                            action if format_ok else text, timeout=step_timeout)
                 except EnvTimeout:
-                    stop = "env_timeout"
+                    stop = "max_time" if capped else "env_timeout"
                     break
                 finally:
                     tr.timings["step"] += time.perf_counter() - t0
@@ -313,6 +321,8 @@ class EnvManager(Actor):
                     self._score(req, cfg, tr, {**reset_info, **info}, text), cancel)
         finally:
             await runner.close()
+        if stop == "max_time":
+            self._count("max_time")
         return tr.completed(req, reward=reward, success=success, stop=stop,
                             attempt=delivery.num_delivered, version=self.version)
 

@@ -69,6 +69,7 @@ def trajectory_stats(trajs: list[m.RolloutCompleted], version: int) -> dict[str,
         "gen_tokens": float(sum(sum(t.response_mask) for t in trajs)),
         "staleness": sum(version - t.min_version for t in trajs) / n,
         "max_staleness": float(max((version - t.min_version for t in trajs), default=0)),
+        "stopped_max_time": float(sum(t.stop_reason == "max_time" for t in trajs)),
     }
     out.update({f"traj_{s}_s": sum(t.timings.get(s, 0.0) for t in trajs) / n for s in stages})
     return out

@@ -101,6 +101,13 @@ class EnvConfig(Base):
     """Fresh envs tried after a failed reset before the trajectory is dead-lettered."""
     step_timeout: float = 30.0
     """Seconds a step may take; then the trajectory stops with ``env_timeout``."""
+    max_trajectory_s: float | None = None
+    """Wall-clock seconds one trajectory may take from its reset (None: ``rollout.
+    max_trajectory_s``, else no limit). Past them it stops with ``max_time`` at its next turn,
+    or inside a step that runs into the limit, and completes with the turns it has (truncated:
+    trained as any trajectory that ran out of turns), so an env whose steps are each just
+    under ``step_timeout`` cannot hold its group, and through α admission, for
+    ``max_turns * step_timeout``."""
     instruction: str | None = None
     """System prompt; default: the env's own ``instruction`` attribute, else empty."""
     turn_template: str = "{observation}"
@@ -126,7 +133,7 @@ class EnvConfig(Base):
 
     def __post_init__(self) -> None:
         in_range(self, "", "max_turns max_context_tokens check_seeds", ge=1)
-        in_range(self, "", "reset_timeout step_timeout", gt=0)
+        in_range(self, "", "reset_timeout step_timeout max_trajectory_s", gt=0)
         in_range(self, "", "reset_retries", ge=0)
         in_range(self, "", "max_abandoned_threads", ge=1)
         in_range(self, "", "format_penalty")
@@ -177,6 +184,8 @@ class RolloutConfig(Base):
     replica claiming it) before the request is sent again elsewhere; 0 turns this off."""
     ack_wait: float = 30.0
     """Seconds before an abandoned trajectory is redelivered (heartbeats hold live ones)."""
+    max_trajectory_s: float | None = None
+    """Default of ``envs.<name>.max_trajectory_s`` (None: no wall-clock limit)."""
     seed: int = 0
     """Base seed of the task seeds."""
     same_seed_per_group: bool = True
@@ -214,7 +223,7 @@ class RolloutConfig(Base):
         # on its own), so it is allowed; batch mode's lock step needs the wave (above)
         in_range(self, "rollout.", "group_size batch_groups concurrency", ge=1)
         in_range(self, "rollout.", "alpha redundancy generate_retries fail_after_groups seed", ge=0)
-        in_range(self, "rollout.", "generate_timeout service_wait ack_wait", gt=0)
+        in_range(self, "rollout.", "generate_timeout service_wait ack_wait max_trajectory_s", gt=0)
         in_range(self, "rollout.", "replica_timeout", ge=0)
 
 

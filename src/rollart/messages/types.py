@@ -128,7 +128,7 @@ class RolloutCompleted(Message, frozen=True, kw_only=True):
     reward: float = 0.0
     success: bool = False
     stop_reason: str = "terminated"
-    """terminated | truncated | max_turns | max_context | env_timeout | error."""
+    """terminated | truncated | max_turns | max_context | env_timeout | max_time | error."""
     timings: dict[str, float] = {}
     """Seconds spent in reset, generate, step, reward, wait."""
     eval: bool = False
