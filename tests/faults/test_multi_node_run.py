@@ -109,3 +109,58 @@ async def test_generate_and_reward_away_for_20s_mid_run(tmp_path, tiny_model):
     ids = [t for r in rows for t in r["traj_ids"]]
     assert len(ids) == len(set(ids)), "no trajectory trained twice"
     assert rows[-1]["groups_lost"] == 0 and rows[-1]["count_groups_failed"] == 0, rows[-1]
+
+
+async def test_a_killed_head_restarted_with_the_same_command_resumes(tmp_path, tiny_model, nats_server):
+    """The head (scheduler + trainer) is killed with SIGKILL after step 2 and started again
+    with the same command: it continues from its checkpoint (the step count goes on, the
+    scheduler's admission count too), the worker node serves through it untouched, nothing
+    is trained twice, and every process exits 0. A head started once more for the finished
+    run says so and exits 0."""
+    run = new_run()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"run: {run}\n"
+        f"run_dir: {tmp_path / 'runs'}\n"
+        "node: {grace: 3, heartbeat_every: 0.5}\n"
+        f"model: {{path: '{tiny_model}'}}\n"
+        "envs: {main: {type: frozenlake, max_turns: 4}}\n"
+        "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
+        "trainer: {steps: 6, eval_groups: 1}\n")
+    url = nats_server.url
+    metrics = tmp_path / "runs" / run / "metrics.jsonl"
+
+    def steps_done() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    worker = Proc(cfg, "env,generate,reward", "--nats", url)
+    head = Proc(cfg, "scheduler,trainer", "--nats", url, name="head")
+    procs = [worker, head]
+    try:
+        await until(lambda: steps_done() >= 2, deadline=120, step=0.1, what="step 2",
+                    abort=head.exited, state=lambda: outputs_of(procs))
+        head.kill()  # SIGKILL: no drain, no goodbye
+        assert worker.proc.poll() is None
+        head = Proc(cfg, "scheduler,trainer", "--nats", url, name="head again")
+        procs.append(head)
+        line = await head.line_with("continues from its checkpoint at version")
+        assert f"run {run} continues" in line, line
+        await until(lambda: all_exited(procs[:1] + procs[2:]), deadline=240, step=0.2,
+                    what="the worker and the new head to exit", state=lambda: outputs_of(procs))
+        for p in (worker, head):
+            assert p.proc.poll() == 0, f"{p.name}: rc {p.proc.poll()}\n{p.output()}"
+        again = Proc(cfg, "scheduler,trainer", "--nats", url, name="head for a finished run")
+        procs.append(again)
+        assert await again.exit_code(60) == 0, again.output()
+        assert f"run {run} is finished" in again.output(), again.output()
+    finally:
+        for p in procs:
+            p.kill()
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], [r["step"] for r in rows]
+    ids = [t for r in rows for t in r["traj_ids"]]
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
+    assert summary["steps"] == 6 and not summary["interrupted"], summary
+    logs = head.output()
+    assert "not_admitted" not in logs and "trainer waited" not in logs, logs[-3000:]

@@ -44,6 +44,17 @@ def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
 #    that hosts the trainer (`python -m rollart.node --roles trainer,...`) ------------
 
 
+def checkpoint_version(run_path: Path) -> int | None:
+    """The policy version of a run folder's checkpoint (None: no checkpoint yet)."""
+    p = run_path / "checkpoints" / "latest.pt"
+    if not p.exists():
+        return None
+    import torch  # optional dependency: the train extra (a trainer's host has it)
+
+    state = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+    return int(state["backend"]["version"])
+
+
 def write_config(cfg: RunConfig, *, overwrite: bool = True) -> Path:
     """The run's resolved config as ``<run_dir>/<run>/config.yaml``."""
     path = Path(cfg.run_dir) / cfg.run / "config.yaml"

@@ -23,7 +23,8 @@ from rollart.actors.run_end import wait_run_end
 from rollart.aio import first_of, retry
 from rollart.app.args import add_nats_args, event_loop_runner, nats_overrides, quiet_libraries
 from rollart.app.configs import resolve_config
-from rollart.app.launch import below_expected_line, drive_training, wait_for_peers, write_config
+from rollart.app.launch import (below_expected_line, checkpoint_version, drive_training,
+                                wait_for_peers, write_config)
 from rollart.bus import Bus, BusError
 from rollart.bus.auth import AuthError, resolve
 from rollart.bus.connect import bus_from_config
@@ -81,7 +82,22 @@ async def _amain(args) -> int:
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
     if "env" in roles:  # a broken env fails this node now, not every trajectory later
         await check_envs_async(cfg)
-    actors = build_actors(cfg, roles, m.check_token("pool", args.pool))
+    resume = False
+    if "trainer" in roles:  # the head: a run folder with a checkpoint is continued
+        run_path = Path(cfg.run_dir) / cfg.run
+        version = await asyncio.to_thread(checkpoint_version, run_path)
+        if version is not None and version >= cfg.trainer.steps:
+            print(f"rollart node: run {cfg.run} is finished: its checkpoint ({run_path}) is at "
+                  f"version {version} and trainer.steps is {cfg.trainer.steps}; nothing to do "
+                  f"(train further with a larger trainer.steps, or start a new run with --run)",
+                  flush=True)
+            return 0
+        if version is not None:
+            resume = True
+            print(f"rollart node: run {cfg.run} continues from its checkpoint at version "
+                  f"{version} ({run_path}); a fresh run needs another --run name", flush=True)
+    head_args = {"trainer": {"resume": True}, "scheduler": {"resume": True}} if resume else None
+    actors = build_actors(cfg, roles, m.check_token("pool", args.pool), args=head_args)
     stop_tracing = setup_tracing(cfg, f"rollart-node:{','.join(roles)}", Path(cfg.run_dir) / cfg.run)
     stop_metrics = setup_metrics(cfg, f"rollart-node:{','.join(roles)}", Path(cfg.run_dir) / cfg.run)
     server = bus = None

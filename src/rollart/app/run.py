@@ -16,7 +16,7 @@ from rich.progress import Progress, TextColumn
 from rollart import messages as m
 from rollart.app.args import nats_overrides, open_bus
 from rollart.app.configs import check_run_config, resolve_config
-from rollart.app.launch import below_expected_line, drive_training
+from rollart.app.launch import below_expected_line, checkpoint_version, drive_training
 from rollart.app.local_nodes import local_processes
 from rollart.bus.auth import has_credentials
 from rollart.config import ConfigError, RunConfig, load
@@ -113,17 +113,6 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
             return summary
 
 
-def _checkpoint_version(run_path: Path) -> int | None:
-    """The policy version of a run folder's checkpoint (None: no checkpoint yet)."""
-    p = run_path / "checkpoints" / "latest.pt"
-    if not p.exists():
-        return None
-    import torch  # optional: the train extra
-
-    state = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
-    return int(state["backend"]["version"])
-
-
 def _set_config_steps(path: Path, steps: int) -> None:
     """Record a new ``trainer.steps`` in a run's config.yaml (atomically)."""
     raw = yaml.safe_load(path.read_text()) or {}
@@ -142,7 +131,7 @@ async def run_main(args) -> int:
         cfg = load(run_path / "config.yaml", RunConfig)
         if args.steps:  # "up to N steps in all"
             cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, steps=args.steps))
-        version = await asyncio.to_thread(_checkpoint_version, run_path)
+        version = await asyncio.to_thread(checkpoint_version, run_path)
         if version is not None and version >= cfg.trainer.steps:  # touch nothing, start nothing
             print(f"rollart run: {run_path} is finished: its checkpoint is at version {version} "
                   f"and trainer.steps is {cfg.trainer.steps}; nothing to do (train further with "
