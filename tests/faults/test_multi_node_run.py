@@ -116,7 +116,7 @@ async def test_a_killed_head_restarted_with_the_same_command_resumes(tmp_path, t
     with the same command: it continues from its checkpoint (the step count goes on, the
     scheduler's admission count too), the worker node serves through it untouched, nothing
     is trained twice, and every process exits 0. A head started once more for the finished
-    run says so and exits 0."""
+    run says so and exits 0, and so does a worker node started after the end."""
     run = new_run()
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
@@ -153,6 +153,10 @@ async def test_a_killed_head_restarted_with_the_same_command_resumes(tmp_path, t
         procs.append(again)
         assert await again.exit_code(60) == 0, again.output()
         assert f"run {run} is finished" in again.output(), again.output()
+        late = Proc(cfg, "env,generate,reward", "--nats", url, name="worker after the end")
+        procs.append(late)
+        assert await late.exit_code(60) == 0, late.output()
+        assert f"run {run} ended at step 6 before this node started" in late.output(), late.output()
     finally:
         for p in procs:
             p.kill()

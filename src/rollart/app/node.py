@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.run_end import wait_run_end
+from rollart.actors.run_end import ended_already, mark_running, wait_run_end
 from rollart.aio import first_of, retry
 from rollart.app.args import add_nats_args, event_loop_runner, nats_overrides, quiet_libraries
 from rollart.app.configs import resolve_config
@@ -115,6 +115,12 @@ async def _amain(args) -> int:
         await _connect_patiently(bus, cfg.rollout.service_wait)
         if any(a.role == "trainer" for a in actors):  # the run folder, as `rollart run` writes it
             write_config(cfg)
+            await mark_running(bus, cfg.run)  # an earlier end of the run is over
+        elif not args.serve and (ended := await ended_already(bus, cfg.run)) is not None:
+            print(f"rollart node: run {cfg.run} ended at step {ended.version} before this node "
+                  f"started; exiting (to continue it, start its head node first; --serve keeps "
+                  f"a node up across runs)", flush=True)
+            return 0
         async with Node(bus, actors, grace=cfg.node.grace, pool=args.pool,
                         heartbeat_every=cfg.node.heartbeat_every, handle_signals=True,
                         events_max_age=cfg.node.events_max_age,

@@ -14,6 +14,7 @@ import yaml
 from rich.progress import Progress, TextColumn
 
 from rollart import messages as m
+from rollart.actors.run_end import mark_running
 from rollart.app.args import nats_overrides, open_bus
 from rollart.app.configs import check_run_config, resolve_config
 from rollart.app.launch import below_expected_line, checkpoint_version, drive_training
@@ -65,6 +66,7 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
             if has_credentials(getattr(bus, "auth", {})):
                 print("rollart run: (rollart top needs credentials too: --user and "
                       "--password-file, --token-file, --creds, --tls-ca)", flush=True)
+        await mark_running(bus, cfg.run)  # before any node starts: an earlier end is over
         local = await stack.enter_async_context(local_processes(
             cfg, bus, nats=nats, overrides=overrides, single_process=single_process))
         sched, trainer, actors = training_actors(cfg, resume=resume)

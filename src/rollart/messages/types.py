@@ -352,11 +352,14 @@ class RunEnd(Message, frozen=True, kw_only=True):
     ``trained``: the trainer took its last step (or its circuit breaker stopped it);
     schedulers stop admitting training groups and the final evaluation runs.
     ``ended``: the host of the trainer wrote ``summary.json``; every node of the run
-    drains and exits (unless started with ``--serve``).
+    drains and exits (unless started with ``--serve``). A node that starts when the record
+    says ``ended`` exits at once.
+    ``running``: written by the host of the trainer as it starts (a new or a continued run),
+    so the end of an earlier process of the run no longer counts.
     """
 
     stage: str = "ended"
-    """``trained`` or ``ended``."""
+    """``running``, ``trained`` or ``ended``."""
     version: int = 0
     """The final policy version."""
     steps: int = 0
