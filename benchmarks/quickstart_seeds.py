@@ -53,6 +53,8 @@ VARIANTS: dict[str, dict] = {
     "skip-8": {"trainer": {"skip_uniform": 8}},
     "skip-16": {"trainer": {"skip_uniform": 16}},
     "skip-16-lr-0.005": {"trainer": {"skip_uniform": 16, "lr": 0.005}},
+    "skip-failed-16": {"trainer": {"skip_uniform": 16, "skip_which": "failed"}},
+    "skip-failed-16-lr-0.005": {"trainer": {"skip_uniform": 16, "skip_which": "failed", "lr": 0.005}},
 }
 
 

@@ -18,7 +18,8 @@ LOOP = asyncio.new_event_loop()
 def completed(g: int, i: int, min_version: int, reward: float = 0.0) -> m.RolloutCompleted:
     return m.RolloutCompleted(traj_id=f"g{g}-{i}", group_id=f"g{g}", env="main", seed=g,
                               token_ids=[], response_mask=[], logprobs=[], group_index=g,
-                              min_version=min_version, max_version=min_version, reward=reward)
+                              min_version=min_version, max_version=min_version, reward=reward,
+                              success=reward >= 1.0)
 
 
 def ledger(**kw) -> GroupLedger:
@@ -293,6 +294,15 @@ def test_uniform_groups_are_skipped_up_to_the_budget(stale):
         led.close(g, "skipped")
     assert led.lost == 2 and led.counts["uniform_skipped"] == 2 and led.streak == 0
     assert [g.index for g in led.select(0, skip=0).batch] == [2, 3]
+
+
+def test_skip_which_failed_keeps_groups_that_all_succeeded():
+    led = ledger(batch_groups=2)
+    _fill(led, 0, [1.0, 1.0])  # uniform, every member succeeded: trained
+    _fill(led, 1, [0.0, 0.0])  # uniform, none did: skipped
+    _fill(led, 2, [0.0, 1.0])
+    sel = led.select(0, skip=4, which="failed")
+    assert [g.index for g in sel.skipped] == [1] and [g.index for g in sel.batch] == [0, 2]
 
 
 def test_a_uniform_group_is_skipped_before_the_batch_is_ready():

@@ -271,23 +271,27 @@ class GroupLedger:
     def _failed(self, g: Group) -> bool:
         return self._ready(g) and len(g.members) < min(2, self.need)
 
-    def uniform(self, g: Group) -> bool:
-        """Every reward of the group's trained members is the same (all advantages 0)."""
-        rewards = [t.reward for t, _ in g.members[: self.need]]
-        return max(rewards) - min(rewards) <= 1e-9
+    def uniform(self, g: Group, which: str = "all") -> bool:
+        """Every reward of the group's trained members is the same (all advantages 0); with
+        ``which="failed"``, and no member succeeded."""
+        members = [t for t, _ in g.members[: self.need]]
+        rewards = [t.reward for t in members]
+        if max(rewards) - min(rewards) > 1e-9:
+            return False
+        return which == "all" or not any(t.success for t in members)
 
-    def select(self, version: int, skip: int = 0) -> Selection:
+    def select(self, version: int, skip: int = 0, which: str = "all") -> Selection:
         """The groups of the next step (empty batch: not ready), plus stale, failed and
-        skipped ones to close now: up to ``skip`` ready groups that are :meth:`uniform` are
-        passed over (oldest first; the rest are trained as any other). Pure: nothing changes
-        until :meth:`close`."""
+        skipped ones to close now: up to ``skip`` ready groups that are :meth:`uniform`
+        (``which``) are passed over (oldest first; the rest are trained as any other). Pure:
+        nothing changes until :meth:`close`."""
         failed = [g for g in self.open.values() if self._failed(g)]
         dead = {g.index for g in failed}
         live = {i: g for i, g in self.open.items() if i not in dead}
         skipped: list[Group] = []
 
         def take(g: Group, batch: list[Group]) -> None:
-            (skipped if len(skipped) < skip and self.uniform(g) else batch).append(g)
+            (skipped if len(skipped) < skip and self.uniform(g, which) else batch).append(g)
 
         if self.stale == "wait":
             batch, i = [], self.next_index

@@ -120,7 +120,8 @@ class StepLoop:
         async with self.changed:
             while True:
                 left_to_skip = self.cfg.trainer.skip_uniform - len(self.skipped)
-                sel = self.ledger.select(self.version, skip=max(0, left_to_skip))
+                sel = self.ledger.select(self.version, skip=max(0, left_to_skip),
+                                         which=self.cfg.trainer.skip_which)
                 changed = bool(sel.failed or sel.stale or sel.skipped)
                 for g in sel.skipped:  # admission replaces them (lost)
                     self.unacked += self.ledger.close(g, "skipped")

@@ -296,6 +296,10 @@ class TrainerConfig(Base):
     the step's budget is spent, uniform groups are trained as before (a step never waits for
     more than ``batch_groups + skip_uniform`` groups). Sampled ``success`` and ``reward`` in the
     metrics count the skipped groups too. 0: off."""
+    skip_which: Literal["all", "failed"] = "all"
+    """Which uniform groups ``skip_uniform`` skips: ``all`` (DAPO), or ``failed``: only groups
+    in which no member succeeded, so a policy that already succeeds everywhere does not pay
+    for up to ``skip_uniform`` extra groups a step that it would skip."""
     kl_coef: float = 0.0
     """k3 KL penalty to the initial policy."""
     micro_batch_tokens: int = 8192
