@@ -17,8 +17,9 @@ Per run it reads ``summary.json`` (the final greedy success, ``wall_s``) and
 ``metrics.jsonl`` (sampled success per step): the first step whose sampled success is
 >= 0.5, and the mean of the last 10 steps. A run *learned* when its final greedy success
 is >= ``--threshold`` (0.9). It prints JSON; ``--write`` also stores it in
-``benchmarks/results/quickstart_seeds.json`` and the section of ``benchmarks/README.md``
-between ``<!-- quickstart_seeds:begin -->`` and ``<!-- quickstart_seeds:end -->``.
+``benchmarks/results/quickstart_seeds_<label>.json`` and the section of ``benchmarks/README.md``
+between ``<!-- quickstart_seeds:<label>:begin -->`` and ``<!-- quickstart_seeds:<label>:end -->``
+(``--label``, default from the bus and alpha: ``embedded-acfg``, ``memory-acfg``, ``embedded-a0``).
 """
 
 from __future__ import annotations
@@ -96,12 +97,26 @@ def run_one(config: Path, variant: str, seed: int, *, nats: str | None, alpha: i
         return out | {"error": f"{e}; stderr: {r.stderr[-400:]}"}
     sampled = [float(x.get("success", 0.0)) for x in rows]
     half = next((int(x["step"]) for x in rows if float(x.get("success", 0.0)) >= 0.5), None)
+    most = next((int(x["step"]) for x in rows if float(x.get("success", 0.0)) >= 0.9), None)
     return out | {"greedy_success": summary.get("greedy_success"),
                   "wall_s": round(float(summary.get("wall_s", 0.0)), 1),
                   "steps": summary.get("steps"), "first_sampled_0_5": half,
+                  "first_sampled_0_9": most,
                   "last10_sampled": round(statistics.fmean(sampled[-10:]), 3) if sampled else None,
                   "sampled": [round(x, 2) for x in sampled],
                   "entropy": [round(float(x.get("entropy", 0.0)), 2) for x in rows]}
+
+
+def per_seed(results: list[dict], variant: str) -> str:
+    """One row per seed of ``variant``: final greedy success, the first steps whose sampled
+    success reached 0.5 and 0.9, wall time."""
+    lines = ["| seed | final greedy success | first step sampled >= 0.5 | first step sampled >= 0.9 | wall s |",
+             "|---|---|---|---|---|"]
+    for r in (r for r in results if r["variant"] == variant):
+        lines.append(f"| {r['seed']} | {r.get('greedy_success', 'error')} | "
+                     f"{r.get('first_sampled_0_5') or '-'} | {r.get('first_sampled_0_9') or '-'} | "
+                     f"{r.get('wall_s', '-')} |")
+    return "\n".join(lines)
 
 
 def table(results: list[dict], variants: list[str], threshold: float) -> str:
@@ -130,6 +145,9 @@ def main() -> int:
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--write", action="store_true", help="store results and the README section")
+    p.add_argument("--label", default=None,
+                   help="name of the stored result and README section (default: from --nats "
+                        "and --alpha, e.g. embedded-a1)")
     args = p.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -145,21 +163,29 @@ def main() -> int:
                 results.append(r)
                 say(f"{v} seed {seed}: greedy {r.get('greedy_success')} first sampled 0.5 at "
                     f"{r.get('first_sampled_0_5')} wall {r.get('wall_s')} s {r.get('error', '')}")
-    out = {"config": args.config, "nats": args.nats or "embedded", "alpha": args.alpha,
+    label = args.label or f"{args.nats or 'embedded'}-a{'cfg' if args.alpha is None else args.alpha}"
+    out = {"label": label, "config": args.config, "nats": args.nats or "embedded", "alpha": args.alpha,
            "threshold": args.threshold, "seeds": seeds, "variants": variants,
            "host": {"cpus": os.cpu_count()}, "date": time.strftime("%Y-%m-%d"),
            "results": results, "table": table(results, variants, args.threshold)}
     print(json.dumps(out, indent=1))
     if args.write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(out, indent=1))
+        path = RESULTS.with_name(f"quickstart_seeds_{label}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+        begin, end = BEGIN.replace(":begin", f":{label}:begin"), END.replace(":end", f":{label}:end")
         text = README.read_text()
-        section = (f"{BEGIN}\n### Quickstart over seeds (`benchmarks/quickstart_seeds.py`)\n\n"
-                   f"`{' '.join(sys.argv[1:])}` on {out['date']}, {os.cpu_count()} cores, bus "
-                   f"{out['nats']}; seed s is the sampling seed and the task seed (x1000).\n\n"
-                   f"{out['table']}\n{END}")
-        if BEGIN in text:
-            text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+        rows = "\n\n".join(f"`{v}`, per seed:\n\n{per_seed(results, v)}" for v in variants)
+        walls = [r["wall_s"] for r in results if "wall_s" in r]
+        section = (f"{begin}\n#### Quickstart over seeds: {label}\n\n"
+                   f"`python benchmarks/quickstart_seeds.py {' '.join(sys.argv[1:])}` on "
+                   f"{out['date']}, {os.cpu_count()} cores, bus {out['nats']}, alpha "
+                   f"{'of the config' if args.alpha is None else args.alpha}; seed s is the "
+                   f"sampling seed and the task seed (x1000); one run at a time"
+                   f"{f', wall median {statistics.median(walls):.0f} s' if walls else ''}.\n\n"
+                   f"{out['table']}\n\n{rows}\n{end}")
+        if begin in text:
+            text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
         else:
             text = text.rstrip() + "\n\n" + section + "\n"
         README.write_text(text)
