@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 
 
-async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
+def write_run(tmp_path: Path, tiny_model, *, steps: int) -> tuple[str, Path]:
+    """A fresh run's config (FrozenLake, 2 groups of 4 a step, α = 1) in ``tmp_path``."""
     run = new_run()
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
@@ -36,7 +37,12 @@ async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
         f"model: {{path: '{tiny_model}'}}\n"
         "envs: {main: {type: frozenlake, max_turns: 4}}\n"
         "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
-        "trainer: {steps: 2, eval_groups: 1}\n")
+        f"trainer: {{steps: {steps}, eval_groups: 1}}\n")
+    return run, cfg
+
+
+async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
+    run, cfg = write_run(tmp_path, tiny_model, steps=2)
     head = Proc(cfg, "trainer,scheduler")
     procs = [head]
     try:
@@ -117,16 +123,7 @@ async def test_a_killed_head_restarted_with_the_same_command_resumes(tmp_path, t
     scheduler's admission count too), the worker node serves through it untouched, nothing
     is trained twice, and every process exits 0. A head started once more for the finished
     run says so and exits 0, and so does a worker node started after the end."""
-    run = new_run()
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(
-        f"run: {run}\n"
-        f"run_dir: {tmp_path / 'runs'}\n"
-        "node: {grace: 3, heartbeat_every: 0.5}\n"
-        f"model: {{path: '{tiny_model}'}}\n"
-        "envs: {main: {type: frozenlake, max_turns: 4}}\n"
-        "rollout: {group_size: 4, batch_groups: 2, alpha: 1}\n"
-        "trainer: {steps: 6, eval_groups: 1}\n")
+    run, cfg = write_run(tmp_path, tiny_model, steps=6)
     url = nats_server.url
     metrics = tmp_path / "runs" / run / "metrics.jsonl"
 
