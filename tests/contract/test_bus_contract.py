@@ -13,7 +13,8 @@ import uuid
 
 import pytest
 
-from rollart.bus import BusError, BusTimeout, ConsumerSpec, NoResponders, Retention, StreamSpec
+from rollart.bus import (BusError, BusTimeout, ConsumerSpec, DuplicateConflict, NoResponders, Retention,
+                         StreamSpec)
 
 
 
@@ -230,6 +231,19 @@ async def test_dedupe_by_msg_id(bus, names):
     s2 = await bus.publish(f"{p}.a", b"x", msg_id="same")
     s3 = await bus.publish(f"{p}.a", b"y", msg_id="other")
     assert s1 == s2 and s3 != s1
+    assert (await bus.stream_info(stream))["messages"] == 2
+
+
+async def test_publish_once_tells_a_retry_from_someone_elses_message(bus, names):
+    """The same bytes again under a msg id: the first sequence (a retry); other bytes that
+    got there first under the id: DuplicateConflict with the stored sequence."""
+    stream, p = await _stream(bus, names)
+    s1 = await bus.publish_once(f"{p}.a", b"mine", msg_id="out:t1")
+    assert await bus.publish_once(f"{p}.a", b"mine", msg_id="out:t1") == s1
+    forged = await bus.publish(f"{p}.a", b"forged", msg_id="out:t2")
+    with pytest.raises(DuplicateConflict) as ei:
+        await bus.publish_once(f"{p}.a", b"mine", msg_id="out:t2")
+    assert ei.value.seq == forged and isinstance(ei.value, BusError)
     assert (await bus.stream_info(stream))["messages"] == 2
 
 

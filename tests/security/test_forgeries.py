@@ -135,6 +135,12 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
     try:
         async with Node(bus, actors, heartbeat_every=0.5) as node, asyncio.TaskGroup() as tg:
             sampler = tg.create_task(watch_bound())
+            # 0. a completion of a member of group 7 (admitted at v2 at the earliest) under the
+            #    msg id its EnvManager will use: the server's dedupe would drop the real one
+            comp = m.subject(run, "rollout.completed")
+            early = encode(forged(r, 7, 0, reward=100.0))
+            await evil.publish(comp, early, msg_id="out:g000007-0")
+            sent[(comp, early)] = "not_admitted: "
             await until(lambda: trainer.version >= 1 or trainer.finished.is_set(), deadline=120, what="step 1")
             kv = await evil.key_value(m.kv_bucket(run))
 
@@ -175,7 +181,8 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
                 version=nxt, uri=f"obj://{m.object_bucket(run)}/forged-next", digest=zero_digest))
 
             # 4. a core CancelGroup for a group in flight
-            flying = [gid for gid, g in sched.groups.items() if not g.done and gid != "g000006"]
+            flying = [gid for gid, g in sched.groups.items()
+                      if not g.done and gid not in ("g000006", "g000007")]
             target = flying[-1] if flying else "g000005"
             await evil.publish_core(m.subject(run, "rollout.cancel"),
                                     encode(m.CancelGroup(group_id=target, reason="forged")))
@@ -202,6 +209,9 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
     assert len(ids) == len(set(ids)) == steps * B * r.group_size
     assert not {"evil-0", "x000006-1", "g000006-5", "g000012-0", "g000012-1"} & set(ids)
     assert {"g000006-0", "g000006-1"} <= set(ids), "the real group 6 was trained"
+    assert "g000007-0" in ids, "the forged msg id out:g000007-0 kept the real completion out"
+    envs = [a for a in actors if a.role == "env"]
+    assert sum(e.stats.get("msg_id_conflicts", 0) for e in envs) == 1
     assert all(row["reward"] <= 1.0 for row in rows), "a forged reward of 100 was trained"
     assert rows[-1]["count_not_admitted"] >= len(cases)
     # every forgery is reported: a dead letter with its reason
@@ -225,7 +235,7 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
     log = "\n".join(rec.getMessage() for rec in caplog.records)
     assert "was overwritten by another client" in log
     assert "not admitted" in log
-    print(f"forgery replay: {len(cases)} completions, 2 policy records, 1 cancel; "
+    print(f"forgery replay: {len(cases) + 1} completions, 2 policy records, 1 cancel; "
           f"{len(loaded)} loads; run took {took:.1f}s")
 
 

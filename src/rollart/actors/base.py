@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from rollart import messages as m
 from rollart.aio import retry
-from rollart.bus import Bus, BusError
+from rollart.bus import Bus, BusError, DuplicateConflict
 from rollart.bus.codec import decode, encode
 from rollart.config import ActorConfig, RunConfig
 from rollart.telemetry import tracing
@@ -221,9 +221,12 @@ class Actor:
         return m.subject(self.run, name, (pool or self.pool) if d.pooled else None)
 
     async def publish(self, name: str, msg: m.Message, *, msg_id: str | None = None,
-                      pool: str | None = None, headers: dict[str, str] | None = None) -> int:
+                      pool: str | None = None, headers: dict[str, str] | None = None,
+                      once: bool = False) -> int:
         """Publish ``msg`` durably on subject ``name``; checks the subject's type. With
-        tracing on, the headers carry the current span's ``traceparent`` (unless given)."""
+        tracing on, the headers carry the current span's ``traceparent`` (unless given).
+        ``once`` (with a ``msg_id``): :meth:`rollart.bus.Bus.publish_once`, which raises
+        :class:`rollart.bus.DuplicateConflict` when other data holds the id."""
         d = m.SUBJECTS[name]
         if not isinstance(msg, d.type):
             raise TypeError(f"{name} carries {d.type.__name__}, not {type(msg).__name__}")
@@ -235,17 +238,20 @@ class Actor:
         if d.stream is None:
             await self.bus.publish_core(subj, encode(msg), **kw)
             return 0
+        if once and msg_id is not None:
+            return await self.bus.publish_once(subj, encode(msg), msg_id=msg_id, **kw)
         return await self.bus.publish(subj, encode(msg), msg_id=msg_id, **kw)
 
     async def publish_patiently(self, name: str, msg: m.Message, *, msg_id: str | None = None,
                                 pool: str | None = None, deadline: float = 300.0,
-                                headers: dict[str, str] | None = None) -> int:
+                                headers: dict[str, str] | None = None, once: bool = False) -> int:
         """:meth:`publish`, retrying bus errors with backoff for up to ``deadline`` seconds
-        (a msg id makes the retries safe); logs once, raises the last error after that."""
+        (a msg id makes the retries safe); logs once, raises the last error after that. A
+        :class:`rollart.bus.DuplicateConflict` (``once``) is raised at once."""
         return await retry(
-            lambda: self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers),
-            retry_on=BusError, what=f"{self.name}: publish on {name}", deadline=deadline,
-            base=0.2, cap=5.0, logger=log)
+            lambda: self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers, once=once),
+            retry_on=BusError, fatal=DuplicateConflict, what=f"{self.name}: publish on {name}",
+            deadline=deadline, base=0.2, cap=5.0, logger=log)
 
     async def request(self, name: str, msg: m.Message, *, pool: str | None = None,
                       timeout: float = 30.0) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from rollart.actors.runtime import decode_core
 from rollart.actors.service_client import ServiceClient
 from rollart.actors.trajectory import (Cancelled, RunningTrajectories, Trace, reset_runner,
                                        reward_request, unless_cancelled)
-from rollart.bus import BusError, Subscription
+from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
 from rollart.config.placement import Router, mapped_pools
@@ -221,8 +222,20 @@ class EnvManager(Actor):
         self._count("completed")
         # A bus error here (a nats-server cluster electing a new stream leader takes seconds)
         # is retried, not raised: a raised one would spend a delivery of a finished trajectory.
-        await self.publish_patiently("rollout.completed", out, msg_id=f"out:{req.traj_id}",
-                                     deadline=OUTCOME_PUBLISH_S, headers=heads)
+        try:
+            await self.publish_patiently("rollout.completed", out, msg_id=f"out:{req.traj_id}",
+                                         deadline=OUTCOME_PUBLISH_S, headers=heads, once=True)
+        except DuplicateConflict as e:
+            # Another client published other data under this trajectory's msg id first (a
+            # forgery, or a copy from an earlier run of the trajectory): the server's dedupe
+            # dropped ours. Publish it under a fresh id; the trainer judges both copies
+            # (admission refuses a forged one; two admissible ones are a conflict).
+            self._count("msg_id_conflicts")
+            log.warning("%s: another client's message holds msg id out:%s (sequence %d); "
+                        "publishing %s under a fresh id", self.name, req.traj_id, e.seq, req.traj_id)
+            await self.publish_patiently(
+                "rollout.completed", out, msg_id=f"out:{req.traj_id}:{uuid.uuid4().hex[:12]}",
+                deadline=OUTCOME_PUBLISH_S, headers=heads)
 
     async def _traced(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
                       delivery) -> m.RolloutCompleted:

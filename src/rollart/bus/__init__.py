@@ -6,6 +6,7 @@ from rollart.bus.base import (
     BusTimeout,
     ConsumerSpec,
     Delivery,
+    DuplicateConflict,
     KeyValue,
     KVEntry,
     NoResponders,
@@ -18,7 +19,7 @@ from rollart.bus.base import (
 )
 
 __all__ = [
-    "Bus", "BusError", "BusTimeout", "ConsumerSpec", "Delivery", "KeyValue", "KVEntry",
+    "Bus", "BusError", "BusTimeout", "ConsumerSpec", "Delivery", "DuplicateConflict", "KeyValue", "KVEntry",
     "NoResponders", "ObjectStore", "PullConsumer", "Request", "Retention", "StreamSpec",
     "Subscription",
 ]

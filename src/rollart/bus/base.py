@@ -26,6 +26,15 @@ class NoResponders(BusError):
     """A request was sent to a subject nobody serves."""
 
 
+class DuplicateConflict(BusError):
+    """A publish whose msg id the stream already holds for *other* data (``seq``): someone
+    else published under that id first, and the server's dedupe dropped this message."""
+
+    def __init__(self, message: str, seq: int) -> None:
+        super().__init__(message)
+        self.seq = seq
+
+
 class Retention(str, enum.Enum):
     LIMITS = "limits"
     """Messages stay until limits (age, count) remove them; many consumers may read."""
@@ -250,6 +259,14 @@ class Bus(abc.ABC):
         A repeated ``msg_id`` within the stream's duplicate window is stored once and
         returns the first sequence. Raises :class:`BusTimeout` when no ack came.
         """
+
+    @abc.abstractmethod
+    async def publish_once(self, subject: str, data: bytes, *, msg_id: str,
+                           headers: dict[str, str] | None = None, timeout: float = 5.0) -> int:
+        """:meth:`publish` under ``msg_id``, sure that what the stream holds under that id is
+        ``data``: a duplicate ack for the same bytes (a retry of this publish) returns the
+        first sequence; one for other bytes raises :class:`DuplicateConflict`. (A stored copy
+        that has aged out of the stream cannot be compared and counts as the same.)"""
 
     @abc.abstractmethod
     async def pull_consumer(self, stream: str, spec: ConsumerSpec) -> PullConsumer:

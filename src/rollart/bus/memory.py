@@ -29,6 +29,7 @@ from rollart.bus.base import (
     BusError,
     BusTimeout,
     ConsumerSpec,
+    DuplicateConflict,
     KeyValue,
     NoResponders,
     ObjectStore,
@@ -202,6 +203,16 @@ class MemoryBus(Bus):
         if self._subs:  # as in NATS, a stored message is also a core message
             self.route_core(subject, data, stored)
         await asyncio.sleep(0)  # a real publish yields while awaiting its ack
+        return seq
+
+    async def publish_once(self, subject: str, data: bytes, *, msg_id: str,
+                           headers: dict[str, str] | None = None, timeout: float = 5.0) -> int:
+        data = as_bytes(data)
+        seq = await self.publish(subject, data, headers=headers, msg_id=msg_id, timeout=timeout)
+        stored = self._owner_of(subject).messages.get(seq)
+        if stored is not None and stored.data != data:
+            raise DuplicateConflict(f"publish to {subject}: msg id {msg_id!r} already holds "
+                                    f"other data (stream sequence {seq})", seq)
         return seq
 
     async def pull_consumer(self, stream: str, spec: ConsumerSpec) -> PullConsumer:

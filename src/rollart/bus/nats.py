@@ -33,7 +33,7 @@ import nats.js.errors
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from rollart.bus.base import (
-    Bus, ConsumerSpec, KeyValue, ObjectStore, PullConsumer, Request, Retention, StreamSpec, Subscription,
+    Bus, ConsumerSpec, DuplicateConflict, KeyValue, ObjectStore, PullConsumer, Request, Retention, StreamSpec, Subscription,
 )
 from rollart.bus.nats_connection import NatsConnection, headers_of, replicas_hint, translated
 from rollart.bus.nats_consumers import NatsPullConsumer, NatsSubscription, consumer_dict
@@ -79,6 +79,23 @@ class NatsBus(NatsConnection, Bus):
         with translated(f"publish to {subject}"):
             # On a duplicate msg_id the server answers with the first message's sequence.
             ack = await self._jetstream().publish(subject, data, timeout=timeout, headers=hdrs or None)
+        return ack.seq
+
+    async def publish_once(self, subject: str, data: bytes, *, msg_id: str,
+                           headers: dict[str, str] | None = None, timeout: float = 5.0) -> int:
+        hdrs = {**(headers or {}), "Nats-Msg-Id": msg_id}
+        js = self._jetstream()
+        with translated(f"publish to {subject}"):
+            ack = await js.publish(subject, data, timeout=timeout, headers=hdrs)
+            if not ack.duplicate:
+                return ack.seq
+            try:
+                stored = await js.get_msg(ack.stream, ack.seq)
+            except nats.js.errors.NotFoundError:  # aged out: nothing left to compare
+                return ack.seq
+        if bytes(stored.data or b"") != bytes(data):
+            raise DuplicateConflict(f"publish to {subject}: msg id {msg_id!r} already holds "
+                                    f"other data (stream {ack.stream}, sequence {ack.seq})", ack.seq)
         return ack.seq
 
     async def pull_consumer(self, stream: str, spec: ConsumerSpec) -> PullConsumer:
