@@ -253,7 +253,9 @@ class StepLoop:
                "groups_skipped": n_skipped,
                **{k: float(x) for k, x in tm.items() if isinstance(x, (int, float))},
                **{f"count_{k}": x for k, x in counts.items()},
-               "groups_lost": self.ledger.lost,
+               # failed or dropped; skipped groups free admission places the same way, but
+               # are counted apart (count_uniform_skipped)
+               "groups_lost": self.ledger.lost - self.ledger.counts["uniform_skipped"],
                "traj_ids": [t.traj_id for t in trajs],
                "traj_min_versions": [t.min_version for t in trajs]}
         t1 = time.perf_counter()

@@ -295,7 +295,8 @@ class TrainerConfig(Base):
     token-mean). A skipped group frees its admission place, so a fresh group replaces it; once
     the step's budget is spent, uniform groups are trained as before (a step never waits for
     more than ``batch_groups + skip_uniform`` groups). Sampled ``success`` and ``reward`` in the
-    metrics count the skipped groups too. 0: off."""
+    metrics count the skipped groups too; ``groups_skipped`` (per step) and
+    ``count_uniform_skipped`` (in all) count them, ``groups_lost`` does not. 0: off."""
     skip_which: Literal["all", "failed"] = "all"
     """Which uniform groups ``skip_uniform`` skips: ``all`` (DAPO), or ``failed``: only groups
     in which no member succeeded, so a policy that already succeeds everywhere does not pay
