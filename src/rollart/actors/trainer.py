@@ -109,14 +109,10 @@ class Trainer(StepLoop, Actor):
     # -- state -------------------------------------------------------------------
     async def setup(self) -> None:
         # optional dependency: the backend imports torch (a trainer process has it)
-        from rollart.engines.torch_trainer import TorchTrainBackend
+        from rollart.engines.train_backends import make_backend
 
         t, r = self.cfg.trainer, self.cfg.rollout
-        self.backend = await asyncio.to_thread(
-            TorchTrainBackend, self.model_dir, lr=t.lr, weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip, warmup_steps=t.warmup_steps, total_steps=t.steps,
-            schedule=t.schedule, threads=self.cfg.model.threads, seed=t.seed,
-            micro_batch_tokens=t.micro_batch_tokens)
+        self.backend = await asyncio.to_thread(make_backend, self.cfg, self.model_dir)
         breaker = r.fail_after_groups if r.fail_after_groups is not None else 2 * r.batch_groups
         self.ledger = GroupLedger(group_size=r.group_size, redundancy=r.redundancy,
                                   batch_groups=r.batch_groups, alpha=r.alpha, stale=r.stale,
