@@ -421,3 +421,71 @@ async def test_late_generate_node_serves_current_policy(tmp_path, tiny_model, ho
     counts = check_accounting(rec, rows)
     print_timing("late join run", t0, v_join=v_join, join_s=f"{join_s:.1f}s",
                  first_beats=trace[:4], served=served, **counts)
+
+
+async def test_two_env_pools_share_work_and_one_killed_leaves_it_to_the_other(
+        tmp_path, tiny_model, hosts, nats_cluster):
+    """``mapping.env: [a, b]`` with an env node of each pool in its own namespace: both get
+    work; ``kill -9`` of pool b's node mid-run: the scheduler moves b's open trajectories to a
+    (as ``<id>+1`` copies) and the run finishes on a, every step trained, no group lost,
+    every admitted member accounted for (by itself or its copy), nothing trained twice."""
+    from rollart.actors.admission import member_slot
+
+    t0 = time.monotonic()
+    _, cluster, (head_h, gen_h, a_h, b_h) = await cluster_and_hosts(hosts, nats_cluster, 4)
+    cfg, run = write_config(tmp_path, tiny_model, cluster.urls, steps=4,
+                            pools={"gen": {"tags": ["gpu"]}, "a": {"tags": ["cpu"]},
+                                   "b": {"tags": ["cpu"]}},
+                            mapping={"generate": "gen", "env": ["a", "b"], "reward": ["a", "b"]})
+    beats: dict[str, m.NodeHeartbeat] = {}
+    nc = await connect(cluster.urls)
+
+    async def on_hb(msg):
+        try:
+            hb = decode(m.NodeHeartbeat, msg.data)
+        except Exception:  # noqa: BLE001 - junk on a core subject
+            return
+        beats[hb.node_id] = hb
+
+    await nc.subscribe(m.subject(run, "node.heartbeat"), cb=on_hb)
+
+    def acked(pool: str) -> float:
+        return sum(v for hb in beats.values() if pool in (hb.pools or [hb.pool])
+                   and "env" in hb.roles for k, v in hb.stats.items()
+                   if ".on_request." in k and k.endswith(".acked"))
+
+    try:
+        head = await start_head(head_h, cfg)
+        env_b = node(b_h, cfg, "env,reward", "b")
+        procs = [head, node(gen_h, cfg, "generate", "gen"), node(a_h, cfg, "env,reward", "a"),
+                 env_b]
+        await until(lambda: acked("a") > 0 and acked("b") > 0, deadline=120, step=0.2,
+                    what="both env pools to finish work", state=lambda: logs(procs))
+        await wait_step(tmp_path, run, 1, head, procs)
+        step_at_kill = metrics_rows(tmp_path, run)[-1]["step"]
+        done_by = {p: acked(p) for p in ("a", "b")}
+        env_b.signal(signal.SIGKILL)
+        procs.remove(env_b)
+        await wait_exit(procs, 180)
+    finally:
+        await nc.close()
+    assert step_at_kill < 4, "the kill came after the last step: it proves nothing"
+    rows = metrics_rows(tmp_path, run)
+    check_steps(rows, steps=4)
+    assert "env pool b has no live node: moved" in head.output(), head.tail(40)
+
+    rec = await run_record(cluster.urls, run)
+    admitted = {f"{group_id(g)}-{i}" for g in range(rec["admitted"]) for i in range(GROUP_SIZE)}
+    completed = {c.traj_id for c in rec["completed"] if not c.eval and c.group_index >= 0}
+    outcomes = (completed | {c.traj_id for c in rec["cancelled"]}
+                | {t for d in rec["dead"] if (t := dead_traj_id(d))}
+                | {r.traj_id for r in rec["pending"] if not r.eval})
+    slots = {member_slot(t) for t in outcomes}
+    assert admitted - slots == set(), f"admitted and lost: {sorted(admitted - slots)}"
+    assert slots - admitted == set(), f"outcomes never admitted: {sorted(slots - admitted)}"
+    trained = [t for r in rows for t in r["traj_ids"]]
+    assert len(trained) == len(set(trained)) and set(trained) <= completed
+    copies = sorted(t for t in outcomes if "+" in t)
+    assert copies, "no trajectory was moved to pool a"
+    print_timing("two env pools, b killed", t0, step_at_kill=step_at_kill, acked_before=done_by,
+                 moved=len(copies), trained=len(trained))

@@ -33,6 +33,30 @@ def group_id(index: int, prefix: str = TRAINING_PREFIX) -> str:
     return f"{prefix}{index:06d}"
 
 
+MAX_MOVES = 8
+"""How often the scheduler may move one member of a group to another env pool (its pool
+lost every node): the moved copy is ``<group id>-<i>+<k>``, ``1 <= k <= MAX_MOVES``."""
+
+
+def member_id(group: str, index: int, move: int = 0) -> str:
+    """The trajectory id of member ``index`` of group ``group``; ``move`` > 0: its copy
+    re-issued to another env pool for the ``move``-th time (:data:`MAX_MOVES`)."""
+    return f"{group}-{index}" if move == 0 else f"{group}-{index}+{move}"
+
+
+def member_slot(traj_id: str) -> str:
+    """The member a trajectory id stands for (a moved copy's original id)."""
+    return traj_id.split("+", 1)[0]
+
+
+def _is_member(traj_id: str, group: str, index: int) -> bool:
+    base = f"{group}-{index}"
+    if traj_id == base:
+        return True
+    head, sep, k = traj_id.partition("+")
+    return head == base and sep == "+" and k.isdigit() and k[0] != "0" and int(k) <= MAX_MOVES
+
+
 def issued_key(prefix: str = TRAINING_PREFIX) -> str:
     """KV key of the number of groups a scheduler has issued: written *before* it publishes a
     group's requests (``scheduler.<prefix>.admitted`` is written after them)."""
@@ -70,7 +94,8 @@ class Admission:
 
     1. *form*: ``env`` is the training env (``rollout.env``); ``0 <= index_in_group <
        group_size + redundancy`` (so a group has at most that many members); ``traj_id`` is
-       ``<group_id>-<index_in_group>``; ``group_id`` is the scheduler's id of
+       ``<group_id>-<index_in_group>`` (or a moved copy's ``...+<k>``, :func:`member_id`);
+       ``group_id`` is the scheduler's id of
        ``group_index`` (:func:`group_id`) or, for ``group_index >= RESTART_BASE``, the id of a
        group this trainer re-admitted (``stale: restart``, kept in the ledger);
     2. *task*: ``seed`` is the group's task seed (:func:`member_seed`, or the restarted
@@ -113,7 +138,7 @@ class Admission:
             gid, seed = group_id(g), member_seed(r, g, i)
         if msg.group_id != gid:
             return f"group_id {msg.group_id!r} is not the id of group {g} ({gid!r})"
-        if msg.traj_id != f"{gid}-{i}":
+        if not _is_member(msg.traj_id, gid, i):
             return f"traj_id {msg.traj_id!r} is not member {i} of group {gid!r} ({gid}-{i!s})"
         if msg.seed != seed:
             return f"seed {msg.seed} is not the task seed of {msg.traj_id} ({seed})"

@@ -171,10 +171,14 @@ class Actor:
                 continue
             unknown.discard(name)
             spec = spec.override(self.settings.get(name, {}))
-            if spec.kind == "consume" and spec.durable is None:
-                spec = dataclasses.replace(spec, durable=f"{self.role}-{name}".replace("_", "-"))
             d = m.SUBJECTS[spec.subject]
             pool = (spec.pool or self.pool) if d.pooled else None
+            if spec.kind == "consume" and spec.durable is None:
+                # a pooled subject's durable is the pool's own (``env-on-request-cpu``): two
+                # pools on one name would fight over one consumer's filter subject
+                tail = f"-{pool}" if pool not in (None, "default") else ""
+                spec = dataclasses.replace(
+                    spec, durable=f"{self.role}-{name}".replace("_", "-") + tail)
             out.append(
                 BoundHandler(
                     name=name,

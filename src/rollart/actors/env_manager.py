@@ -113,7 +113,10 @@ class EnvManager(Actor):
         if run_cfg.pools:  # the config maps roles to pools: route turns, send rewards there
             placed = {"router": Router(run_cfg.route,
                                        default_pool=mapped_pools(run_cfg.mapping, "generate")[0]),
-                      "reward_pool": mapped_pools(run_cfg.mapping, "reward")[0]}
+                      # its own pool when that one serves rewards too (an env pool with its
+                      # reward service on the same hosts), else the first reward pool
+                      "reward_pool": pool if pool in (rp := mapped_pools(run_cfg.mapping, "reward"))
+                      else rp[0]}
         return cls(run=run_cfg.run, pool=pool, name=f"env-{pool}-{replica_suffix()}-{index}", settings=settings,
                    envs=dict(run_cfg.envs), rollout=r, model_dir=str(model_dir(run_cfg)),
                    **{**placed, **actor_cfg.args})

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.admission import CONFLICTS_REMEMBERED, fingerprint
+from rollart.actors.admission import CONFLICTS_REMEMBERED, fingerprint, member_slot
 from rollart.actors.records import put_record, watch_record
 from rollart.bus import BusError
 from rollart.telemetry.otel_metrics import reason_kind
@@ -110,7 +110,12 @@ class Group:
 
     @property
     def outcomes(self) -> int:
-        return len(self.members) + len(self.dead) + len(self.cancelled)
+        """Members with an outcome: a member moved to another env pool (``<id>+<k>``,
+        :func:`rollart.actors.admission.member_id`) counts once, whichever copies reported."""
+        ids = [t.traj_id for t, _ in self.members] + [t for t, _ in self.dead] + self.cancelled
+        if not any("+" in t for t in ids):
+            return len(ids)
+        return len({member_slot(t) for t in ids})
 
     def seen(self, traj_id: str) -> bool:
         return (any(t.traj_id == traj_id for t, _ in self.members)

@@ -80,6 +80,10 @@ class PoolWatch:
         now = time.monotonic() if now is None else now
         return [hb for t, hb in self.seen.values() if now - t <= 3 * self.every]
 
+    def served(self, now: float | None = None) -> set[str]:
+        """The pools with a live node now."""
+        return {p for hb in self.live(now) for p in node_pools(hb)}
+
     def check(self, now: float | None = None) -> None:
         """Log the pools that went missing or came back since the last check."""
         now = time.monotonic() if now is None else now
@@ -131,17 +135,34 @@ class PoolWatch:
                     pass
 
 
-async def watch_pools(bus, cfg: Any, *, name: str = "scheduler") -> None:
-    """Run a :class:`PoolWatch` for a RunConfig (``pools``, ``mapping``, ``route``,
-    ``node.heartbeat_every``) until cancelled; returns at once when there is nothing to watch
-    (no pools, or heartbeats off). Never raises but CancelledError."""
+def make_watch(bus, cfg: Any, *, name: str = "scheduler") -> PoolWatch | None:
+    """A :class:`PoolWatch` for a RunConfig (``pools``, ``mapping``, ``route``,
+    ``node.heartbeat_every``); None when there is nothing to watch (no pools, or heartbeats
+    off)."""
+    needs = pool_needs(cfg)
+    every = float(cfg.node.heartbeat_every)
+    if not needs or every <= 0:
+        return None
+    return PoolWatch(bus, cfg.run, needs, every, name=name)
+
+
+async def run_watch(watch: PoolWatch) -> None:
+    """Run ``watch`` until cancelled. Never raises but CancelledError."""
     try:
-        needs = pool_needs(cfg)
-        every = float(cfg.node.heartbeat_every)
-        if not needs or every <= 0:
-            return
-        await PoolWatch(bus, cfg.run, needs, every, name=name).run_forever()
+        await watch.run_forever()
     except asyncio.CancelledError:
         raise
     except Exception:  # noqa: BLE001 - the scheduler goes on without the watch
-        log.exception("%s: the pool watch stopped", name)
+        log.exception("%s: the pool watch stopped", watch.name)
+
+
+async def watch_pools(bus, cfg: Any, *, name: str = "scheduler") -> None:
+    """Run a :class:`PoolWatch` for a RunConfig (:func:`make_watch`) until cancelled; returns at
+    once when there is nothing to watch. Never raises but CancelledError."""
+    try:
+        watch = make_watch(bus, cfg, name=name)
+    except Exception:  # noqa: BLE001 - the scheduler goes on without the watch
+        log.exception("%s: the pool watch did not start", name)
+        return
+    if watch is not None:
+        await run_watch(watch)

@@ -15,6 +15,17 @@ number of groups that are done here (a group can only be lost once its outcomes 
 a forged record cannot open the α bound. In ``batch`` mode groups are admitted in waves of
 ``batch_groups`` whose trajectories advance in lock step, and a wave starts only
 when the previous one is done.
+
+Several env pools (``mapping.env: [a, b]``): each request goes to the pool not reported
+without a live node (node heartbeats, :class:`rollart.actors.pool_watch.PoolWatch`) with the
+fewest of this scheduler's
+trajectories still open per unit of ``pools.<name>.weight``: join the shortest queue, so a
+faster pool gets more. When a pool has had no live node for two heartbeat intervals (its
+deliveries cannot finish), its open trajectories are moved: each is re-issued to a live
+pool as ``<id>+<k>`` (:func:`rollart.actors.admission.member_id`), and the group waits for the
+copy. Should the old pool come back and finish the original too, the trainer takes it as
+one more member of its group or counts it extra or late (it is another sample of the same
+task); nothing is trained twice.
 """
 
 from __future__ import annotations
@@ -22,14 +33,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
+
 from rollart import messages as m
-from rollart.actors.admission import group_id, issued_key, member_seed
+from rollart.actors.admission import MAX_MOVES, group_id, issued_key, member_id, member_seed
 from rollart.actors.base import Actor, consume
 from rollart.actors.ledger import admissible, watch_summary
 from rollart.actors.policy_gate import PolicyGate, follow_policy
-from rollart.actors.pool_watch import watch_pools
+from rollart.actors.pool_watch import PoolWatch, make_watch, run_watch
 from rollart.actors.records import put_record
 from rollart.actors.run_end import wait_run_end
 from rollart.bus import BusError
@@ -85,6 +99,9 @@ class RolloutScheduler(Actor):
     groups: dict[str, GroupState] = field(default_factory=dict)
     env_pool: str | None = None
     """Pool of the EnvManagers its requests go to (``mapping.env``); None: its own pool."""
+    env_pools: list[str] = field(default_factory=list)
+    """Every pool of ``mapping.env``, when it names more than one: requests are spread over
+    them and moved off a pool that lost its nodes (see the module docstring)."""
     run_cfg: RunConfig | None = field(default=None, repr=False)
     """The RunConfig (``from_config``): with ``pools`` declared, its pools without a live node
     are logged (:mod:`rollart.actors.pool_watch`)."""
@@ -93,7 +110,8 @@ class RolloutScheduler(Actor):
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "RolloutScheduler":
         settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
-        placed = {"env_pool": mapped_pools(run_cfg.mapping, "env")[0]} if run_cfg.pools else {}
+        envs = mapped_pools(run_cfg.mapping, "env") if run_cfg.pools else []
+        placed = {"env_pool": envs[0], "env_pools": envs} if envs else {}
         # actors.scheduler.args (and the builder's per-run arguments) win over the config's
         return cls(**{"run": run_cfg.run, "pool": pool, "settings": settings,
                       "rollout": run_cfg.rollout, "run_cfg": run_cfg, **placed, **actor_cfg.args})
@@ -122,6 +140,15 @@ class RolloutScheduler(Actor):
         self.all_done = asyncio.Event()
         self.outcome_of: dict[str, str] = {}
         self.extra_completions = 0
+        self.open_req: dict[str, tuple[str | None, m.RolloutRequested]] = {}
+        """Trajectory id -> (env pool, request) while it has no outcome (several env pools)."""
+        self.open_in: Counter[str | None] = Counter()
+        """Env pool -> trajectories open there."""
+        self.sent_to: Counter[str | None] = Counter()
+        """Env pool -> requests sent there (moved copies included)."""
+        self.moved = 0
+        """Trajectories re-issued to another env pool (theirs lost every node)."""
+        self.pool_watch: PoolWatch | None = None
         self.kv = await self.bus.key_value(m.kv_bucket(self.run))
         if self.resume:
             e = await self.kv.get(self._kv_key)
@@ -141,7 +168,14 @@ class RolloutScheduler(Actor):
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._watch_version())
             if self.run_cfg is not None and self.run_cfg.pools:  # logs pools with no live node
-                tg.create_task(watch_pools(self.bus, self.run_cfg, name=self.name))
+                try:
+                    self.pool_watch = make_watch(self.bus, self.run_cfg, name=self.name)
+                except Exception:  # noqa: BLE001 - the scheduler goes on without the watch
+                    log.exception("%s: the pool watch did not start", self.name)
+                if self.pool_watch is not None:
+                    tg.create_task(run_watch(self.pool_watch))
+                    if len(self.env_pools) > 1:
+                        tg.create_task(self._failover_loop())
             if self.bounded:
                 tg.create_task(self._watch_ledger())
                 tg.create_task(self._watch_run_end())
@@ -252,9 +286,96 @@ class RolloutScheduler(Actor):
                 group_index=g,
                 eval=self.eval, greedy=self.greedy, created_at=time.time(),
                 wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
+            pool = self._pick_pool()
+            self._opened(tid, pool, req)
             await self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{tid}",
-                                         pool=self.env_pool)
+                                         pool=pool)
         await self._put_admitted()
+
+    # -- env pools -----------------------------------------------------------------
+    def _weight(self, pool: str) -> float:
+        p = self.run_cfg.pools.get(pool) if self.run_cfg is not None else None
+        return float(p.weight) if p is not None else 1.0
+
+    def _pick_pool(self, avoid: set[str] = frozenset()) -> str | None:
+        """The env pool of the next request: with several, the one not reported missing (no
+        live node for two heartbeat intervals, :class:`PoolWatch`) nor in ``avoid`` with the
+        fewest open trajectories per unit of weight; with every pool missing, any of them
+        (the request waits in its stream), unless ``avoid`` is given: then None."""
+        if len(self.env_pools) <= 1:
+            return self.env_pool
+        pools = [p for p in self.env_pools if p not in avoid]
+        missing = self.pool_watch.missing if self.pool_watch is not None else set()
+        cands = [p for p in pools if p not in missing] or ([] if avoid else pools)
+        if not cands:
+            return None
+        return min(cands, key=lambda p: ((self.open_in[p] + 1) / self._weight(p),
+                                         self.env_pools.index(p)))
+
+    def _opened(self, tid: str, pool: str | None, req: m.RolloutRequested) -> None:
+        self.sent_to[pool] += 1
+        if len(self.env_pools) > 1:
+            self.open_req[tid] = (pool, req)
+            self.open_in[pool] += 1
+
+    def _closed(self, tid: str) -> None:
+        got = self.open_req.pop(tid, None)
+        if got is not None:
+            self.open_in[got[0]] -= 1
+
+    async def _failover_loop(self) -> None:
+        """On every change of the pools' liveness, move the open trajectories of the env
+        pools without a live node to live ones."""
+        watch = self.pool_watch
+        assert watch is not None
+        while True:
+            await watch.changed.wait()
+            watch.changed.clear()
+            for pool in sorted(watch.missing & set(self.env_pools)):
+                try:
+                    await self._move_from(pool, watch.missing)
+                except BusError as e:  # retried at the next change
+                    log.warning("%s: moving the work of env pool %s failed: %s", self.name, pool, e)
+
+    async def _move_from(self, pool: str, missing: set[str]) -> int:
+        """Re-issue the open trajectories sent to ``pool`` to live pools; returns how many."""
+        if self.rollout.mode == "batch":
+            log.warning("%s: env pool %s has no live node; its trajectories stay there (batch "
+                        "mode advances waves in lock step, so they are not moved)", self.name, pool)
+            return 0
+        moved: Counter[str] = Counter()
+        for tid, (p, req) in list(self.open_req.items()):
+            if p != pool or tid not in self.open_req:
+                continue
+            g = self.groups.get(req.group_id)
+            if g is None or g.done or tid not in g.members or tid in self.outcome_of:
+                self._closed(tid)
+                continue
+            k = int(tid.rsplit("+", 1)[1]) + 1 if "+" in tid else 1
+            if k > MAX_MOVES:
+                log.warning("%s: %s was moved %d times already; it stays in pool %s",
+                            self.name, tid, MAX_MOVES, pool)
+                continue
+            to = self._pick_pool(avoid={pool} | missing)
+            if to is None:
+                log.warning("%s: env pool %s has no live node, and no other env pool has one: "
+                            "its %d open trajectories wait", self.name, pool,
+                            sum(1 for q, _ in self.open_req.values() if q == pool))
+                break
+            new = member_id(req.group_id, req.index_in_group, k)
+            copy = msgspec.structs.replace(req, traj_id=new, created_at=time.time())
+            g.members[g.members.index(tid)] = new  # the group now waits for the copy
+            self._closed(tid)
+            self._opened(new, to, copy)
+            self.moved += 1
+            moved[to] += 1
+            await self.publish_patiently("rollout.requested", copy, msg_id=f"req:{self.run}:{new}",
+                                         pool=to)
+        if moved:
+            log.warning("%s: env pool %s has no live node: moved %d open trajectories to %s",
+                        self.name, pool, sum(moved.values()),
+                        ", ".join(f"{p} ({n})" for p, n in sorted(moved.items())))
+        return sum(moved.values())
 
     async def _put_issued(self, deadline: float = 300.0) -> None:
         """Store the issued count, retrying bus errors up to ``deadline`` seconds (the trainer
@@ -275,8 +396,9 @@ class RolloutScheduler(Actor):
     async def _record(self, traj_id: str, group_id: str, outcome: str) -> None:
         g = self.groups.get(group_id)
         if g is None or traj_id not in g.members or traj_id in self.outcome_of:
-            return  # not a trajectory this scheduler admitted, or already counted
+            return  # not a trajectory this scheduler admitted (or moved), or already counted
         self.outcome_of[traj_id] = outcome
+        self._closed(traj_id)
         was_done = g.done
         if outcome == "completed" and len(g.completed) >= g.need:
             self.extra_completions += 1  # finished before it saw the cancel
@@ -348,5 +470,5 @@ class RolloutScheduler(Actor):
             "completed": sum(len(g.completed) for g in self.groups.values()),
             "cancelled": sum(len(g.cancelled) for g in self.groups.values()),
             "dead": sum(len(g.dead) for g in self.groups.values()),
-            "extra_completions": self.extra_completions,
+            "extra_completions": self.extra_completions, "moved": self.moved,
         }

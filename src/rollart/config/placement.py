@@ -26,6 +26,10 @@ class PoolConfig(Base):
     """What the pool's hosts are (free text, shown by ``rollart nodes``)."""
     tags: list[str] = []
     """Hardware tags (``gpu``, ``prefill``, ``cpu``...): documentation for people and tools."""
+    weight: float = 1.0
+    """Share of the work of a role mapped to several pools (``mapping.env: [a, b]``): the
+    scheduler sends each request to the live pool with the fewest of its trajectories still
+    open per unit of weight (so a faster pool, whose work finishes sooner, also gets more)."""
 
 
 class RouteWhen(Base):
@@ -82,7 +86,9 @@ def check_placement(pools: dict[str, PoolConfig], mapping: dict[str, str | list[
         if route:
             raise ValueError("route: needs pools: and mapping.generate (declare the pools first)")
         return
-    for name in pools:
+    for name, pool in pools.items():
+        if not (isinstance(pool.weight, (int, float)) and pool.weight > 0):
+            raise ValueError(f"pools.{name}.weight must be a number > 0 (got {pool.weight!r})")
         if not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"pools.{name}: a pool name is one subject token "
                              f"(letters, digits, '_' or '-')")

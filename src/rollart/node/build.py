@@ -98,11 +98,12 @@ def role_pool(cfg: RunConfig, role: str, pool: str) -> str:
 def replica_pools(cfg: RunConfig, role: str, pool: str, *, one_host: bool = False) -> list[str]:
     """The pool of each of ``actors.<role>.replicas`` instances of ``role`` on a node of
     ``pool``. ``one_host`` (a one-process run, which hosts every role): with ``pools``
-    declared and the node on ``default``, generation gets at least one replica per pool of
-    ``mapping.generate``, the replicas dealt round them (a turn routed to a pool with no
-    replica would wait for ever)."""
+    declared and the node on ``default``, generation and envs get at least one replica per
+    pool of ``mapping.generate`` / ``mapping.env``, the replicas dealt round them (a turn
+    routed, or a request sent, to a pool with no replica would wait for ever)."""
     n = role_config(cfg, role).replicas
-    if one_host and role == "generate" and cfg.pools and role in cfg.mapping and pool == "default":
+    if one_host and role in ("generate", "env") and cfg.pools and role in cfg.mapping \
+            and pool == "default":
         gen = mapped_pools(cfg.mapping, role)
         return [gen[i % len(gen)] for i in range(max(n, len(gen)))]
     return [role_pool(cfg, role, pool)] * n
