@@ -447,6 +447,41 @@ async def test_a_refused_record_is_reported_and_the_old_version_kept(memory_bus_
         await until(lambda: proxy.version == 1, deadline=20, what="v1 loaded once the ledger reports it")
 
 
+async def test_a_consistent_forgery_without_announcement_is_not_taken_at_once(memory_bus_only,
+                                                                             tiny_model):
+    """Rule 3c is on for every holder: a record and a ledger summary forged consistently for
+    exactly the next version (what the gate could not tell from the trainer's before) are
+    held back (settling) when no ``policy.published`` announced them; announced, the next
+    real version loads at once."""
+    from rollart.actors.llm_proxy import LLMProxy
+    from rollart.actors.policy import set_policy
+    from rollart.node import Node
+    from tests.actors.sample_actors import new_run
+
+    bus, run = memory_bus_only, new_run()
+    kv = await bus.key_value(m.kv_bucket(run))
+    await kv.put(m.LEDGER_KEY, encode(m.LedgerSummary(version=0, steps_total=5)))
+    proxy = LLMProxy(run=run, model_dir=str(tiny_model))
+    async with Node(bus, [proxy], heartbeat_every=0):
+        await until(lambda: proxy.gate.held == 0, deadline=10, what="the gate to start")
+        proxy.gate.settle_s = 3600.0  # the trainer, absent here, would put its record back
+        store = await bus.object_store(m.object_bucket(run))
+        zero = zeroed_weights(tiny_model)
+        await store.put("z", zero)
+        real = m.PolicyPublished(version=1, uri=f"obj://{m.object_bucket(run)}/z",
+                                 digest=content_digest(zero))
+        await bus.publish(m.subject(run, "policy.published"), encode(real))
+        await kv.put(m.LEDGER_KEY, encode(m.LedgerSummary(version=1, steps_total=5)))
+        await set_policy(bus, run, real)
+        await until(lambda: proxy.version == 1, deadline=20, what="the announced v1 loaded")
+        forged_pub = msgspec.structs.replace(real, version=2)
+        await kv.put(m.LEDGER_KEY, encode(m.LedgerSummary(version=2, steps_total=5)))
+        await set_policy(bus, run, forged_pub)
+        await until(lambda: proxy.gate.reports.get("settle", 0) >= 1, deadline=20,
+                    what="the unannounced v2 reported as settling", state=lambda: proxy.gate.reports)
+        assert proxy.version == 1
+
+
 async def test_tampered_object_store_bytes_are_refused_and_the_old_version_kept(
         bus, tiny_model, tmp_path):
     """Weights load only when their content digest matches the announcement: the bytes of

@@ -147,7 +147,7 @@ class EnvManager(Actor):
         async def accepted(pub: m.PolicyPublished) -> None:
             self.version = max(self.version, pub.version)
 
-        await follow_policy(self, self.gate, accepted)
+        await follow_policy(self, self.gate, accepted, announcements=True)
 
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n

@@ -47,11 +47,14 @@ class PolicyGate:
        b. with ``digests`` (generation replicas): ``d`` is the digest of the weights this
           holder loaded for ``v'``, if it loaded any (:meth:`loaded`: no silent replacement
           of the weights of a version; a record whose weights were refused may be corrected);
-       c. with announcements followed (``follow_policy(announcements=True)``: it needs a
-          core subscription to ``policy.published``, which the role permissions of
-          :mod:`rollart.security.permissions` grant no holder today, so it is off by
-          default): a ``policy.published`` message with ``(v', d)`` was seen (the trainer
-          publishes it before the KV record);
+       c. with announcements followed (``follow_policy(announcements=True)``, as every
+          holder does: a core subscription to ``policy.published``, which the role
+          permissions of :mod:`rollart.security.permissions` grant generate, env and
+          scheduler; a holder that has seen no announcement at all, e.g. one whose
+          credential lacks it, skips the rule): a ``policy.published`` message with
+          ``(v', d)`` was seen (the trainer publishes it before the KV record; a record seen
+          first is judged again when its announcement arrives, and one whose announcement was
+          missed, say in a reconnect, settles in ``settle_s``);
     4. otherwise **settling**: accepted only once the latest records have stayed
        doubtful-but-confirmed (2 holds, versions non-decreasing) for ``settle_s``. A real
        jump (a holder whose connection was down while the trainer stepped) settles; a

@@ -64,7 +64,7 @@ class PolicyLoading:
                 follow.announced(pub)  # wakes loads()
 
         async def records() -> None:  # only what the gate accepts (see PolicyGate)
-            await follow_policy(self, self.gate, accepted)
+            await follow_policy(self, self.gate, accepted, announcements=True)
 
         async def loads() -> None:
             # Loads run here, not in the gate's callback: a slow or failed weight read must

@@ -187,7 +187,7 @@ class RolloutScheduler(Actor):
                 self._policy_v = max(self._policy_v, pub.version)
                 self._set_version()
 
-        await follow_policy(self, self.gate, accepted)
+        await follow_policy(self, self.gate, accepted, announcements=True)
 
     def _set_version(self) -> None:
         """``v`` = the newest accepted policy version, but never more than the latest trainer

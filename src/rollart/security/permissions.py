@@ -68,7 +68,9 @@ USES: dict[str, dict[str, str]] = {
     "generate.request": {"env": "request", "generate": "serve"},
     "reward.request": {"env": "request", "reward": "serve"},
     "service.progress": {"generate": "publish", "reward": "publish", "env": "subscribe"},
-    "policy.published": {"trainer": "publish consume"},  # holders follow the KV record
+    # holders follow the KV record and cross-check it against the announcements (PolicyGate 3c)
+    "policy.published": {"trainer": "publish consume", "generate": "subscribe", "env": "subscribe",
+                         "scheduler": "subscribe"},
     "policy.loaded": {"generate": "publish", "trainer": "consume"},
     "node.heartbeat": {NODE: "publish", "trainer": "subscribe", "scheduler": "subscribe"},
     "dead": {NODE: "publish", "trainer": "consume", "scheduler": "consume"},
