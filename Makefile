@@ -3,6 +3,8 @@
 #   make test    set up .venv (once) and run the tests: python -m pytest -q -n 2 (pytest-xdist:
 #                two worker processes; TEST_WORKERS=N for another number, 0 for none)
 #   make test-fast   the same without the tests marked slow (learning runs, kills, restarts)
+#   make test-scale  the tests marked scale (learning runs of the scale-out trainer: ranks,
+#                    LoRA), left out of `make test`; CI runs both
 # Set-up is redone only when pyproject.toml changes (a stamp file in the venv), so the
 # second call starts at once. Extra arguments: make run ARGS="--steps 20 --nats memory",
 # make test ARGS=tests/cli.
@@ -22,7 +24,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 CPU_INDEX := https://download.pytorch.org/whl/cpu
-EXTRAS ?= dev,envs
+EXTRAS ?= dev,envs,megatron
 CONFIG ?= quickstart
 ARGS ?=
 TEST_WORKERS ?= 2
@@ -30,7 +32,7 @@ TEST_WORKERS ?= 2
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.rollart-setup
 
-.PHONY: run test test-fast setup test-vllm setup-vllm
+.PHONY: run test test-fast test-scale setup test-vllm setup-vllm
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
@@ -39,7 +41,10 @@ test: $(STAMP)
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 test-fast: $(STAMP)
-	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(ARGS)
+	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not scale" $(ARGS)
+
+test-scale: $(STAMP)
+	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m scale $(ARGS)
 
 setup: $(STAMP)
 

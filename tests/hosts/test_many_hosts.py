@@ -489,3 +489,40 @@ async def test_two_env_pools_share_work_and_one_killed_leaves_it_to_the_other(
     assert copies, "no trajectory was moved to pool a"
     print_timing("two env pools, b killed", t0, step_at_kill=step_at_kill, acked_before=done_by,
                  moved=len(copies), trained=len(trained))
+
+
+async def test_head_moves_to_another_host_with_its_checkpoint_in_the_object_store(
+        tmp_path, tiny_model, hosts, nats_cluster):
+    """``trainer.checkpoint_store: object``: the head is killed (-9) after step 2 and started on
+    another host whose run folder is empty (another ``run_dir``, as on a host without the
+    old disk): it takes the checkpoint and the metrics record from the object store and the
+    run finishes there: every step once, nothing trained twice, the env and generate nodes
+    serving throughout (they exit 0 at the end, never restarted)."""
+    t0 = time.monotonic()
+    _, cluster, (head_h, env_h, gen_h, new_h) = await cluster_and_hosts(hosts, nats_cluster, 4)
+    cfg, run = write_config(tmp_path, tiny_model, cluster.urls, steps=4,
+                            trainer={"weights": "object", "checkpoint_store": "object"})
+    moved_cfg = tmp_path / "moved.yaml"
+    data = yaml.safe_load(cfg.read_text())
+    data["run_dir"] = str(tmp_path / "runs-new-host")
+    moved_cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    head = await start_head(head_h, cfg)
+    procs = [head, node(env_h, cfg, "env,reward"), node(gen_h, cfg, "generate")]
+    await wait_step(tmp_path, run, 2, head, procs)
+    head.signal(signal.SIGKILL)
+    await head.wait(30)
+    step_at_kill = metrics_rows(tmp_path, run)[-1]["step"]
+    assert step_at_kill < 4, "the kill came after the last step: it proves nothing"
+    new_head = node(new_h, moved_cfg, "trainer,scheduler", name="head-new-host")
+    procs = [new_head] + procs[1:]
+    await new_head.line_with("from the object store", 90)
+    await wait_exit(procs, 180)
+    assert "continues from its checkpoint at version" in new_head.output(), new_head.tail(30)
+    new_path = tmp_path / "runs-new-host"
+    rows = [json.loads(x) for x in (new_path / run / "metrics.jsonl").read_text().splitlines()
+            if x.strip()]
+    check_steps(rows, steps=4)
+    rec = await run_record(cluster.urls, run)
+    counts = check_accounting(rec, rows)
+    print_timing("head moved", t0, step_at_kill=step_at_kill, **counts)

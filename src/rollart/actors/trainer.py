@@ -177,6 +177,16 @@ class Trainer(StepLoop, Actor):
             "ledger": self.ledger.state(), "counts": dict(self.counts),
             "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s})
 
+    async def _checkpoint(self) -> None:
+        """Save the checkpoint; with ``trainer.checkpoint_store: object`` put it (and the
+        metrics record) in the run's object store too, before the deliveries it covers are
+        acked (:mod:`rollart.actors.checkpoint_store`)."""
+        await asyncio.to_thread(self._save_checkpoint)
+        if self.cfg.trainer.checkpoint_store == "object":
+            from rollart.actors.checkpoint_store import put_checkpoint
+
+            await put_checkpoint(self.bus, self.run, self.files, what=self.name)
+
     async def _publish(self) -> None:
         """Announce the current weights: ``policy.published`` and KV ``policy.version``
         (:class:`rollart.actors.trainer_publish.WeightPublisher`)."""

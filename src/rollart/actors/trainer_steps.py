@@ -22,6 +22,7 @@ from rollart.actors.trainer_files import RunFiles
 from rollart.actors.trainer_publish import KvGuard, WeightPublisher
 from rollart.config import RunConfig
 from rollart.config.placement import mapped_pools
+from rollart.errors import TrainStepFailed
 from rollart.telemetry import otel_metrics, tracing
 
 log = logging.getLogger("rollart.actors.trainer")  # the trainer's log lines, wherever written
@@ -58,6 +59,7 @@ class StepLoop:
     publish_patiently: Any
     _publish: Any
     _save_checkpoint: Any
+    _checkpoint: Any
 
     async def _train(self) -> None:
         if self.version >= self.cfg.trainer.steps:
@@ -80,6 +82,8 @@ class StepLoop:
                     tracing.add_links(sp, self._trace_links(batch))
                     sp.set_attribute("staleness", self._staleness_counts(batch))
                 metrics = await self._step(batch, wait_s=time.perf_counter() - t0, t_start=t_start)
+            if metrics is None:  # the step could not be taken: the run stops (self.failure)
+                return
             otel_metrics.trainer_step(time.perf_counter() - t0)
             if self.on_step is not None:
                 self.on_step(metrics)
@@ -159,7 +163,7 @@ class StepLoop:
 
     async def _stop_run(self, reason: str) -> None:
         self.failure = reason
-        await asyncio.to_thread(self._save_checkpoint)  # the ledger knows the failed groups
+        await self._checkpoint()  # the ledger knows the failed groups
         self._release_unacked()
         kinds = ", ".join(f"{k}: {n}" for k, n in self.ledger.failure_kinds.most_common())
         log.error("run stopped: %s (dead letters by kind: %s)", reason, kinds or "none")
@@ -218,17 +222,23 @@ class StepLoop:
         idx = RESTART_BASE + g.index * 100 + t.attempt
         gid = f"{t.group_id}-r{t.attempt}"
         self.ledger.readmitted(idx, gid, t.seed)
+        pool = self._env_pool()
         for i in range(n):
             await self.publish_patiently("rollout.requested", m.RolloutRequested(
                 traj_id=f"{gid}-{i}", group_id=gid, env=t.env, seed=t.seed, index_in_group=i,
                 admitted_version=self.version, min_version=self.version, group_index=idx,
-                created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}", pool=self._env_pool())
+                created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}", pool=pool)
 
     def _env_pool(self) -> str | None:
-        """The pool of the EnvManagers (``mapping.env``), None: this actor's own pool."""
-        return mapped_pools(self.cfg.mapping, "env")[0] if self.cfg.pools else None
+        """The pool of the EnvManagers (``mapping.env``; several: taken in turn, one per
+        restarted group), None: this actor's own pool."""
+        if not self.cfg.pools:
+            return None
+        pools = mapped_pools(self.cfg.mapping, "env")
+        self._restarts_sent = getattr(self, "_restarts_sent", -1) + 1
+        return pools[self._restarts_sent % len(pools)]
 
-    async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict:
+    async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict | None:
         # optional dependency: train_batch imports torch (a trainer process has it)
         from rollart.actors.train_batch import build_samples, loss_config, trajectory_stats
 
@@ -241,8 +251,14 @@ class StepLoop:
                                 self.cfg.trainer.advantage)
         otel_metrics.staleness(v - t.min_version for t in trajs)
         t0 = time.perf_counter()
-        with tracing.span("train", {"samples": len(samples)}):
-            tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))
+        try:
+            with tracing.span("train", {"samples": len(samples)}):
+                tm = await asyncio.to_thread(self.backend.train_step, samples, loss_cfg=loss_config(self.cfg.trainer))
+        except TrainStepFailed as e:  # e.g. a trainer rank died: nothing of the step applied, no
+            # checkpoint taken; its groups (and every later one) are handed back un-acked
+            self.failure = f"training step {v + 1} failed: {e}"
+            log.error("%s: run stopped: %s", self.name, self.failure)
+            return None
         train_s = time.perf_counter() - t0
         counts = {**self.ledger.counts, **self.counts}
         out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
@@ -267,7 +283,7 @@ class StepLoop:
         with tracing.span("checkpoint", {"saved": checkpointed}):
             await asyncio.to_thread(self.files.write_metrics, out)
             if checkpointed:
-                await asyncio.to_thread(self._save_checkpoint)
+                await self._checkpoint()
         with tracing.span("publish"):
             await self._publish()
             await self._publish_ledger()

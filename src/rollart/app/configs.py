@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 from importlib.resources import files
+from importlib.util import find_spec
 from pathlib import Path
 
 from rollart.config import ConfigError, RunConfig, load
@@ -43,12 +44,16 @@ def resolve_config(name: str) -> Path:
                       f"{', '.join(sorted(known)) or 'none'}")
 
 
-async def check_run_config(cfg: RunConfig, names: list[str] | None = None) -> None:
+async def check_run_config(cfg: RunConfig, names: list[str] | None = None, *,
+                           trainer: bool = True) -> None:
     """Import, construct and reset every env of ``cfg`` (or ``names``; see rollart.envs.check);
     raises a ConfigError naming the env when one is broken, or saying what ``proxy.engine``
-    needs that is not installed."""
+    (or, with ``trainer``, ``trainer.backend``) needs that is not installed."""
     if (why := missing_for(cfg.proxy.engine)) is not None:
         raise ConfigError(why)
+    if trainer and cfg.trainer.backend == "megatron" and find_spec("megatron") is None:
+        raise ConfigError("trainer.backend 'megatron' needs megatron-core, which is not installed "
+                          "here: pip install 'rollart[megatron]' (see README: Trainer)")
     check_engine_args(cfg)
     await check_envs_async(cfg, names)
 

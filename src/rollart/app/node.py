@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
                         "with `rollart secure init DIR --host NAME` (DIR/server.conf)")
     p.add_argument("--run", default=None, help="override the config's run name")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="with --roles trainer: be trainer rank R (1..trainer.world_size-1) of the "
+                        "run's trainer, joining rank 0 at trainer.master (or --master); it never "
+                        "touches the bus")
+    p.add_argument("--master", default=None, metavar="HOST:PORT",
+                   help="with --rank: rank 0's rendezvous address (default: trainer.master)")
     p.add_argument("--serve", action="store_true",
                    help="stay up when the run ends (for the next run); by default a node drains "
                         "and exits 0 once the host of the trainer has published the end of the run")
@@ -85,6 +91,8 @@ async def _amain(args) -> int:
     resume = False
     if "trainer" in roles:  # the head: a run folder with a checkpoint is continued
         run_path = Path(cfg.run_dir) / cfg.run
+        if cfg.trainer.checkpoint_store == "object" and ns.joins:
+            await _fetch_checkpoint(ns, cfg, run_path)
         version = await asyncio.to_thread(checkpoint_version, run_path)
         if version is not None and version >= cfg.trainer.steps:
             print(f"rollart node: run {cfg.run} is finished: its checkpoint ({run_path}) is at "
@@ -222,11 +230,50 @@ async def _until_end(bus: Bus, cfg, node: Node, *, serve: bool, embedded: bool) 
     return 0
 
 
+async def _fetch_checkpoint(ns, cfg, run_path: Path) -> None:
+    """``trainer.checkpoint_store: object``: a head whose run folder has no checkpoint takes
+    the one in the run's object store (the head moved to this host)."""
+    from rollart.actors.checkpoint_store import fetch_checkpoint
+
+    if (run_path / "checkpoints" / "latest.pt").exists():
+        return
+    bus = bus_from_config(ns, name="rollart-node-checkpoint", replicas=cfg.node.stream_replicas)
+    await _connect_patiently(bus, cfg.rollout.service_wait)
+    try:
+        if await fetch_checkpoint(bus, cfg.run, run_path):
+            print(f"rollart node: took run {cfg.run}'s checkpoint from the object store "
+                  f"(trainer.checkpoint_store: object) into {run_path}", flush=True)
+    finally:
+        await bus.close()
+
+
+def _rank_main(args) -> int:
+    """``--roles trainer --rank R``: trainer rank R (:mod:`rollart.app.trainer_rank`)."""
+    from rollart.app.trainer_rank import run_rank
+    from rollart.engines.provision import model_dir
+
+    try:
+        cfg = load(resolve_config(args.config), RunConfig)
+        master = args.master or cfg.trainer.master
+        if args.roles.strip() != "trainer" or args.rank < 1 or not master:
+            raise ValueError("--rank R needs --roles trainer, R >= 1 and rank 0's address "
+                             "(trainer.master in the config, or --master HOST:PORT)")
+        local_model = str(model_dir(cfg))
+    except (ConfigError, ValueError) as e:
+        print(f"rollart node: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"rollart node: trainer rank {args.rank} of {cfg.trainer.world_size} joining {master}",
+          flush=True)
+    return run_rank(args.rank, master, model_dir=local_model)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()  # no third-party progress bars in node logs
+    if args.rank is not None:
+        return _rank_main(args)
     run = event_loop_runner()
     try:
         return run(_amain(args))

@@ -51,7 +51,7 @@ async def rollout_main(args) -> int:
     base = m.check_token("run", args.run) if args.run else cfg.run
     # its own run name (subjects, streams): never a training run's folder, queue or stream
     cfg = msgspec.structs.replace(cfg, run=f"{base}-rollout-{uuid.uuid4().hex[:6]}")
-    await check_run_config(cfg, [args.env] if args.env else None)  # a broken env fails now
+    await check_run_config(cfg, [args.env] if args.env else None, trainer=False)  # a broken env fails now
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     async with _scratch_bus(cfg, args.nats, nats_overrides(args)) as bus:

@@ -260,6 +260,23 @@ class RewardConfig(Base):
         in_range(self, "reward.", "gather_ms", ge=0)
 
 
+class MegatronConfig(Base):
+    """``trainer.backend: megatron``: megatron-core's model-parallel sizes."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size; 1 (the trainer runs on CPU, in one process)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size; 1 (as ``tensor_parallel``)."""
+
+    def __post_init__(self) -> None:
+        k = "trainer.megatron."
+        in_range(self, k, "tensor_parallel pipeline_parallel", ge=1)
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{k}{name} must be 1 (it is {getattr(self, name)!r}): the trainer "
+                                 "runs on CPU in one process, where megatron-core has no model parallelism")
+
+
 class TrainerConfig(Base):
     """Training: algorithm, optimizer, weight sync and checkpoints."""
 
@@ -305,8 +322,20 @@ class TrainerConfig(Base):
     """k3 KL penalty to the initial policy."""
     micro_batch_tokens: int = 8192
     """Padded tokens per micro-batch (gradient accumulation above it)."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """What computes the step: ``torch`` (the HF model in plain PyTorch) or ``megatron``
+    (the same Qwen3 model as megatron-core's ``GPTModel``, ``pip install 'rollart[megatron]'``;
+    weights are converted from and back to HF names, so generators load them unchanged)."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Settings of ``backend: megatron``."""
     weights: Literal["file", "object"] = "file"
     """Where weights travel: the run folder (shared filesystem) or the bus object store."""
+    checkpoint_store: Literal["file", "object"] = "file"
+    """Where the checkpoint lives: the run folder only (``file``), or also the run's object
+    store (``object``: each checkpoint and the metrics record are put there before the
+    trajectories it covers are acked, and a head node whose run folder has no checkpoint takes
+    them from the store, so the head can move to a host without the old run folder; needs
+    ``weights: object``)."""
     checkpoint_every: int = 1
     """Steps between checkpoints; trajectories are acked only once checkpointed."""
     keep_weights: int = 3
@@ -325,13 +354,36 @@ class TrainerConfig(Base):
     stall_after: float = 120.0
     """Seconds the trainer waits for a batch before it says what it waits for (groups,
     queued work, pools without a live node), then again every minute or so."""
+    world_size: int = 1
+    """Trainer ranks (processes) computing each step, over ``torch.distributed`` (gloo on CPU,
+    nccl on GPU): rank 0 is the trainer on the bus, each rank computes its share of the
+    step's samples and the gradients are all-reduced. Without ``master`` rank 0 starts the
+    other ranks on its own host (logs ``logs/trainer-rank<R>.log``)."""
+    dist_timeout: float = 120.0
+    """Seconds a collective between trainer ranks may take; a rank that died or hangs fails
+    the step within them (the run stops, naming the rank)."""
+    master: str | None = None
+    """``HOST:PORT`` where rank 0 listens for the other ranks, which are then started by hand
+    on any host: ``python -m rollart.node --config C --roles trainer --rank R``. None:
+    127.0.0.1 on a free port, every rank on the trainer's host."""
 
     def __post_init__(self) -> None:
         if self.stall_after <= 0:
             raise ValueError("trainer.stall_after must be > 0 seconds")
+        if self.checkpoint_store == "object" and self.weights != "object":
+            raise ValueError("trainer.checkpoint_store: object needs trainer.weights: object (a "
+                             "head on another host serves the weights from the store too)")
         k = "trainer."
         in_range(self, k, "steps micro_batch_tokens checkpoint_every keep_weights eval_groups", ge=1)
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
         in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform", ge=0)
         in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
         in_range(self, k, "expect_success", ge=0, le=1)
+        in_range(self, k, "world_size", ge=1)
+        in_range(self, k, "dist_timeout", gt=0)
+        if self.world_size > 1 and getattr(self, "backend", "torch") != "torch":
+            raise ValueError(f"{k}world_size > 1 needs {k}backend: torch (it is {self.backend!r})")
+        if self.master is not None:
+            host, _, port = self.master.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{k}master must be HOST:PORT (it is {self.master!r})")

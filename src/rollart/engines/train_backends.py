@@ -14,7 +14,22 @@ def make_backend(cfg: Any, model_dir: str | os.PathLike) -> Any:
     from rollart.engines.torch_trainer import TorchTrainBackend
 
     t = cfg.trainer
-    return TorchTrainBackend(
-        model_dir, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
-        threads=cfg.model.threads, seed=t.seed, micro_batch_tokens=t.micro_batch_tokens)
+    kwargs = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                  warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
+                  threads=cfg.model.threads, seed=t.seed, micro_batch_tokens=t.micro_batch_tokens)
+    if getattr(t, "backend", "torch") == "megatron":
+        from rollart.engines import megatron_trainer as mt
+
+        if not mt.megatron_available():
+            raise RuntimeError("trainer.backend: megatron needs megatron-core: "
+                               "pip install 'rollart[megatron]'")
+        return mt.MegatronTrainBackend(model_dir, tensor_parallel=t.megatron.tensor_parallel,
+                                       pipeline_parallel=t.megatron.pipeline_parallel, **kwargs)
+    if getattr(t, "world_size", 1) > 1:  # trainer ranks over torch.distributed
+        from pathlib import Path
+
+        from rollart.engines.trainer_ranks import start_ranks
+
+        return start_ranks(model_dir, world_size=t.world_size, dist_timeout=t.dist_timeout,
+                           master=t.master, log_dir=Path(cfg.run_dir) / cfg.run / "logs", **kwargs)
+    return TorchTrainBackend(model_dir, **kwargs)

@@ -1,0 +1,469 @@
+"""Trainer ranks: one training step computed by ``trainer.world_size`` processes.
+
+Rank 0 is the trainer on the bus (:class:`rollart.actors.trainer.Trainer`): it takes the
+batches, acks, checkpoints and publishes versions, and its backend is a
+:class:`RankedTrainBackend`. Ranks 1..N-1 never touch the bus: each holds a replica of the
+model and optimizer and, per step, receives the step's samples and loss settings from rank 0
+(:meth:`RankedTrainBackend.serve`).
+
+A step (every rank runs the same code on the same samples):
+
+1. rank 0 broadcasts the samples (msgpack, no pickle) over the process group;
+2. each rank sorts them longest first and takes every N-th one from its rank on (balanced
+   shares), and back-propagates its micro-batches with the weight ``units_k / units_total``
+   where ``units_total`` is the aggregation denominator of the *whole* batch (token count,
+   or sequence count: :func:`rollart.algos.reduce.agg_units`): every rank sees every
+   sample, so the global counts are known before the loss is scaled and no per-rank mean is
+   ever averaged; token-mean, seq-mean-token-sum and seq-mean-token-mean give the update of
+   world size 1;
+3. the gradients (one flat buffer) and the metric sums are all-reduced (sum), so every rank
+   holds the full gradient: the clip uses the global norm and the optimizer steps are the
+   same on every rank; the replicas stay bit-identical (checked every step: a fingerprint of
+   the parameters, compared across ranks), so a version's weights and digest are rank 0's.
+
+Rendezvous: rank 0 opens a ``TCPStore`` (``trainer.master``, or 127.0.0.1 on a free port)
+and writes what the others need into it (backend arguments, the model folder); without
+``trainer.master`` it starts ranks 1..N-1 itself (``python -m rollart.app.trainer_rank``,
+log ``<run>/logs/trainer-rank<R>.log``). Every collective has ``trainer.dist_timeout``; rank
+0 pings idle ranks so they never time out between steps. A rank that dies fails the step
+with :class:`RankFailed` naming it; the backend is then unusable (the trainer stops the run,
+nothing of the step applied) and the other ranks are stopped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from rollart.algos.losses import LossConfig
+from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, as_loss_config
+from rollart.errors import TrainStepFailed
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0
+"""Seconds rank 0 waits for the other ranks to join (ranks it started: until one exits)."""
+SPEC_KEY = "rollart/spec"
+JOINED_KEY = "rollart/joined"
+
+
+class RankFailed(TrainStepFailed):
+    """A trainer rank died, hung past ``trainer.dist_timeout``, or diverged."""
+
+
+class _Command(msgspec.Struct, array_like=True):
+    kind: str
+    """``step``, ``load`` (a checkpoint's state, ``torch.save`` bytes), ``ping`` or ``stop``."""
+    samples: list[TrainSample] = []
+    loss: LossConfig | None = None
+    state: bytes = b""
+
+
+def parse_master(master: str) -> tuple[str, int]:
+    host, _, port = master.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class RankedTrainBackend(TorchTrainBackend):
+    """A :class:`TorchTrainBackend` that is one rank of a process group (see the module
+    docstring). Build rank 0 with :func:`start_ranks`, the others with :func:`serve_rank`."""
+
+    def __init__(self, model_dir: str | os.PathLike, *, rank: int, world_size: int,
+                 dist_timeout: float, **kwargs: Any) -> None:
+        super().__init__(model_dir, **kwargs)
+        self.rank, self.world_size, self.dist_timeout = rank, world_size, float(dist_timeout)
+        self.pg: Any = None
+        self.failed: str | None = None
+        """Why this group is unusable (rank 0: every later step raises it)."""
+        self.procs: dict[int, subprocess.Popen] = {}
+        """Rank 0: the ranks it started, by rank."""
+        self.logs: dict[int, Path] = {}
+        self._lock = threading.Lock()
+        self._sharding = False
+        self._last_op = time.monotonic()
+        self._stop = threading.Event()
+
+    # -- the process group ----------------------------------------------------------
+    def join(self, store: Any, *, address: str) -> None:
+        """Create the process group over ``store`` (every rank calls it; ``address``: this
+        host's address the other ranks reach) and give every rank rank 0's parameters."""
+        timeout = datetime.timedelta(seconds=self.dist_timeout)
+        pg_store = dist.PrefixStore("pg", store)
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(pg_store, self.rank, self.world_size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname) if ifname
+                             else dist.ProcessGroupGloo.create_device(hostname=address)]
+            self.pg = dist.ProcessGroupGloo(pg_store, self.rank, self.world_size, opts)
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                self._wait(self.pg.broadcast(t.data, 0))
+
+    def _wait(self, work: Any) -> None:
+        work.wait()
+        self._last_op = time.monotonic()
+
+    def _allreduce(self, t: torch.Tensor, op: Any = None) -> None:
+        if op is None:
+            self._wait(self.pg.allreduce([t]))
+        else:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            self._wait(self.pg.allreduce([t], opts))
+
+    def _broadcast_command(self, cmd: _Command | None) -> _Command:
+        """Rank 0 sends ``cmd``; every other rank receives it."""
+        if self.rank == 0:
+            raw = msgspec.msgpack.encode(cmd)
+            size = torch.tensor([len(raw)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._wait(self.pg.broadcast(size, 0))
+        buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == 0
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        if buf.numel():
+            self._wait(self.pg.broadcast(buf, 0))
+        return cmd if self.rank == 0 else msgspec.msgpack.decode(buf.numpy().tobytes(), type=_Command)
+
+    # -- the step (every rank) ------------------------------------------------------
+    def micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        if not self._sharding:
+            return super().micro_batches(samples)
+        ordered = sorted(samples, key=lambda s: -len(s.token_ids))  # stable: the same everywhere
+        return super().micro_batches(ordered[self.rank::self.world_size])
+
+    def accumulate_gradients(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
+        """This rank's share of the micro-batches, weighted by the whole batch's aggregation
+        units, then the gradients and metric sums all-reduced: every rank holds the gradient
+        and the metrics of the whole batch."""
+        self._sharding = True
+        try:
+            metrics = super().accumulate_gradients(samples, loss_cfg=loss_cfg)
+        finally:
+            self._sharding = False
+        grads = []
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._allreduce(flat)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+        keys = [k for k in metrics if k not in ("tokens", "samples")]
+        sums = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        self._allreduce(sums)
+        metrics.update(zip(keys, sums.tolist()))
+        return metrics
+
+    def _check_replicas(self) -> None:
+        """Every rank's parameters are the same (a fingerprint, compared across ranks)."""
+        with torch.no_grad():
+            fp = torch.zeros(2, dtype=torch.float64)
+            for i, p in enumerate(self._params):
+                fp[0] += p.double().sum() * (1 + i % 7)
+                fp[1] += p.double().abs().sum()
+        both = torch.cat([fp, -fp])
+        self._allreduce(both, dist.ReduceOp.MAX)
+        if not torch.equal(both[:2], -both[2:]):
+            raise RankFailed(f"trainer rank {self.rank}: the ranks' parameters differ after step "
+                             f"{self.version} (fingerprints {both[:2].tolist()} vs "
+                             f"{(-both[2:]).tolist()}): the replicas diverged")
+
+    def _ranked_step(self, samples: Sequence[TrainSample], loss_cfg: object) -> dict:
+        metrics = super().train_step(samples, loss_cfg=loss_cfg)
+        self._check_replicas()
+        metrics["world_size"] = self.world_size
+        return metrics
+
+    # -- rank 0 ---------------------------------------------------------------------
+    def train_step(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 takes steps; the other ranks serve()")
+        with self._lock:
+            self._usable()
+            cmd = _Command("step", list(samples), as_loss_config(loss_cfg))
+            try:
+                self._broadcast_command(cmd)
+                return self._ranked_step(cmd.samples, cmd.loss)
+            except ValueError:  # the batch's fault (no response tokens): the same on every
+                raise           # rank, raised before any collective; the group stays usable
+            except RankFailed as e:
+                raise self._fail(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - a collective failed: dead or hung rank
+                raise self._fail(self._why(e, f"step {self.version + 1}")) from None
+
+    def load_checkpoint_state(self, state: Any) -> None:
+        super().load_checkpoint_state(state)
+        if self.rank != 0:
+            return
+        import io
+
+        buf = io.BytesIO()
+        torch.save({k: state[k] for k in ("model", "optimizer", "scheduler", "version")}, buf)
+        with self._lock:
+            self._usable()
+            try:
+                self._broadcast_command(_Command("load", state=buf.getvalue()))
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(self._why(e, "loading the checkpoint")) from None
+
+    def _usable(self) -> None:
+        if self.failed is not None:
+            raise RankFailed(self.failed)
+
+    def _dead(self, wait: float = 2.0) -> list[int]:
+        """The ranks this process started that have exited (waiting up to ``wait`` s for a
+        kill to be seen: the collective may fail before the process is reaped)."""
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [r for r, p in self.procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline or not self.procs:
+                return dead
+            time.sleep(0.05)
+
+    def _why(self, e: BaseException, during: str) -> str:
+        dead = self._dead()
+        err = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        if dead:
+            return "; ".join(
+                f"trainer rank {r} (pid {self.procs[r].pid}) died ({_describe(self.procs[r].returncode)}) "
+                f"during {during}; see its log {self.logs.get(r)}" for r in dead)
+        return (f"trainer ranks: a collective failed during {during} within trainer.dist_timeout "
+                f"= {self.dist_timeout:g} s: a rank died or hangs ({type(e).__name__}: {err})")
+
+    def _fail(self, why: str) -> RankFailed:
+        if self.failed is None:
+            self.failed = why
+            log.error("%s; the trainer ranks are stopped", why)
+        self.shutdown(kill=True)
+        return RankFailed(self.failed)
+
+    def _keepalive(self) -> None:
+        """Ping idle ranks so their wait for the next command never reaches the timeout; a
+        ping that fails marks the group failed (the next step says which rank)."""
+        every = max(0.2, min(30.0, self.dist_timeout / 4))
+        while not self._stop.wait(every / 2):
+            if self.failed is not None:
+                return
+            if time.monotonic() - self._last_op < every or not self._lock.acquire(timeout=0):
+                continue
+            try:
+                if self.failed is None and not self._stop.is_set():
+                    self._broadcast_command(_Command("ping"))
+            except Exception as e:  # noqa: BLE001
+                self._fail(self._why(e, "an idle ping"))
+            finally:
+                self._lock.release()
+
+    def shutdown(self, *, kill: bool = False, timeout: float = 10.0) -> None:
+        """Rank 0: stop the other ranks (a ``stop`` command, then SIGKILL of those it started
+        that did not exit). Idempotent."""
+        if self.rank != 0 or self._stop.is_set():
+            return
+        self._stop.set()
+        if not kill and self.failed is None and self.pg is not None:
+            got = self._lock.acquire(timeout=timeout)
+            try:
+                if got and self.failed is None:
+                    self._broadcast_command(_Command("stop"))
+            except Exception:  # noqa: BLE001 - they are killed below
+                kill = True
+            finally:
+                if got:
+                    self._lock.release()
+        deadline = time.monotonic() + (0 if kill else timeout)
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+
+    # -- ranks 1..N-1 ---------------------------------------------------------------
+    def serve(self) -> int:
+        """Take rank 0's commands until ``stop`` (0) or a failure (non-zero)."""
+        while True:
+            try:
+                cmd = self._broadcast_command(None)
+            except Exception as e:  # noqa: BLE001 - rank 0 died or stopped pinging
+                log.error("rank %d: lost rank 0 (%s: %s)", self.rank, type(e).__name__, e)
+                return 1
+            if cmd.kind == "stop":
+                log.info("rank %d: stopped by rank 0 at version %d", self.rank, self.version)
+                return 0
+            if cmd.kind == "ping":
+                continue
+            if cmd.kind == "load":
+                import io
+
+                state = torch.load(io.BytesIO(cmd.state), weights_only=True)
+                state["rng"] = {"torch": torch.get_rng_state(), "python": _py_rng()}
+                TorchTrainBackend.load_checkpoint_state(self, state)
+                log.info("rank %d: loaded rank 0's checkpoint state (version %d)", self.rank, self.version)
+                continue
+            try:
+                m = self._ranked_step(cmd.samples, cmd.loss)
+            except ValueError as e:  # the batch's fault: rank 0 raised the same before any collective
+                log.warning("rank %d: step refused: %s", self.rank, e)
+                continue
+            except Exception:
+                log.exception("rank %d: step %d failed", self.rank, self.version + 1)
+                return 1
+            log.info("rank %d: step -> version %d (%.2fs, %d samples)", self.rank, self.version,
+                     m["seconds"], len(cmd.samples))
+
+
+def _py_rng() -> Any:
+    import random
+
+    return random.getstate()
+
+
+def _describe(rc: int | None) -> str:
+    if rc is None:
+        return "no status"
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"status {rc}"
+
+
+def start_ranks(model_dir: str | os.PathLike, *, world_size: int, dist_timeout: float,
+                master: str | None = None, log_dir: str | os.PathLike | None = None,
+                join_timeout: float = JOIN_TIMEOUT_S, **kwargs: Any) -> RankedTrainBackend:
+    """Rank 0's backend: open the rendezvous store, start ranks 1..N-1 on this host (unless
+    ``master`` is given: then they are started by hand), wait for them to join, build the
+    process group. ``kwargs``: :class:`TorchTrainBackend`'s arguments (every rank gets them)."""
+    local = master is None
+    host, port = ("127.0.0.1", 0) if local else parse_master(master)
+    store = dist.TCPStore(host if local else "0.0.0.0", port, world_size, is_master=True,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=join_timeout))
+    addr = f"{host}:{store.port}"
+    store.set(SPEC_KEY, json.dumps({"model_dir": str(model_dir), "world_size": world_size,
+                                    "dist_timeout": dist_timeout, "kwargs": kwargs}))
+    backend = RankedTrainBackend(model_dir, rank=0, world_size=world_size,
+                                 dist_timeout=dist_timeout, **kwargs)
+    backend._store = store  # the store must live as long as the group
+    try:
+        if local:
+            logs = Path(log_dir) if log_dir is not None else Path(model_dir)
+            logs.mkdir(parents=True, exist_ok=True)
+            for r in range(1, world_size):
+                backend.logs[r] = logs / f"trainer-rank{r}.log"
+                backend.procs[r] = _spawn(r, addr, backend.logs[r], kwargs.get("threads"))
+            atexit.register(backend.shutdown, kill=True)
+            log.info("trainer ranks 1..%d started on this host (rendezvous %s): pids %s",
+                     world_size - 1, addr, [p.pid for p in backend.procs.values()])
+        else:
+            log.info("trainer rank 0 waits for ranks 1..%d at %s (python -m rollart.node "
+                     "--roles trainer --rank R)", world_size - 1, addr)
+        deadline = time.monotonic() + join_timeout
+        while store.add(JOINED_KEY, 0) < world_size - 1:
+            dead = [r for r, p in backend.procs.items() if p.poll() is not None]
+            if dead:
+                raise RankFailed("; ".join(
+                    f"trainer rank {r} exited ({_describe(backend.procs[r].returncode)}) before "
+                    f"joining; see its log {backend.logs[r]}" for r in dead))
+            if time.monotonic() > deadline:
+                raise RankFailed(f"trainer ranks: only {store.add(JOINED_KEY, 0)} of "
+                                 f"{world_size - 1} ranks joined at {addr} within {join_timeout:g} s")
+            time.sleep(0.05)
+        backend.join(store, address=host)
+    except BaseException:
+        backend.shutdown(kill=True)
+        raise
+    threading.Thread(target=backend._keepalive, name="trainer-ranks-ping", daemon=True).start()
+    log.info("trainer ranks: %d processes in the group (%s)", world_size,
+             "gloo" if backend.device.type != "cuda" else "nccl")
+    return backend
+
+
+def _spawn(rank: int, addr: str, log_path: Path, threads: int | None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if threads:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, "-m", "rollart.app.trainer_rank", "--rank", str(rank), "--master", addr,
+           "--parent", str(os.getpid())]
+    with open(log_path, "ab") as out:
+        out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} trainer rank 0 (pid {os.getpid()}): "
+                  f"start {' '.join(cmd[1:])}\n".encode())
+        out.flush()
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+
+
+def serve_rank(rank: int, master: str, *, model_dir: str | os.PathLike | None = None,
+               parent: int | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> int:
+    """Ranks 1..N-1: join rank 0 at ``master`` (``HOST:PORT``), then take its commands until
+    it stops them; the exit status. ``model_dir``: this host's copy of the model folder
+    (default: the one rank 0 named). ``parent``: exit when that process is gone."""
+    if parent:
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    host, port = parse_master(master)
+    store = dist.TCPStore(host, port, is_master=False,
+                          timeout=datetime.timedelta(seconds=join_timeout))
+    spec = json.loads(store.get(SPEC_KEY))
+    if rank < 1 or rank >= spec["world_size"]:
+        raise ValueError(f"--rank {rank}: the trainer's world_size is {spec['world_size']} "
+                         f"(ranks 1..{spec['world_size'] - 1} join rank 0)")
+    kwargs = spec["kwargs"]
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    backend = RankedTrainBackend(model_dir or spec["model_dir"], rank=rank,
+                                 world_size=spec["world_size"], dist_timeout=spec["dist_timeout"],
+                                 **kwargs)
+    store.add(JOINED_KEY, 1)
+    backend.join(store, address=_route_to(host))
+    log.info("trainer rank %d of %d joined %s (%s, pid %d)", rank, backend.world_size, master,
+             socket.gethostname(), os.getpid())
+    return backend.serve()
+
+
+def _route_to(host: str) -> str:
+    """This host's address on the route to ``host`` (what rank 0 reaches this rank at)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: only the route is chosen
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def _exit_with(pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:
+            pass

@@ -1,0 +1,43 @@
+"""The scale-out trainer learns the quickstart: ``trainer.world_size: 2`` (rank 1 a child
+process of the run, gloo) reaches greedy success >= 0.9 under the rules of
+:mod:`tests.e2e.test_learning`: one run, the packaged config as it is, no retry with another
+seed, no ``--resume``. Run by ``make test-scale`` (marked ``scale``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollart.app.launch import with_overrides
+from rollart.app.run import train
+from tests.e2e.test_learning import GREEDY, _rows, quickstart
+
+pytestmark = [pytest.mark.slow, pytest.mark.scale]
+
+
+@pytest.mark.timeout(1500)
+async def test_quickstart_learns_with_two_trainer_ranks(tmp_path):
+    alpha = 1
+    cfg = with_overrides(quickstart(tmp_path, "learn-ranks2", alpha), trainer={"world_size": 2})
+    steps = cfg.trainer.steps
+    summary = await train(cfg, nats="memory", resume=False, quiet=True)
+    assert summary["steps"] == steps and not summary["interrupted"], summary
+    rows = _rows(cfg)
+    report = (f"world_size 2: final greedy success {summary.get('greedy_success')}; sampled "
+              f"success every 10 steps {[round(r['success'], 2) for r in rows[::10]]}, last "
+              f"{rows[-1]['success']:.2f}; {summary.get('wall_s', 0):.0f} s, train "
+              f"{sum(r['train_s'] for r in rows) / len(rows):.2f} s/step")
+    print(report)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["world_size"] == 2 for r in rows), "every step was computed by two ranks"
+    log = Path(cfg.run_dir) / cfg.run / "logs" / "trainer-rank1.log"
+    assert f"step -> version {steps}" in log.read_text(), "rank 1 took every step"
+    assert rows[0]["success"] < 0.5, "it must start from a policy that cannot do the task"
+    assert summary["greedy_success"] >= GREEDY, f"the quickstart did not learn: {report}"
+    assert not summary.get("below_expected"), summary.get("below_expected")
+    for r in rows:  # the α rule on recorded data: step v+1 uses min_version >= v - alpha
+        v = r["step"] - 1
+        assert all(mv >= v - alpha for mv in r["traj_min_versions"]), (r["step"], r["traj_min_versions"])
+    ids = [t for r in rows for t in r["traj_ids"]]
+    assert len(ids) == len(set(ids)), "no trajectory trained twice"
