@@ -69,3 +69,24 @@ def test_top_shows_step_eta_and_totals_since_the_run_started():
 
     console = Console(file=open("/dev/null", "w"), width=100)
     console.print(mon.render())
+
+
+def test_top_counts_completions_by_stop_reason():
+    """A trajectory cut by ``max_trajectory_s`` shows in ``rollart top`` (and its snapshot)."""
+    from rich.console import Console
+
+    from rollart.app.queues import snapshot
+    from rollart.bus.codec import encode
+
+    mon = RunMonitor("r1")
+    subj = m.subject("r1", "rollout.completed")
+    for i, stop in enumerate(["max_time", "terminated", "max_time"]):
+        done = m.RolloutCompleted(traj_id=f"g000000-{i}", group_id="g000000", env="main", seed=0,
+                                  token_ids=[1, 2], response_mask=[0, 1], logprobs=[0.0, -0.5],
+                                  reward=0.0, stop_reason=stop, finished_at=1.0)
+        mon.observe(subj, encode(done))
+    assert dict(mon.stops) == {"max_time": 2, "terminated": 1}
+    assert snapshot(mon)["stop_reasons"] == {"max_time": 2, "terminated": 1}
+    console = Console(file=open("/dev/null", "w"), width=120, record=True)
+    console.print(mon.render())
+    assert "max_time 2, terminated 1" in console.export_text()

@@ -73,6 +73,8 @@ class RunMonitor:
         self.policy: m.PolicyPublished | None = None
         self.loaded: dict[str, m.PolicyLoaded] = {}
         self.outcomes: dict[str, int] = defaultdict(int)
+        self.stops: dict[str, int] = defaultdict(int)
+        """Completions seen by ``stop_reason`` (``max_time``: cut by ``max_trajectory_s``)."""
         self.stage_s: dict[str, float] = defaultdict(float)
         self.rewards: deque = deque(maxlen=256)
         self.successes: deque = deque(maxlen=256)
@@ -161,6 +163,8 @@ class RunMonitor:
             self.loaded[msg.replica] = msg
         elif isinstance(msg, m.RolloutCompleted):
             self.outcomes["completed"] += 1
+            if len(self.stops) < 64 or msg.stop_reason in self.stops:  # junk must not grow it
+                self.stops[msg.stop_reason or "-"] += 1
             self.rewards.append(msg.reward)
             self.successes.append(float(msg.success))
             for k, v in msg.timings.items():
@@ -224,6 +228,8 @@ class RunMonitor:
                         "recent reward / success",
                         f"{sum(self.rewards) / n:.3f} / {sum(self.successes) / n:.2f}")
         summary.add_row("trajectory time", split or "-", "undecodable", str(self.undecodable))
+        summary.add_row("stop reasons", ", ".join(f"{k} {v}" for k, v in sorted(self.stops.items()))
+                        or "-", "", "")
         if self.ledger is not None:
             lg = self.ledger
             summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",

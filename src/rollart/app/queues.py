@@ -173,6 +173,7 @@ def snapshot(mon: RunMonitor, now: float | None = None) -> dict:
         "subjects": {name: {"msgs": st.count, "msgs_per_s": st.rate(now), "bytes": st.bytes}
                      for name, st in sorted(mon.subjects.items())},
         "outcomes": dict(sorted(mon.outcomes.items())),
+        "stop_reasons": dict(sorted(mon.stops.items())),
         "undecodable": mon.undecodable,
         "errors": [e for e in (mon.js_error, mon.bus_error) if e],
     }
