@@ -55,6 +55,8 @@ class Trainer(StepLoop, Actor):
     """Optional callback ``fn(metrics: dict)`` after each step (progress display)."""
 
     # -- state made by setup() -----------------------------------------------------
+    loggers: Any = field(default=None, init=False, repr=False)
+    """The open metric loggers (``telemetry.loggers``, :mod:`rollart.telemetry.loggers`)."""
     backend: Any = field(default=None, init=False, repr=False)
     """The training backend (:class:`rollart.engines.torch_trainer.TorchTrainBackend`)."""
     ledger: GroupLedger = field(default=None, init=False, repr=False)
@@ -113,6 +115,10 @@ class Trainer(StepLoop, Actor):
 
         t, r = self.cfg.trainer, self.cfg.rollout
         self.backend = await asyncio.to_thread(make_backend, self.cfg, self.model_dir)
+        if self.cfg.telemetry.loggers:  # TensorBoard, wandb, MLflow: metrics.jsonl's rows too
+            from rollart.telemetry.loggers import open_loggers
+
+            self.loggers = await asyncio.to_thread(open_loggers, self.cfg, self.run_path)
         breaker = r.fail_after_groups if r.fail_after_groups is not None else 2 * r.batch_groups
         self.ledger = GroupLedger(group_size=r.group_size, redundancy=r.redundancy,
                                   batch_groups=r.batch_groups, alpha=r.alpha, stale=r.stale,
@@ -136,6 +142,8 @@ class Trainer(StepLoop, Actor):
 
     async def teardown(self) -> None:
         await self._hb_sub.unsubscribe()
+        if self.loggers is not None:
+            await asyncio.to_thread(self.loggers.close)
 
     async def _on_heartbeat(self, req) -> None:
         hb = decode_core(m.NodeHeartbeat, req)

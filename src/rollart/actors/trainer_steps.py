@@ -60,6 +60,7 @@ class StepLoop:
     _publish: Any
     _save_checkpoint: Any
     _checkpoint: Any
+    loggers: Any
 
     async def _train(self) -> None:
         if self.version >= self.cfg.trainer.steps:
@@ -282,6 +283,8 @@ class StepLoop:
         # the record first: a resume keeps exactly the rows of the steps its checkpoint holds
         with tracing.span("checkpoint", {"saved": checkpointed}):
             await asyncio.to_thread(self.files.write_metrics, out)
+            if self.loggers is not None:  # never raises: a failing logger turns itself off
+                await asyncio.to_thread(self.loggers.log, out)
             if checkpointed:
                 await self._checkpoint()
         with tracing.span("publish"):

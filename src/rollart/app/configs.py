@@ -54,6 +54,12 @@ async def check_run_config(cfg: RunConfig, names: list[str] | None = None, *,
     if trainer and cfg.trainer.backend == "megatron" and find_spec("megatron") is None:
         raise ConfigError("trainer.backend 'megatron' needs megatron-core, which is not installed "
                           "here: pip install 'rollart[megatron]' (see README: Trainer)")
+    if trainer:
+        for name in cfg.telemetry.loggers:
+            mod = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[name]
+            if find_spec(mod) is None:
+                raise ConfigError(f"telemetry.loggers: {name!r} needs the {mod} package, which "
+                                  f"is not installed here: pip install 'rollart[loggers]'")
     check_engine_args(cfg)
     await check_envs_async(cfg, names)
 

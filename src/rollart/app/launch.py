@@ -179,6 +179,9 @@ async def write_summary(cfg: RunConfig, trainer, *, wall: float, interrupted: bo
         summary["below_expected"] = below
     if trainer.history:  # this run's summary marks the greedy result (not an old file's)
         summary["plot"] = str(await asyncio.to_thread(plot, run_path, summary=summary))
+    if getattr(trainer, "loggers", None) is not None and "greedy_success" in final:
+        await asyncio.to_thread(trainer.loggers.log, {**final, "step": trainer.version},
+                                prefix="eval/")
     await asyncio.to_thread((run_path / "summary.json").write_text, json.dumps(summary, indent=2))
     return summary
 

@@ -24,9 +24,9 @@ from rollart.config.pipeline import (
     TrainerConfig,
 )
 from rollart.config.schema import RunConfig, nats_settings
-from rollart.config.tracing import TracingConfig
+from rollart.config.tracing import TelemetryConfig, TracingConfig
 
 __all__ = ["ActorConfig", "ConfigError", "EnvConfig", "HandlerConfig", "ModelConfig",
            "NatsConfig", "NatsTlsConfig", "NodeConfig", "ProxyConfig", "RewardConfig",
-           "RolloutConfig", "RunConfig", "SamplingConfig", "TinyModelConfig", "TracingConfig",
+           "RolloutConfig", "RunConfig", "SamplingConfig", "TelemetryConfig", "TinyModelConfig", "TracingConfig",
            "TrainerConfig", "convert", "describe", "load", "load_yaml", "nats_settings"]

@@ -27,13 +27,13 @@ from rollart.config.pipeline import (
     TrainerConfig,
 )
 from rollart.config.placement import PoolConfig, RouteRule, check_placement
-from rollart.config.tracing import TracingConfig
+from rollart.config.tracing import TelemetryConfig, TracingConfig
 from rollart.config.urls import check_nats_url
 
 __all__ = [
     "ActorConfig", "EnvConfig", "HandlerConfig", "ModelConfig", "NatsConfig", "NatsTlsConfig",
     "NodeConfig", "PoolConfig", "ProxyConfig", "RewardConfig", "RolloutConfig", "RouteRule",
-    "RunConfig", "TracingConfig", "TrainerConfig", "check_nats_url", "nats_settings",
+    "RunConfig", "TelemetryConfig", "TracingConfig", "TrainerConfig", "check_nats_url", "nats_settings",
     "trainer_buffer",
 ]
 
@@ -90,6 +90,8 @@ class RunConfig(Base):
     {prompt_tokens_gt: 2048}, pool: big}``; a rule without ``when`` is the default."""
     tracing: TracingConfig = TracingConfig()
     """OpenTelemetry tracing (off by default)."""
+    telemetry: TelemetryConfig = TelemetryConfig()
+    """Metric loggers (TensorBoard, wandb, MLflow; off by default)."""
 
     def __post_init__(self) -> None:
         if not self.envs:

@@ -32,3 +32,24 @@ class TracingConfig(Base):
         if not (math.isfinite(self.metrics_interval_s) and self.metrics_interval_s > 0):
             raise ValueError(f"tracing.metrics_interval_s must be > 0 (it is "
                              f"{self.metrics_interval_s!r})")
+
+
+class TelemetryConfig(Base):
+    """The ``telemetry:`` section: the run's curves in the tools researchers look at, besides
+    ``metrics.jsonl`` (:mod:`rollart.telemetry.loggers`). Off by default."""
+
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+    """Where every step's metrics also go: ``tensorboard`` (``<run_dir>/<run>/tensorboard``;
+    needs ``tensorboard``), ``wandb`` (offline in ``<run_dir>/<run>/wandb`` unless
+    ``WANDB_API_KEY`` is set; needs ``wandb``), ``mlflow`` (``mlflow_uri``; needs ``mlflow``
+    or ``mlflow-skinny``). ``pip install 'rollart[loggers]'`` installs all three."""
+    wandb_project: str = "rollart"
+    """The wandb project of the run (the run's name is the wandb run's name and id)."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI; empty: a folder store, ``<run_dir>/<run>/mlruns``."""
+    mlflow_experiment: str = "rollart"
+    """The MLflow experiment the run logs under."""
+
+    def __post_init__(self) -> None:
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ValueError(f"telemetry.loggers names a logger twice: {self.loggers}")
