@@ -155,7 +155,7 @@ def test_make_sets_up_a_missing_venv_then_runs(tmp_path):
     out = _make_n("test", f"VENV={venv}")
     assert f"python3 -m venv {venv}" in out
     assert '"torch==2.13.0"' in out and "--index-url https://download.pytorch.org/whl/cpu" in out
-    assert out.index("torch==2.13.0") < out.index("-m pip install -q -e '.[dev,envs]'")
+    assert out.index("torch==2.13.0") < out.index("-m pip install -q -e '.[dev,envs,megatron,loggers]'")
     assert out.rstrip().endswith("python -m pytest -q -n 2"), out  # the README's test command
     out = _make_n("run", f"VENV={venv}")
     assert out.rstrip().endswith(f"{venv}/bin/rollart run quickstart"), out

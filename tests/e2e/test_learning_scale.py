@@ -1,7 +1,8 @@
 """The scale-out trainer learns the quickstart: ``trainer.world_size: 2`` (rank 1 a child
-process of the run, gloo) reaches greedy success >= 0.9 under the rules of
-:mod:`tests.e2e.test_learning`: one run, the packaged config as it is, no retry with another
-seed, no ``--resume``. Run by ``make test-scale`` (marked ``scale``)."""
+process of the run, gloo), and ``trainer.lora`` (adapters only, published as adapter files),
+reach greedy success >= 0.9 under the rules of :mod:`tests.e2e.test_learning`: one run, the
+packaged config as it is (LoRA: its rank, alpha and LR), no retry with another seed, no
+``--resume``. Run by ``make test-scale`` (marked ``scale``)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,4 @@ async def test_quickstart_learns_with_two_trainer_ranks(tmp_path):
         assert all(mv >= v - alpha for mv in r["traj_min_versions"]), (r["step"], r["traj_min_versions"])
     ids = [t for r in rows for t in r["traj_ids"]]
     assert len(ids) == len(set(ids)), "no trajectory trained twice"
+

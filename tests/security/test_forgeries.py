@@ -142,6 +142,11 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
             await evil.publish(comp, early, msg_id="out:g000007-0")
             sent[(comp, early)] = "not_admitted: "
             await until(lambda: trainer.version >= 1 or trainer.finished.is_set(), deadline=120, what="step 1")
+            # the trainer puts back only records of keys it has written itself (before, the
+            # key holds an earlier process's): forge once it announced v1 (on a loaded
+            # machine the announcement can come well after the step)
+            await until(lambda: trainer.kv_guard.own[m.POLICY_KEY] and trainer.kv_guard.own[m.LEDGER_KEY],
+                        deadline=60, what="the trainer's own policy and ledger records")
             kv = await evil.key_value(m.kv_bucket(run))
 
             # 1. completions: a future group (well formed, reward 100), the ids of a real

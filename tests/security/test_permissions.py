@@ -80,7 +80,8 @@ async def wipe(server, creds: Path, run: str) -> None:
     admin = await connect(server, creds, "admin")
     try:
         for name in (m.stream_name(run, "events"), m.stream_name(run, "work"),
-                     f"KV_{m.kv_bucket(run)}", f"OBJ_{m.object_bucket(run)}"):
+                     f"KV_{m.kv_bucket(run)}", f"OBJ_{m.object_bucket(run)}",
+                     f"OBJ_{m.traj_bucket(run)}"):
             await admin.delete_stream(name)
     finally:
         await admin.close()
@@ -189,6 +190,12 @@ def test_least_privilege_by_construction(run):
         assert pub(f"rollart.{r}.policy.published") == (role == "trainer"), role
         assert pub(f"rollart.{r}.policy.loaded") == (role == "generate"), role
         assert pub(f"$O.{obj}.C.abc") == (role == "trainer"), role
+        traj = m.traj_bucket(r)  # long trajectories: env writes, trainer and scheduler read
+        # (with `*` the bucket would be every bucket: no env write, the weights' stay safe)
+        assert pub(f"$O.{traj}.C.abc") == ((role == "env" and run != "*") or (run == "*" and role == "trainer")), role
+        assert pub(f"$JS.API.STREAM.MSG.GET.OBJ_{traj}") == (
+            role in ("env", "trainer", "scheduler") or (run == "*" and role == "generate")), role
+        assert not pub(f"$JS.API.STREAM.PURGE.OBJ_{traj}") or (run == "*" and role == "trainer"), role
         assert pub(f"$KV.{bucket}.{m.POLICY_KEY}") == (role == "trainer"), role
         assert pub(f"$KV.{bucket}.{m.RUN_END_KEY}") == (role == "trainer"), role
         assert pub(f"$KV.{bucket}.scheduler.g.admitted") == (role in ("trainer", "scheduler")), role
@@ -333,6 +340,30 @@ async def test_env_cannot_publish_a_policy(server, creds, fresh):
         assert seen == [good] and trainer.errors == [] and mon.errors == []
     finally:
         for b in (trainer, env, mon):
+            await b.close()
+
+
+async def test_long_trajectories_env_writes_the_trajectory_store_only(server, creds, fresh):
+    """A completion too large for one message: the env puts it in the run's trajectory
+    store (not the weights' store), the trainer and the scheduler read it."""
+    trainer, env, sched = [await connect(server, creds, u) for u in ("trainer", "env", "scheduler")]
+    try:
+        await ensure_run_streams(trainer, RUN)
+        blob = os.urandom(300_000)
+        store = await env.object_store(m.traj_bucket(RUN), ttl=3600)
+        assert not await store.exists("traj-t0-x")
+        await store.put("traj-t0-x", blob)
+        assert await store.exists("traj-t0-x")
+        for reader in (trainer, sched):
+            assert await (await reader.object_store(m.traj_bucket(RUN))).get("traj-t0-x") == blob
+        weights = await trainer.object_store(m.object_bucket(RUN))
+        with pytest.raises(BusError):  # no write on the weights' bucket
+            await (await env.object_store(m.object_bucket(RUN))).put("v1", b"forged")
+        with pytest.raises(KeyError):
+            await weights.get("v1")
+        assert trainer.errors == [] and sched.errors == []
+    finally:
+        for b in (trainer, env, sched):
             await b.close()
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rollart import messages as m
+from rollart.actors import payloads
 from rollart.aio import retry
 from rollart.bus import Bus, BusError, DuplicateConflict
 from rollart.bus.codec import decode, encode
@@ -226,11 +227,15 @@ class Actor:
 
     async def publish(self, name: str, msg: m.Message, *, msg_id: str | None = None,
                       pool: str | None = None, headers: dict[str, str] | None = None,
-                      once: bool = False) -> int:
+                      once: bool = False, inline_max: int = -1, store_ttl: float = 0.0) -> int:
         """Publish ``msg`` durably on subject ``name``; checks the subject's type. With
         tracing on, the headers carry the current span's ``traceparent`` (unless given).
         ``once`` (with a ``msg_id``): :meth:`rollart.bus.Bus.publish_once`, which raises
-        :class:`rollart.bus.DuplicateConflict` when other data holds the id."""
+        :class:`rollart.bus.DuplicateConflict` when other data holds the id.
+        ``inline_max`` >= 0 (:func:`rollart.actors.payloads.inline_limit`): an encoded message
+        larger than that goes to the run's trajectory object store (objects kept
+        ``store_ttl`` seconds) and the stream gets a reference (:mod:`rollart.actors.payloads`);
+        -1: always inline."""
         d = m.SUBJECTS[name]
         if not isinstance(msg, d.type):
             raise TypeError(f"{name} carries {d.type.__name__}, not {type(msg).__name__}")
@@ -238,22 +243,28 @@ class Actor:
         subj = self.subject(name, pool)
         if tracing.enabled() and not (headers and tracing.TRACEPARENT in headers):
             headers = tracing.inject(dict(headers or {})) or None
+        data = encode(msg)
+        if d.stream is not None and 0 <= inline_max < len(data):
+            data, extra = await payloads.offload(self.bus, self.run, msg, data, ttl=store_ttl)
+            headers = {**(headers or {}), **extra}
         kw = {"headers": headers} if headers else {}  # none: the call as before tracing
         if d.stream is None:
-            await self.bus.publish_core(subj, encode(msg), **kw)
+            await self.bus.publish_core(subj, data, **kw)
             return 0
         if once and msg_id is not None:
-            return await self.bus.publish_once(subj, encode(msg), msg_id=msg_id, **kw)
-        return await self.bus.publish(subj, encode(msg), msg_id=msg_id, **kw)
+            return await self.bus.publish_once(subj, data, msg_id=msg_id, **kw)
+        return await self.bus.publish(subj, data, msg_id=msg_id, **kw)
 
     async def publish_patiently(self, name: str, msg: m.Message, *, msg_id: str | None = None,
                                 pool: str | None = None, deadline: float = 300.0,
-                                headers: dict[str, str] | None = None, once: bool = False) -> int:
+                                headers: dict[str, str] | None = None, once: bool = False,
+                                inline_max: int = -1, store_ttl: float = 0.0) -> int:
         """:meth:`publish`, retrying bus errors with backoff for up to ``deadline`` seconds
         (a msg id makes the retries safe); logs once, raises the last error after that. A
         :class:`rollart.bus.DuplicateConflict` (``once``) is raised at once."""
         return await retry(
-            lambda: self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers, once=once),
+            lambda: self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers, once=once,
+                                 inline_max=inline_max, store_ttl=store_ttl),
             retry_on=BusError, fatal=DuplicateConflict, what=f"{self.name}: publish on {name}",
             deadline=deadline, base=0.2, cap=5.0, logger=log)
 

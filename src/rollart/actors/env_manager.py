@@ -31,6 +31,7 @@ from rollart.actors.base import Actor, Reject, consume, replica_suffix
 from rollart.actors.cancelled import CancelledGroups
 from rollart.actors.chat import ChatFormat
 from rollart.actors.lockstep import LockStep, WaveIncomplete
+from rollart.actors.payloads import inline_limit
 from rollart.actors.policy import current_policy
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import decode_core
@@ -42,6 +43,7 @@ from rollart.bus.codec import DecodeError
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
 from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvTimeout, parse_action
+from rollart.engines.capacity import check_context
 from rollart.engines.provision import model_dir
 from rollart.envs.runner import EnvContractError, EnvSetupError
 from rollart.telemetry import otel_metrics, tracing
@@ -70,6 +72,9 @@ class EnvManager(Actor):
     :mod:`rollart.config.placement`); None: every turn goes to this actor's own pool."""
     reward_pool: str | None = None
     """Pool of the reward service (``mapping.reward``); None: this actor's own pool."""
+    store_ttl: float = 0.0
+    """Seconds the run's trajectory object store keeps a completion too large for one
+    message (``node.events_max_age``: as long as the events stream keeps its reference)."""
 
     # -- state made by setup() (and by the handlers) ---------------------------------
     chat: ChatFormat = field(default=None, init=False, repr=False)
@@ -117,9 +122,11 @@ class EnvManager(Actor):
                       # reward service on the same hosts), else the first reward pool
                       "reward_pool": pool if pool in (rp := mapped_pools(run_cfg.mapping, "reward"))
                       else rp[0]}
+        folder = model_dir(run_cfg)
+        check_context(run_cfg, folder)  # a trajectory must fit what the engine holds
         return cls(run=run_cfg.run, pool=pool, name=f"env-{pool}-{replica_suffix()}-{index}", settings=settings,
-                   envs=dict(run_cfg.envs), rollout=r, model_dir=str(model_dir(run_cfg)),
-                   **{**placed, **actor_cfg.args})
+                   envs=dict(run_cfg.envs), rollout=r, model_dir=str(folder),
+                   store_ttl=run_cfg.node.events_max_age, **{**placed, **actor_cfg.args})
 
     async def setup(self) -> None:
         self.chat = await asyncio.to_thread(ChatFormat.load, self.model_dir)
@@ -227,7 +234,8 @@ class EnvManager(Actor):
         # is retried, not raised: a raised one would spend a delivery of a finished trajectory.
         try:
             await self.publish_patiently("rollout.completed", out, msg_id=f"out:{req.traj_id}",
-                                         deadline=OUTCOME_PUBLISH_S, headers=heads, once=True)
+                                         deadline=OUTCOME_PUBLISH_S, headers=heads, once=True,
+                                         **self._large())
         except DuplicateConflict as e:
             # Another client published other data under this trajectory's msg id first (a
             # forgery, or a copy from an earlier run of the trajectory): the server's dedupe
@@ -238,7 +246,13 @@ class EnvManager(Actor):
                         "publishing %s under a fresh id", self.name, req.traj_id, e.seq, req.traj_id)
             await self.publish_patiently(
                 "rollout.completed", out, msg_id=f"out:{req.traj_id}:{uuid.uuid4().hex[:12]}",
-                deadline=OUTCOME_PUBLISH_S, headers=heads)
+                deadline=OUTCOME_PUBLISH_S, headers=heads, **self._large())
+
+    def _large(self) -> dict[str, Any]:
+        """How a completion too large for one message is published: through the run's
+        trajectory object store (:mod:`rollart.actors.payloads`)."""
+        return {"inline_max": inline_limit(self.bus, self.rollout.inline_max_bytes),
+                "store_ttl": self.store_ttl}
 
     async def _traced(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
                       delivery) -> m.RolloutCompleted:

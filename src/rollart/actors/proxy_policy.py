@@ -16,6 +16,7 @@ from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.bus import BusError
 from rollart.bus.codec import DecodeError
 from rollart.engines.base import AsyncEngine
+from rollart.engines.weight_files import LORA_KIND, weights_kind
 from rollart.telemetry import tracing
 
 log = logging.getLogger("rollart.actors.llm_proxy")  # the proxy's log lines, wherever written
@@ -103,6 +104,7 @@ class PolicyLoading:
                 with tracing.span("policy.load", {"version": pub.version, "replica": self.name,
                                                   "on_update": self.on_update}):
                     data = await fetch_weights(self.bus, pub)  # the engine serves meanwhile
+                    self._check_kind(data, pub)
                     await self._load_paused(data, pub.version)
             except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
                 tries, delay = follow.refuse(pub)
@@ -134,6 +136,18 @@ class PolicyLoading:
         except Exception as e:  # noqa: BLE001 - a lost status report is not fatal
             log.warning("%s: policy.loaded report (v%s%s) not published: %s", self.name,
                         report.version, ", refused" if report.error else "", e)
+
+    def _check_kind(self, data: bytes, pub: m.PolicyPublished) -> None:
+        """The file is what the record says (``kind``: full weights or a LoRA adapter), and an
+        adapter goes only to an engine that applies adapters (``ValueError`` otherwise)."""
+        kind = weights_kind(data)
+        if kind != pub.kind:
+            raise ValueError(f"policy v{pub.version} is announced as {pub.kind!r} weights but its "
+                             f"file holds {kind!r} weights")
+        if kind == LORA_KIND and not getattr(self.async_engine, "applies_adapters", False):
+            raise ValueError(f"policy v{pub.version} is a LoRA adapter (trainer.lora) and this "
+                             f"replica's engine ({type(self.async_engine).__name__}) applies none: "
+                             f"the trainer publishes merged weights when proxy.engine is not torch")
 
     async def _load_paused(self, data: bytes, version: int) -> None:
         """Load weights between ``pause()`` and ``resume()`` of the engine: ``finish`` waits

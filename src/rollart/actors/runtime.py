@@ -8,6 +8,7 @@ import logging
 import time
 
 from rollart import messages as m
+from rollart.actors import payloads
 from rollart.actors.base import ERROR_HEADER, Actor, BoundHandler, Reject, Retry
 from rollart.aio import backoff, first_of, retry
 from rollart.bus import Bus, BusError, BusTimeout, ConsumerSpec, Delivery, NoResponders, PullConsumer
@@ -175,14 +176,25 @@ class ConsumerLoop:
             await self._dead(d, f"max_deliver ({s.max_deliver}) reached without an outcome",
                              kind="exhausted")
             return
+        data, ref = d.data, None
+        if payloads.reference(d.headers) is not None:  # the payload is in the object store
+            got = await self._fetch_payload(d, ctx)
+            if got is None:
+                return
+            data, ref = got
         try:
-            msg = decode(h.msg_type, d.data)
+            msg = decode(h.msg_type, data)
             m.validate(msg)
+            if ref is not None:
+                payloads.check_matches(msg, ref)
         except DecodeError as e:
             await self._dead(d, f"malformed payload: {e}")
             return
         except m.Invalid as e:
             await self._dead(d, f"invalid: {e}")
+            return
+        except payloads.PayloadError as e:
+            await self._dead(d, e.reason)
             return
         ctx["traj_id"] = getattr(msg, "traj_id", None)
         beat = asyncio.ensure_future(_heartbeat(d, s.heartbeat or max(0.05, s.ack_wait / 3)))
@@ -215,6 +227,31 @@ class ConsumerLoop:
             log.debug("acked %s", ctx)
         finally:
             beat.cancel()
+
+    async def _fetch_payload(self, d: Delivery, ctx: dict):
+        """``(payload, reference)`` of a message whose payload is in the object store
+        (:mod:`rollart.actors.payloads`); None once the delivery has its outcome: dead-lettered
+        (a reference that never resolves) or nak'ed (a bus error: redelivered later)."""
+        s = self.h.settings
+        beat = asyncio.ensure_future(_heartbeat(d, s.heartbeat or max(0.05, s.ack_wait / 3)))
+        try:
+            return await payloads.fetch_payload(self.bus, self.actor.run, self.h.msg_type,
+                                                d.headers, d.data)
+        except payloads.PayloadError as e:
+            await self._dead(d, e.reason)
+        except BusError as e:
+            self.stats.errors += 1
+            reason = f"payload unreadable: {type(e).__name__}: {e}"
+            if s.max_deliver > 0 and d.num_delivered >= s.max_deliver:
+                await self._dead(d, f"failed {d.num_delivered} times; last error {reason}",
+                                 kind="exhausted")
+            else:
+                log.warning("%s %s: retried", ctx, reason)
+                await d.nak(backoff(d.num_delivered))
+                self.stats.naked += 1
+        finally:
+            beat.cancel()
+        return None
 
     async def _dead(self, d: Delivery, reason: str, kind: str = "permanent") -> None:
         await dead_letter(self.bus, self.actor, subject=d.subject, payload=d.data, reason=reason,

@@ -162,7 +162,8 @@ class WeightPublisher:
             if not same:
                 await store.put(name, await asyncio.to_thread(path.read_bytes))
             uri = f"obj://{m.object_bucket(a.run)}/{name}"
-        pub = m.PolicyPublished(version=v, uri=uri, digest=digest, created_at=time.time())
+        pub = m.PolicyPublished(version=v, uri=uri, digest=digest, created_at=time.time(),
+                                kind=getattr(self.backend, "weights_kind", "full"))
         self.announced[v] = digest
         self.announced_max = max(self.announced_max, v)
         self.guard.wrote(m.POLICY_KEY, pub)

@@ -12,6 +12,8 @@ from pathlib import Path
 from rollart.config import ConfigError, RunConfig, load
 from rollart.config.doc import document
 from rollart.engines import TORCH_ENGINE_ARGS, missing_for
+from rollart.engines.capacity import check_context
+from rollart.engines.provision import model_dir
 from rollart.envs.check import check_envs_async
 
 log = logging.getLogger("rollart")
@@ -61,6 +63,11 @@ async def check_run_config(cfg: RunConfig, names: list[str] | None = None, *,
                 raise ConfigError(f"telemetry.loggers: {name!r} needs the {mod} package, which "
                                   f"is not installed here: pip install 'rollart[loggers]'")
     check_engine_args(cfg)
+    if cfg.model.path:  # a tiny model is built later: EnvManager.from_config checks it then
+        try:
+            check_context(cfg, model_dir(cfg))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     await check_envs_async(cfg, names)
 
 

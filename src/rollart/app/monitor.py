@@ -144,9 +144,13 @@ class RunMonitor:
         try:
             msg = decode(d.type, data)
             m.validate(msg)
-        except (DecodeError, m.Invalid):  # junk (invalid values too): counted, never kept
-            self.undecodable += 1
-            return
+        except (DecodeError, m.Invalid):
+            try:  # a completion too large for one message: a reference to the object store
+                msg = decode(m.PayloadRef, data)
+                m.validate(msg)
+            except (DecodeError, m.Invalid):  # junk (invalid values too): counted, never kept
+                self.undecodable += 1
+                return
         if isinstance(msg, m.NodeHeartbeat):
             if msg.node_id in self.node_seen:
                 self.node_every[msg.node_id] = max(0.05, now - self.node_seen[msg.node_id])
@@ -169,6 +173,12 @@ class RunMonitor:
             self.successes.append(float(msg.success))
             for k, v in msg.timings.items():
                 self.stage_s[k] += v
+        elif isinstance(msg, m.PayloadRef) and msg.type == "RolloutCompleted":
+            self.outcomes["completed"] += 1  # the summary the reference carries: no timings
+            if len(self.stops) < 64 or msg.stop_reason in self.stops:
+                self.stops[msg.stop_reason or "-"] += 1
+            self.rewards.append(msg.reward)
+            self.successes.append(float(msg.success))
         elif isinstance(msg, m.RolloutCancelled):
             self.outcomes["cancelled"] += 1
         elif isinstance(msg, m.DeadLetter):

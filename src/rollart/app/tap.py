@@ -119,12 +119,25 @@ def decode_message(subject: str, data: bytes) -> tuple[type | None, object | Non
     try:
         msg = decode(d.type, data)
     except DecodeError as e:
+        ref = _reference(data)  # a payload too large for a message: it is in the object store
+        if ref is not None:
+            return m.PayloadRef, ref, ""
         return d.type, None, f"undecodable {d.type.__name__}: {e}"[:500]
     try:
         m.validate(msg)
     except m.Invalid as e:
         return d.type, msg, f"invalid: {e}"[:500]
     return d.type, msg, ""
+
+
+def _reference(data: bytes) -> m.PayloadRef | None:
+    """The :class:`rollart.messages.PayloadRef` a body holds (header ``Rollart-Payload``), if any."""
+    try:
+        ref = decode(m.PayloadRef, data)
+        m.validate(ref)
+        return ref
+    except (DecodeError, m.Invalid):
+        return None
 
 
 def raw(data: bytes) -> tuple[str, str]:

@@ -206,11 +206,23 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     async def delete(self, name: str) -> None: ...
 
+    async def exists(self, name: str) -> bool:
+        """Whether an object ``name`` is stored (a put of a name that exists replaces it)."""
+        try:
+            await self.get(name)
+        except KeyError:
+            return False
+        return True
+
 
 class Bus(abc.ABC):
     """What an actor sees of the messaging system."""
 
     url: str = ""
+    max_payload: int = 0
+    """Bytes one message (data and headers) may have at most: the server's ``max_payload``
+    (NatsBus reads it from the server's INFO), 0 when unknown. Larger blobs go through an
+    object store (:meth:`object_store`), which chunks them."""
 
     async def __aenter__(self) -> "Bus":
         await self.connect()
@@ -322,4 +334,7 @@ class Bus(abc.ABC):
     async def key_value(self, bucket: str) -> KeyValue: ...
 
     @abc.abstractmethod
-    async def object_store(self, bucket: str) -> ObjectStore: ...
+    async def object_store(self, bucket: str, *, ttl: float = 0.0) -> ObjectStore:
+        """Object store ``bucket``, created when missing; ``ttl``: seconds an object created
+        in a new bucket is kept (0: forever; an existing bucket keeps its own; MemoryBus keeps
+        every object while the process lives)."""

@@ -123,6 +123,10 @@ class MemoryObjects(ObjectStore):
         except KeyError:
             raise KeyError(name) from None
 
+    async def exists(self, name: str) -> bool:
+        self._bus.check_connected()
+        return name in self._blobs
+
     async def delete(self, name: str) -> None:
         """Deleting a missing object is a no-op."""
         self._bus.check_connected()

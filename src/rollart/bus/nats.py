@@ -147,5 +147,11 @@ class NatsBus(NatsConnection, Bus):
     async def key_value(self, bucket: str) -> KeyValue:
         return await open_key_value(self, bucket, self.replicas)
 
-    async def object_store(self, bucket: str) -> ObjectStore:
-        return await open_object_store(self, bucket, self.replicas)
+    async def object_store(self, bucket: str, *, ttl: float = 0.0) -> ObjectStore:
+        return await open_object_store(self, bucket, self.replicas, ttl=ttl)
+
+    @property
+    def max_payload(self) -> int:
+        """The server's ``max_payload`` (from its INFO; nats-py's default before connecting)."""
+        nc = getattr(self, "_nc", None)
+        return int(nc.max_payload) if nc is not None else 0

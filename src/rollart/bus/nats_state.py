@@ -44,15 +44,18 @@ async def open_key_value(conn: NatsConnection, bucket: str, replicas: int) -> Na
     return NatsKeyValue(kv, bucket, conn)
 
 
-async def open_object_store(conn: NatsConnection, bucket: str, replicas: int) -> NatsObjectStore:
-    """Object store ``bucket``, created with ``replicas`` copies when missing."""
+async def open_object_store(conn: NatsConnection, bucket: str, replicas: int,
+                            ttl: float = 0.0) -> NatsObjectStore:
+    """Object store ``bucket``, created with ``replicas`` copies (and objects kept ``ttl``
+    seconds, 0: forever) when missing."""
     js = conn._jetstream()
     with translated(f"object store {bucket}"):
         try:
             obs = await js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
             with replicas_hint(f"object store {bucket}", replicas):
-                obs = await js.create_object_store(bucket, replicas=replicas)
+                obs = await js.create_object_store(bucket, replicas=replicas,
+                                                   **({"ttl": ttl} if ttl > 0 else {}))
     return NatsObjectStore(obs, bucket, conn)
 
 
@@ -182,6 +185,10 @@ class NatsObjectStore(ObjectStore):
             if missing_ok:
                 return None
             raise KeyError(name) from None
+
+    async def exists(self, name: str) -> bool:
+        with translated(f"object info {self._bucket}/{name}"):
+            return await self._info(name, missing_ok=True) is not None
 
     async def delete(self, name: str) -> None:
         with translated(f"object delete {self._bucket}/{name}"):

@@ -198,6 +198,13 @@ class RolloutConfig(Base):
     (``rollart rollout``, evaluation): ``replace`` admits a fresh group (new task seed) so that
     the number asked for complete, ``skip`` reports it as failed. Training always frees a lost
     group's admission headroom, so a fresh group takes its place."""
+    inline_max_bytes: int | None = None
+    """Largest encoded ``rollout.completed`` sent inline in its message; a larger one (a long
+    trajectory: ~15 bytes per token, so ~65k tokens at nats-server's default 1 MiB) is put in
+    the run's trajectory object store and its message carries a reference, which consumers
+    resolve (same msg id, dedupe and redelivery; handlers see one message). None: the
+    server's ``max_payload`` less 64 KiB for headers; a value is capped at that (0: every
+    completion through the object store)."""
 
     def __post_init__(self) -> None:
         wave = (self.group_size + self.redundancy) * self.batch_groups
@@ -225,6 +232,7 @@ class RolloutConfig(Base):
         in_range(self, "rollout.", "alpha redundancy generate_retries fail_after_groups seed", ge=0)
         in_range(self, "rollout.", "generate_timeout service_wait ack_wait max_trajectory_s", gt=0)
         in_range(self, "rollout.", "replica_timeout", ge=0)
+        in_range(self, "rollout.", "inline_max_bytes", ge=0)
 
 
 class ProxyConfig(Base):
@@ -275,6 +283,33 @@ class MegatronConfig(Base):
             if getattr(self, name) != 1:
                 raise ValueError(f"{k}{name} must be 1 (it is {getattr(self, name)!r}): the trainer "
                                  "runs on CPU in one process, where megatron-core has no model parallelism")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Qwen3 attention and MLP projections: the default ``trainer.lora.targets``."""
+
+
+class LoraConfig(Base):
+    """``trainer.lora``: train low-rank adapters (``peft``) over a frozen base model."""
+
+    rank: int = 8
+    """Rank ``r`` of each adapter (``A``: r x in, ``B``: out x r)."""
+    alpha: float = 16.0
+    """Scale numerator: the update of a target weight is ``alpha / rank * B @ A``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during the training step (0: off)."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """Names of the linear modules that get an adapter (peft ``target_modules``: a module
+    whose name ends in one of them)."""
+
+    def __post_init__(self) -> None:
+        k = "trainer.lora."
+        in_range(self, k, "rank", ge=1)
+        in_range(self, k, "alpha", gt=0)
+        in_range(self, k, "dropout", ge=0, lt=1)
+        if not self.targets or not all(isinstance(t, str) and t.strip() for t in self.targets):
+            raise ValueError(f"{k}targets must be a non-empty list of module names "
+                             f"(it is {self.targets!r})")
 
 
 class TrainerConfig(Base):
@@ -328,6 +363,10 @@ class TrainerConfig(Base):
     weights are converted from and back to HF names, so generators load them unchanged)."""
     megatron: MegatronConfig = MegatronConfig()
     """Settings of ``backend: megatron``."""
+    lora: LoraConfig | None = None
+    """LoRA (``peft``): train adapters only, over the frozen base model (``backend: torch``);
+    a published version is the adapter file, which ``proxy.engine: torch`` replicas apply
+    over the base (other engines get the merged weights). None: full fine-tuning."""
     weights: Literal["file", "object"] = "file"
     """Where weights travel: the run folder (shared filesystem) or the bus object store."""
     checkpoint_store: Literal["file", "object"] = "file"
@@ -383,6 +422,8 @@ class TrainerConfig(Base):
         in_range(self, k, "dist_timeout", gt=0)
         if self.world_size > 1 and getattr(self, "backend", "torch") != "torch":
             raise ValueError(f"{k}world_size > 1 needs {k}backend: torch (it is {self.backend!r})")
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(f"{k}lora needs {k}backend: torch (it is {self.backend!r})")
         if self.master is not None:
             host, _, port = self.master.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:

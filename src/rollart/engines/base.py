@@ -126,6 +126,8 @@ class GenerationEngine(abc.ABC):
     """
 
     version: int = 0
+    applies_adapters: bool = False
+    """Whether `load_weights` applies a LoRA adapter file over the base (``trainer.lora``)."""
 
     @abc.abstractmethod
     def generate(self, inputs: list[GenInput]) -> list[GenOutput]:
@@ -194,6 +196,9 @@ class AsyncEngine(abc.ABC):
     version: int = 0
     vocab_size: int | None = None
     """Tokens the model embeds (a prompt or choice id at or above it is refused), if known."""
+    applies_adapters: bool = False
+    """Whether :meth:`load_weights` applies a LoRA adapter file (``PolicyPublished.kind``
+    ``lora``, ``trainer.lora``) over the base weights; the proxy refuses adapters otherwise."""
 
     async def start(self) -> None:
         """Load the model and start serving (may take minutes); called once, before anything

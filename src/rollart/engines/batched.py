@@ -318,6 +318,10 @@ class BatchedEngine(AsyncEngine):
             self._wake.set()
 
     @property
+    def applies_adapters(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.engine, "applies_adapters", False))
+
+    @property
     def paused(self) -> bool:
         return not self._resumed.is_set()
 
@@ -335,11 +339,17 @@ class BatchedEngine(AsyncEngine):
         if hasattr(eng, "load_state_dict"):
             from safetensors.torch import load  # optional dependency
 
+            from .weight_files import LORA_KIND, read_metadata, weights_kind
+
             try:
                 sd = load(data)
+                kind = weights_kind(data)
             except Exception as e:  # noqa: BLE001 - safetensors raises several types
                 raise ValueError(f"cannot read weights: {e}") from e
-            eng.load_state_dict(sd, version)  # checks names and shapes first
+            if kind == LORA_KIND:  # an adapter over the base (trainer.lora)
+                eng.load_state_dict(sd, version, metadata=read_metadata(data), what="weights")
+            else:
+                eng.load_state_dict(sd, version)  # checks names and shapes first
             return
         fd, tmp = tempfile.mkstemp(suffix=".safetensors")
         try:

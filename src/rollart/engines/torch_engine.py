@@ -96,6 +96,8 @@ class TorchGenerationEngine(GenerationEngine):
             per position.
     """
 
+    applies_adapters = True
+
     def __init__(
         self,
         model_dir: str | os.PathLike,
@@ -152,6 +154,8 @@ class TorchGenerationEngine(GenerationEngine):
         params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._kv = session_cache(kv_cache_mb, self._new_cache)
+        self._base: dict[str, torch.Tensor] = {}
+        """Base values of the weights a LoRA adapter changed (see `load_weights`)."""
 
     def _new_cache(self):
         from transformers import DynamicCache  # optional dependency
@@ -369,21 +373,51 @@ class TorchGenerationEngine(GenerationEngine):
         Every parameter must be in the file with the model's shape, and the file must hold no
         unknown names; a tied parameter may be present under either name. Nothing is changed
         if the check fails. dtypes are converted to the engine's dtype.
+
+        A LoRA adapter file (``trainer.lora``: ``rollart_kind: lora`` in its metadata, peft's
+        tensor names) is applied instead over the base weights: each adapted weight becomes
+        ``base + alpha / r * B @ A`` (:func:`rollart.engines.lora.adapter_deltas`); the base is
+        the last full weights loaded (the model folder's at first), so a new adapter replaces
+        the previous one and never stacks on it.
         """
-        from safetensors.torch import load_file  # optional dependency
+        from safetensors import safe_open  # optional dependency
 
         path = Path(path)
         try:
-            sd = load_file(str(path), device="cpu")
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
         except Exception as e:  # safetensors raises several types for bad files
             raise ValueError(f"cannot read weights from {path}: {e}") from e
-        self._check_and_load(sd, str(path))
+        self.load_state_dict(sd, version, metadata=meta, what=str(path))
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int, *,
+                        metadata: dict[str, str] | None = None, what: str = "state dict") -> None:
+        """Like `load_weights` but from tensors already in memory (``metadata``: the file's
+        safetensors metadata, which says whether they are a LoRA adapter)."""
+        from .lora import is_adapter_metadata
+
+        if metadata and is_adapter_metadata(metadata):
+            self._apply_adapter(state_dict, metadata, what)
+        else:
+            self._check_and_load(state_dict, what)
+            self._base = {}  # these weights are the base of later adapters
         self.version = int(version)
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Like `load_weights` but from tensors already in memory."""
-        self._check_and_load(state_dict, "state dict")
-        self.version = int(version)
+    def _apply_adapter(self, sd: dict[str, torch.Tensor], metadata: dict[str, str], what: str) -> None:
+        from .lora import adapter_deltas
+
+        own = self.model.state_dict()
+        deltas = adapter_deltas(sd, metadata, own, what=f"LoRA adapter in {what}")  # checks first
+        base = self._base
+        self.clear_kv()  # the stored K/V belong to the old weights
+        with torch.no_grad():
+            for name in [n for n in base if n not in deltas]:  # the previous adapter's only
+                own[name].copy_(base.pop(name))
+            for name, d in deltas.items():
+                if name not in base:
+                    base[name] = own[name].detach().clone()
+                own[name].copy_((base[name].float() + d.to(base[name].device)).to(own[name].dtype))
 
     def _check_and_load(self, sd: dict[str, torch.Tensor], what: str) -> None:
         own = self.model.state_dict()

@@ -165,19 +165,29 @@ class TorchTrainBackend:
     ``version`` is the number of optimizer steps taken. The model is kept in eval mode
     (no dropout) so that its log-probs match the rollout engine's. ``threads`` sets
     ``torch.set_num_threads`` for the whole process.
+
+    ``lora`` (``{rank, alpha, dropout, targets}``, ``trainer.lora``): the model is wrapped
+    once with peft's LoRA (:mod:`rollart.engines.lora`), only the adapters are trained and in
+    the optimizer, the checkpoint holds the adapters, and a version is the adapter file
+    (``publish="adapter"``, :attr:`weights_kind` ``"lora"``) or the merged weights
+    (``publish="merged"``, for engines that load full weights only). The KL reference is the
+    same model with its adapters disabled (the base is loaded once).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, lr: float = 1e-6, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), grad_clip: float | None = 1.0,
                  warmup_steps: int = 0, total_steps: int | None = None, schedule: str = "constant",
                  min_lr_ratio: float = 0.0, threads: int | None = 1, seed: int = 0,
-                 micro_batch_tokens: int = 4096, device: str = "cpu", dtype: str = "float32") -> None:
+                 micro_batch_tokens: int = 4096, device: str = "cpu", dtype: str = "float32",
+                 lora: Mapping | None = None, publish: str = "adapter") -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
         if schedule == "cosine" and not total_steps:
             raise ValueError("schedule 'cosine' needs total_steps")
         if micro_batch_tokens < 1:
             raise ValueError("micro_batch_tokens must be >= 1")
+        if publish not in ("adapter", "merged"):
+            raise ValueError(f"publish must be 'adapter' or 'merged', got {publish!r}")
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -188,8 +198,19 @@ class TorchTrainBackend:
         self.grad_clip = grad_clip
         self.micro_batch_tokens = micro_batch_tokens
         self.version = 0
+        self.lora = dict(lora) if lora is not None else None
+        self.publish = publish
         self.model = self._load_model()
-        self.model.requires_grad_(True)
+        self._dropouts: list[torch.nn.Module] = []
+        if self.lora is not None:
+            from rollart.engines.lora import wrap_model
+
+            self.model = wrap_model(self.model, **self.lora).eval()
+            self._dropouts = [mod for name, mod in self.model.named_modules()
+                              if name.rsplit(".", 1)[-1] == "default" and ".lora_dropout" in name
+                              and isinstance(mod, torch.nn.Dropout)]
+        else:
+            self.model.requires_grad_(True)
         self._ref: torch.nn.Module | None = None
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
@@ -203,8 +224,17 @@ class TorchTrainBackend:
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, local_files_only=True)
         return model.to(self.device).eval()
 
+    @property
+    def weights_kind(self) -> str:
+        """What :meth:`save_weights` writes: ``"lora"`` (an adapter over the base model) or
+        ``"full"`` (every weight of the model)."""
+        return "lora" if self.lora is not None and self.publish == "adapter" else "full"
+
     def _reference(self) -> torch.nn.Module:
-        """The frozen initial policy (loaded from ``model_dir`` on first use)."""
+        """The frozen initial policy (loaded from ``model_dir`` on first use; with LoRA the
+        base model itself, used with the adapters disabled)."""
+        if self.lora is not None:
+            return self.model
         if self._ref is None:
             self._ref = self._load_model().requires_grad_(False)
         return self._ref
@@ -253,6 +283,35 @@ class TorchTrainBackend:
             raise ValueError("no response tokens in the batch")
         sums = dict.fromkeys(("loss", "pg_loss", "entropy", "kl", "clip_frac", "ratio_mean",
                               "is_weight_mean", "is_capped_frac", "approx_kl"), 0.0)
+        with self._adapter_dropout():
+            self._accumulate(samples, cfg, units_total, tokens_total, sums)
+        return {**sums, "tokens": tokens_total, "samples": len(samples)}
+
+    def _base_only(self):
+        """A context in which the model is the base (LoRA: adapters disabled)."""
+        import contextlib
+
+        return self.model.disable_adapter() if self.lora is not None else contextlib.nullcontext()
+
+    def _adapter_dropout(self):
+        """A context with the adapters' dropout on (``lora.dropout`` > 0; the rest of the model
+        stays in eval mode)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            for mod in self._dropouts:
+                mod.train()
+            try:
+                yield
+            finally:
+                for mod in self._dropouts:
+                    mod.eval()
+
+        return on() if self._dropouts and self.lora.get("dropout") else contextlib.nullcontext()
+
+    def _accumulate(self, samples: Sequence[TrainSample], cfg: LossConfig, units_total: float,
+                    tokens_total: int, sums: dict) -> None:
         for mb in self.micro_batches(samples):
             batch = _collate(mb, self.device)
             mask = batch.response_mask
@@ -266,7 +325,7 @@ class TorchTrainBackend:
             if cfg.entropy_coef:
                 total = total - cfg.entropy_coef * aggregate(ent, mask, cfg.agg)
             if cfg.kl_coef:
-                with torch.no_grad():
+                with torch.no_grad(), self._base_only():
                     ref, _ = sequence_logprobs(self._reference(), batch)
                 total = total + cfg.kl_coef * kl_k3(logp, ref, mask, cfg.agg)
                 m["kl"] = masked_mean(kl_k3_per_token(logp.detach(), ref), mask).item()
@@ -279,7 +338,6 @@ class TorchTrainBackend:
             sums["pg_loss"] += pg.item() * weight
             for k, v in m.items():
                 sums[k] += v * share
-        return {**sums, "tokens": tokens_total, "samples": len(samples)}
 
     def train_step(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
         """One optimizer step on ``samples``; returns metrics (loss, pg_loss, grad_norm (before
@@ -305,11 +363,20 @@ class TorchTrainBackend:
         return metrics
 
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
-        """The state dict on CPU, contiguous; tensors sharing storage (tied embeddings)
-        appear once per name, as copies."""
+        """What a version is, on CPU, contiguous: the state dict (LoRA: the adapter's tensors
+        under peft's names, or the merged weights); tensors sharing storage (tied
+        embeddings) appear once per name, as copies."""
+        if self.lora is not None:
+            from rollart.engines import lora
+
+            if self.publish == "adapter":
+                return lora.adapter_tensors(self.model)
+            state = lora.merged_tensors(self.model)
+        else:
+            state = self.model.state_dict()
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-        for name, t in self.model.state_dict().items():
+        for name, t in state.items():
             t = t.detach().to("cpu")
             ptr = t.untyped_storage().data_ptr()
             tensors[name] = t.clone().contiguous() if ptr in seen else t.contiguous()
@@ -328,25 +395,61 @@ class TorchTrainBackend:
         (tensor names, dtypes, shapes and data; independent of the header's byte order)."""
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
-        save_file(self._weight_tensors(), tmp,
-                  metadata={"format": "pt", "rollart_version": str(self.version)})
+        meta = {"format": "pt", "rollart_version": str(self.version)}
+        if self.weights_kind == "lora":
+            from rollart.engines.lora import adapter_metadata
+
+            meta.update(adapter_metadata(self.lora["rank"], self.lora["alpha"], self.lora["targets"]))
+        save_file(self._weight_tensors(), tmp, metadata=meta)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return file_content_digest(path)
 
     def state_dict_for_checkpoint(self) -> dict:
-        """Model, optimizer, scheduler, RNG states and version, ready for ``torch.save``.
-        The tensors are live views of the training state: save them before the next step."""
+        """Model (LoRA: the adapters only, and ``lora``: their settings), optimizer,
+        scheduler, RNG states and version, ready for ``torch.save``. The tensors are live
+        views of the training state: save them before the next step."""
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": rng, "version": self.version}
+        state = {"model": self._trained_state(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "rng": rng, "version": self.version}
+        if self.lora is not None:
+            state["lora"] = {k: (list(v) if k == "targets" else v) for k, v in self.lora.items()}
+        return state
+
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        if self.lora is None:
+            return self.model.state_dict()
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _load_trained_state(self, model_state: Mapping, lora: Mapping | None) -> None:
+        saved_lora = lora is not None or any(".lora_" in k for k in model_state)
+        if saved_lora != (self.lora is not None):
+            raise ValueError(
+                f"the checkpoint is of a {'LoRA' if saved_lora else 'full fine-tuning'} run and "
+                f"this trainer {'trains LoRA adapters' if self.lora else 'fine-tunes every weight'}: "
+                f"resume with the trainer.lora setting it was saved with")
+        if self.lora is None:
+            self.model.load_state_dict(model_state)
+            return
+        own = self._trained_state()
+        if set(model_state) != set(own):
+            missing, unknown = sorted(set(own) - set(model_state)), sorted(set(model_state) - set(own))
+            raise ValueError(f"the checkpoint's adapters do not match trainer.lora: missing "
+                             f"{missing[:3]}, unknown {unknown[:3]}")
+        with torch.no_grad():
+            for k, v in model_state.items():
+                if tuple(v.shape) != tuple(own[k].shape):
+                    raise ValueError(f"the checkpoint's adapter {k} is {tuple(v.shape)}, trainer.lora "
+                                     f"makes it {tuple(own[k].shape)}")
+            for k, v in model_state.items():
+                own[k].copy_(v)
 
     def load_checkpoint_state(self, state: Mapping) -> None:
         """Restore what ``state_dict_for_checkpoint`` returned (also after ``torch.load``)."""
-        self.model.load_state_dict(state["model"])
+        self._load_trained_state(state["model"], state.get("lora"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]

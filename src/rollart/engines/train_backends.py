@@ -17,6 +17,11 @@ def make_backend(cfg: Any, model_dir: str | os.PathLike) -> Any:
     kwargs = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                   warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
                   threads=cfg.model.threads, seed=t.seed, micro_batch_tokens=t.micro_batch_tokens)
+    if getattr(t, "lora", None) is not None:  # adapters for the torch engine, else merged weights
+        lo = t.lora
+        kwargs.update(lora={"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
+                            "targets": list(lo.targets)},
+                      publish="adapter" if cfg.proxy.engine == "torch" else "merged")
     if getattr(t, "backend", "torch") == "megatron":
         from rollart.engines import megatron_trainer as mt
 

@@ -116,8 +116,8 @@ class RankedTrainBackend(TorchTrainBackend):
             opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname) if ifname
                              else dist.ProcessGroupGloo.create_device(hostname=address)]
             self.pg = dist.ProcessGroupGloo(pg_store, self.rank, self.world_size, opts)
-        with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
+        with torch.no_grad():  # the trained parameters (LoRA: the adapters; the frozen base
+            for t in self._params + list(self.model.buffers()):  # is every rank's own load)
                 self._wait(self.pg.broadcast(t.data, 0))
 
     def _wait(self, work: Any) -> None:
@@ -223,7 +223,8 @@ class RankedTrainBackend(TorchTrainBackend):
         import io
 
         buf = io.BytesIO()
-        torch.save({k: state[k] for k in ("model", "optimizer", "scheduler", "version")}, buf)
+        torch.save({k: state[k] for k in ("model", "optimizer", "scheduler", "version", "lora")
+                    if k in state}, buf)
         with self._lock:
             self._usable()
             try:

@@ -10,6 +10,8 @@ a missing name loads silently:
 - :func:`read_model_info`: a HF model folder's vocabulary, eos tokens, tied embeddings,
   head size and tensor shapes (:func:`model_weight_shapes`, sharded folders included);
 - :func:`check_weights`: names, shapes and float dtypes of an update against the model;
+- :func:`read_metadata` and :func:`weights_kind`: whether a file is a LoRA adapter
+  (``trainer.lora``) or full weights;
 - :func:`rename_tensor` and :func:`place_weights`: what staging an update takes.
 
 The safetensors format: a u64 little-endian header size N, N bytes of JSON
@@ -32,15 +34,19 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "DTYPE_BYTES",
+    "LORA_KIND",
     "ModelInfo",
     "TIED",
     "Tensor",
     "check_weights",
     "model_weight_shapes",
     "place_weights",
+    "is_adapter_metadata",
     "read_header",
+    "read_metadata",
     "read_model_info",
     "rename_tensor",
+    "weights_kind",
 ]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -71,6 +77,37 @@ def read_header(source: Source) -> dict[str, Tensor]:
     header is read) or of its bytes. ``ValueError`` unless it is a complete safetensors file:
     a header that parses, known dtypes, every tensor's data inside the file and of the
     size its dtype and shape make; the message names the file (``weights`` for bytes)."""
+    raw, data_len, what = _raw_header(source)
+    return _parse(raw, data_len, what)
+
+
+def read_metadata(source: Source) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file or of its bytes (empty when it has none)."""
+    raw, _, what = _raw_header(source)
+    try:
+        meta = json.loads(raw).get("__metadata__") or {}
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{what}: not a safetensors file (bad header: {e})") from None
+    if not isinstance(meta, dict):  # a bad file, not a bad call: ValueError as the others
+        raise ValueError(f"{what}: not a safetensors file (__metadata__ is not an object)")  # noqa: TRY004
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+LORA_KIND = "lora"
+"""``__metadata__["rollart_kind"]`` of a LoRA adapter file, and ``PolicyPublished.kind`` of
+a version published as one (:mod:`rollart.engines.lora`)."""
+
+
+def is_adapter_metadata(meta: Mapping[str, str]) -> bool:
+    return meta.get("rollart_kind") == LORA_KIND
+
+
+def weights_kind(source: Source) -> str:
+    """``"lora"`` for a LoRA adapter file (by its metadata), else ``"full"``."""
+    return LORA_KIND if is_adapter_metadata(read_metadata(source)) else "full"
+
+
+def _raw_header(source: Source) -> tuple[bytes, int, str]:
     if isinstance(source, (bytes, bytearray, memoryview)):
         mv = memoryview(source)
         what, total = "weights", len(mv)
@@ -86,7 +123,7 @@ def read_header(source: Source) -> dict[str, Tensor]:
                 raw = f.read(n)
         except OSError as e:
             raise ValueError(f"cannot read weights from {p}: {e}") from e
-    return _parse(raw, total - 8 - n, what)
+    return raw, total - 8 - n, what
 
 
 def _header_size(head: bytes, total: int, what: str) -> int:

@@ -16,6 +16,7 @@ from rollart.messages.checks import Invalid, dead_request, validate
 from rollart.messages.fields import MAX_NEW_TOKENS, MAX_TOKENS, PREFIX
 from rollart.messages.subjects import (
     LEDGER_KEY,
+    PAYLOAD_HEADER,
     POLICY_KEY,
     REPLY_TYPES,
     RUN_END_KEY,
@@ -29,6 +30,7 @@ from rollart.messages.subjects import (
     stream_name,
     stream_subjects,
     subject,
+    traj_bucket,
 )
 from rollart.messages.types import (
     CancelGroup,
@@ -38,6 +40,7 @@ from rollart.messages.types import (
     LedgerSummary,
     Message,
     NodeHeartbeat,
+    PayloadRef,
     PolicyLoaded,
     PolicyPublished,
     RewardRequest,
@@ -56,6 +59,7 @@ __all__ = [
     "LEDGER_KEY",
     "MAX_NEW_TOKENS",
     "MAX_TOKENS",
+    "PAYLOAD_HEADER",
     "POLICY_KEY",
     "PREFIX",
     "REPLY_TYPES",
@@ -70,6 +74,7 @@ __all__ = [
     "LedgerSummary",
     "Message",
     "NodeHeartbeat",
+    "PayloadRef",
     "PolicyLoaded",
     "PolicyPublished",
     "RewardRequest",
@@ -91,5 +96,6 @@ __all__ = [
     "stream_name",
     "stream_subjects",
     "subject",
+    "traj_bucket",
     "validate",
 ]

@@ -21,6 +21,7 @@ from rollart.messages.types import (
     GenerateRequest,
     GenerateResult,
     NodeHeartbeat,
+    PayloadRef,
     PolicyLoaded,
     PolicyPublished,
     RewardRequest,
@@ -86,6 +87,11 @@ def _rollout_completed(r: RolloutCompleted) -> None:
     _finite("finished_at", r.finished_at)
 
 
+def _payload_ref(r: PayloadRef) -> None:
+    _finite("reward", r.reward)
+    _text("stop_reason", r.stop_reason)
+
+
 def _generate_request(r: GenerateRequest) -> None:
     _finite("sampling.temperature", r.sampling.temperature)
 
@@ -138,5 +144,5 @@ _CHECKS: dict[type, Callable] = {
     GenerateRequest: _generate_request, GenerateResult: _generate_result,
     RewardRequest: _reward_request, RewardResult: _reward_result,
     ServiceProgress: _service_progress, PolicyPublished: _policy_published,
-    PolicyLoaded: _policy_loaded, NodeHeartbeat: _node_heartbeat,
+    PolicyLoaded: _policy_loaded, NodeHeartbeat: _node_heartbeat, PayloadRef: _payload_ref,
 }

@@ -145,3 +145,15 @@ def kv_bucket(run: str) -> str:
 def object_bucket(run: str) -> str:
     """The run's object store (small model weights)."""
     return f"ROLLART_{check_token('run', run).replace('-', '_')}_OBJ"
+
+
+def traj_bucket(run: str) -> str:
+    """The run's trajectory object store: completions too large for one bus message
+    (:class:`PayloadRef`). EnvManagers write it, the trainer and schedulers read it; a bucket
+    apart from the weights' so that writing trajectories gives no hold on weights."""
+    return f"ROLLART_{check_token('run', run).replace('-', '_')}_TRAJ"
+
+
+PAYLOAD_HEADER = "Rollart-Payload"
+"""Header of a message whose body is a :class:`PayloadRef` (value ``object``) instead of the
+subject's type: its payload is in the object store the reference names."""

@@ -261,6 +261,10 @@ class PolicyPublished(Message, frozen=True, kw_only=True):
     digest: Annotated[str, Meta(pattern=r"(?s)^(sha256|tensors-sha256):.")]
     """``sha256:<hex>`` of the weight bytes (``tensors-sha256:<hex>``: of their tensors)."""
     created_at: float = 0.0
+    kind: Literal["full", "lora"] = "full"
+    """``full``: every weight of the model; ``lora``: a LoRA adapter (``trainer.lora``, peft's
+    tensor names, ``rollart_kind: lora`` in the file's metadata) that a generator applies
+    over the base model of the run's model folder, replacing the previous version's."""
 
 
 class PolicyLoaded(Message, frozen=True, kw_only=True):
@@ -297,6 +301,34 @@ class NodeHeartbeat(Message, frozen=True, kw_only=True):
     serves ``pool``)."""
     in_flight: Count = 0
     """Deliveries and requests the node's handlers hold right now (sum of ``*.inflight``)."""
+
+
+class PayloadRef(Message, frozen=True, kw_only=True):
+    """The body of a message whose encoded payload is too large for one bus message: the
+    payload lies in the run's trajectory object store (:func:`.subjects.traj_bucket`) and
+    the message carries the header ``Rollart-Payload: object`` (:data:`.subjects.
+    PAYLOAD_HEADER`) and this reference. A consumer's runtime fetches the object, checks
+    ``size`` and ``sha256``, decodes it as the subject's type and checks that it is the
+    trajectory named here: handlers see one ordinary message. The summary fields (ids,
+    reward, tokens) let a reader without access to the store (the monitor, ``rollart tap``)
+    count it."""
+
+    bucket: Annotated[str, Meta(pattern=r"^[-_A-Za-z0-9]{1,200}$")]
+    name: Annotated[str, Meta(pattern=r"^[-_.A-Za-z0-9]{1,255}$")]
+    size: Annotated[int, Meta(ge=1, le=1 << 40)]
+    """Bytes of the encoded payload."""
+    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+    """Hex SHA-256 of the encoded payload."""
+    type: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{1,64}$")]
+    """Name of the payload's wire type (the subject's type)."""
+    traj_id: Id
+    group_id: OptionalId = ""
+    group_index: Index = -1
+    eval: bool = False
+    tokens: Count = 0
+    reward: float = 0.0
+    success: bool = False
+    stop_reason: str = ""
 
 
 class DeadLetter(Message, frozen=True, kw_only=True):

@@ -31,6 +31,11 @@ scoped to the run's streams (nats-py 2.16, measured against nats-server 2.15):
   (``STREAM.MSG.GET`` of the metadata, an ordered consumer for the chunks, and
   ``STREAM.NAMES``: nats-py looks up the chunks' stream by subject; it lists stream names
   of the account, nothing else).
+- trajectory object store (``<run>_TRAJ``, completions too large for one message): env
+  writes (create, ``$O.<bucket>.>``, no purge), the trainer and the scheduler read
+  (:data:`TRAJ_OBJECTS`). With the run token ``*`` the bucket would be ``*``, every object
+  store of the account with the weights': such an env credential gets no object write, so
+  completions above the server's max payload need a credential pinned to the run.
 
 No role may delete or purge a stream or delete a consumer (an admin's job). With the run
 token ``*`` (a credential reused across runs) the stream names in these subjects become
@@ -90,6 +95,12 @@ KV_WRITES: dict[str, tuple[str, ...]] = {
 OBJECTS: dict[str, str] = {"trainer": "write", "generate": "read"}
 """Access to the run's object store (weights with ``trainer.weights: object``)."""
 
+TRAJ_OBJECTS: dict[str, str] = {"env": "write", "trainer": "read", "scheduler": "read"}
+"""Access to the run's trajectory object store (completions too large for one message,
+:mod:`rollart.actors.payloads`): a bucket apart from the weights', so an env credential
+cannot touch weights. ``write`` creates the bucket and puts objects (no purge: rollart never
+deletes one; they expire with the bucket's time to live)."""
+
 STREAM_OWNERS = ("trainer",)
 """May update the run's streams (change limits or subjects); the others only create them."""
 
@@ -143,6 +154,8 @@ class _Names:
         self.kv = "*" if star else f"KV_{self.bucket}"
         self.obj_bucket = "*" if star else m.object_bucket(run)
         self.obj = "*" if star else f"OBJ_{self.obj_bucket}"
+        self.traj_bucket = "*" if star else m.traj_bucket(run)
+        self.traj = "*" if star else f"OBJ_{self.traj_bucket}"
 
     def subject(self, name: str) -> str:
         return f"{m.PREFIX}.{self.run}.{name}" + (".*" if m.SUBJECTS[name].pooled else "")
@@ -193,14 +206,12 @@ def role_permissions(role: str, run: str = "*", *, response_ttl: str = "1h") -> 
         pub += [f"$KV.{n.bucket}.{key}" for key in KV_WRITES.get(r, ())]
     access = {OBJECTS[r] for r in roles if r in OBJECTS}
     purge = "write" in access and run != "*"
-    if access:
-        pub += [f"$JS.API.STREAM.INFO.{n.obj}", f"$JS.API.STREAM.MSG.GET.{n.obj}",
-                f"$JS.API.CONSUMER.CREATE.{n.obj}", f"$JS.FC.{n.obj}.>",
-                "$JS.API.STREAM.NAMES"]  # nats-py finds the chunks' stream by subject
-    if "write" in access:
-        pub += [f"$JS.API.STREAM.CREATE.{n.obj}", f"$O.{n.obj_bucket}.>"]
-        if purge:
-            pub.append(f"$JS.API.STREAM.PURGE.{n.obj}")
+    pub += _object_access(access, n.obj, n.obj_bucket, purge=purge)
+    traj = {TRAJ_OBJECTS[r] for r in roles if r in TRAJ_OBJECTS}
+    if run == "*":  # `$O.*.>` would be every bucket, the weights' too: no write at all
+        traj.discard("write")
+        traj = traj or ({"read"} if any(r in TRAJ_OBJECTS for r in roles) else set())
+    pub += _object_access(traj, n.traj, n.traj_bucket, purge=False)
     sub.append(f"{inbox_prefix('+'.join(roles_given))}.>")  # its own replies only
     deny = list(ADMIN_ONLY) + ([] if purge else ["$JS.API.STREAM.PURGE.>"])
     if not node:  # the monitor: nothing of the run, no KV or object writes, whatever else says
@@ -209,6 +220,20 @@ def role_permissions(role: str, run: str = "*", *, response_ttl: str = "1h") -> 
                  "subscribe": {"allow": _unique(sub)}}
     if serves:
         out["allow_responses"] = {"max": 1, "expires": response_ttl}
+    return out
+
+
+def _object_access(access: set[str], stream: str, bucket: str, *, purge: bool) -> list[str]:
+    """JetStream subjects of ``read`` / ``write`` access to one object store."""
+    if not access:
+        return []
+    out = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+           f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.FC.{stream}.>",
+           "$JS.API.STREAM.NAMES"]  # nats-py finds the chunks' stream by subject
+    if "write" in access:
+        out += [f"$JS.API.STREAM.CREATE.{stream}", f"$O.{bucket}.>"]
+        if purge:
+            out.append(f"$JS.API.STREAM.PURGE.{stream}")
     return out
 
 
