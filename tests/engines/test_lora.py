@@ -224,3 +224,18 @@ def test_two_ranks_take_the_lora_step_of_one(model_dir, tmp_path):
     finally:
         ranked.shutdown()
     assert all(p.returncode == 0 for p in ranked.procs.values()), "rank 1 stops cleanly on 'stop'"
+
+
+def test_the_head_of_a_tied_model_is_refused_as_a_target():
+    """Merging an adapter into a head tied to the embeddings would change the embeddings too."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rollart.engines.lora import wrap_model
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="trainer.lora.targets: 'lm_head' is tied"):
+        wrap_model(Qwen3ForCausalLM(cfg), rank=4, alpha=8.0, targets=("q_proj", "lm_head"))

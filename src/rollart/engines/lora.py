@@ -42,6 +42,11 @@ def wrap_model(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
     no module matches."""
     from peft import LoraConfig, get_peft_model  # the train extra
 
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if tied and "lm_head" in targets:  # merging B @ A into the head would change the embeddings
+        raise ValueError("trainer.lora.targets: 'lm_head' is tied to the input embeddings in "
+                         "this model (config.json tie_word_embeddings: true); adapt the "
+                         "projections only, or use an untied model")
     cfg = LoraConfig(r=int(rank), lora_alpha=float(alpha), lora_dropout=float(dropout),
                      target_modules=list(targets), bias="none")
     return get_peft_model(model, cfg)
@@ -52,8 +57,10 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
     CPU and contiguous."""
     from peft import get_peft_model_state_dict  # the train extra
 
+    # adapters only: with ``lm_head`` among the targets peft would add the (frozen) base
+    # head by default ("auto" saves embedding-like layers), which the version does not need
     return {k: v.detach().to("cpu").contiguous()
-            for k, v in get_peft_model_state_dict(model).items()}
+            for k, v in get_peft_model_state_dict(model, save_embedding_layers=False).items()}
 
 
 def adapter_metadata(rank: int, alpha: float, targets: Sequence[str]) -> dict[str, str]:
