@@ -31,3 +31,15 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def describe_exit(rc: int | None) -> str:
+    """A child process's return code in words: ``signal SIGKILL``, ``status 3``, ``no status``."""
+    if rc is None:
+        return "no status"
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"status {rc}"

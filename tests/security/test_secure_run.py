@@ -60,7 +60,12 @@ async def test_every_role_under_its_own_credential_over_tls(tmp_path, tiny_model
         line = await head.line_with("embedded nats-server at")
         port = re.search(r":(\d+)\b", line.rsplit(" ", 1)[-1]).group(1)
         url = f"nats://localhost:{port}"
-        for role in ("env", "reward", "generate"):
+        # the reward node first, serving before the others start: frozenlake never asks it, so
+        # a run that two env and generate nodes finish quickly could otherwise end (and stop its
+        # embedded server) while the reward node is still starting
+        procs.append(Proc(cfg, "reward", "--nats", url, *as_role(d, "reward")))
+        await procs[-1].line_with("serving reward")
+        for role in ("env", "generate"):
             procs.append(Proc(cfg, role, "--nats", url, *as_role(d, role)))
         top = subprocess.Popen(
             [sys.executable, "-m", "rollart.app.cli", "top", "--nats", url, "--run", run,

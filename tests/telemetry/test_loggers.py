@@ -16,6 +16,7 @@ import pytest
 from rollart.config import ConfigError, RunConfig, convert
 from rollart.telemetry.loggers import MetricLoggers, open_loggers, scalars
 from tests.actors.sample_actors import new_run
+from tests.waiting import until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"step": s, "version": s, "success": 0.25 * s, "reward": -1.0 + s, "train_s": 0.5,
@@ -93,9 +94,12 @@ def test_wandb_offline_gets_every_row(tmp_path, monkeypatch):
     lg.close()
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{cfg.run}"))
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
-    data = (runs[0] / f"run-{cfg.run}.wandb").read_bytes()
-    for key in (b"success", b"reward", b"train_s"):
-        assert key in data, key
+    log_file = runs[0] / f"run-{cfg.run}.wandb"
+    keys = (b"success", b"reward", b"train_s")
+    # wandb's service process writes the run's records; finish() can return before the last
+    # of them reach the file
+    until_sync(lambda: all(k in log_file.read_bytes() for k in keys), deadline=60,
+               what="the offline run's records", state=lambda: log_file.read_bytes()[:200])
 
 
 def test_a_failing_logger_turns_itself_off_and_the_others_go_on(tmp_path, caplog):

@@ -45,10 +45,10 @@ from typing import Any, Self
 
 from rollart import messages as m
 from rollart.actors.runtime import decode_core
-from rollart.app.local_plan import config_file, describe_exit, log_name, plan, tail
+from rollart.app.local_plan import config_file, log_name, plan, tail
 from rollart.config import RunConfig
 from rollart.node.build import role_config
-from rollart.procs import die_with_parent
+from rollart.procs import describe_exit, die_with_parent
 
 log = logging.getLogger(__name__)
 

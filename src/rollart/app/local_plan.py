@@ -1,13 +1,12 @@
 """What ``rollart run`` starts as child node processes, worked out before any starts: the
 role groups and bus flags (:func:`plan`), the config file the children read, their log
-file names; and how a child's end is described (:func:`describe_exit`, :func:`tail`).
+file names; and the tail of a child's log (:func:`tail`; its exit in words: :func:`rollart.procs.describe_exit`).
 :mod:`rollart.app.local_nodes` starts and supervises them."""
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 from pathlib import Path
 
 import msgspec
@@ -101,12 +100,3 @@ def tail(path: Path, n: int = TAIL_LINES) -> str:
     return "\n".join(lines[-n:])
 
 
-def describe_exit(rc: int | None) -> str:
-    if rc is None:
-        return "no status"
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"status {rc}"

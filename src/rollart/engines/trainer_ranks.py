@@ -37,7 +37,6 @@ import datetime
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +52,7 @@ import torch.distributed as dist
 
 from rollart.algos.losses import LossConfig
 from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, as_loss_config
+from rollart.procs import describe_exit
 from rollart.errors import TrainStepFailed
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class RankedTrainBackend(TorchTrainBackend):
         err = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         if dead:
             return "; ".join(
-                f"trainer rank {r} (pid {self.procs[r].pid}) died ({_describe(self.procs[r].returncode)}) "
+                f"trainer rank {r} (pid {self.procs[r].pid}) died ({describe_exit(self.procs[r].returncode)}) "
                 f"during {during}; see its log {self.logs.get(r)}" for r in dead)
         return (f"trainer ranks: a collective failed during {during} within trainer.dist_timeout "
                 f"= {self.dist_timeout:g} s: a rank died or hangs ({type(e).__name__}: {err})")
@@ -346,15 +346,6 @@ def _py_rng() -> Any:
     return random.getstate()
 
 
-def _describe(rc: int | None) -> str:
-    if rc is None:
-        return "no status"
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"status {rc}"
 
 
 def start_ranks(model_dir: str | os.PathLike, *, world_size: int, dist_timeout: float,
@@ -391,7 +382,7 @@ def start_ranks(model_dir: str | os.PathLike, *, world_size: int, dist_timeout: 
             dead = [r for r, p in backend.procs.items() if p.poll() is not None]
             if dead:
                 raise RankFailed("; ".join(
-                    f"trainer rank {r} exited ({_describe(backend.procs[r].returncode)}) before "
+                    f"trainer rank {r} exited ({describe_exit(backend.procs[r].returncode)}) before "
                     f"joining; see its log {backend.logs[r]}" for r in dead))
             if time.monotonic() > deadline:
                 raise RankFailed(f"trainer ranks: only {store.add(JOINED_KEY, 0)} of "
