@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
@@ -45,12 +44,11 @@ async def put_checkpoint(bus: Any, run: str, files: Any, *, what: str = "trainer
     return len(data) + len(rows)
 
 
-async def fetch_checkpoint(bus: Any, run: str, run_path: Path) -> bool:
-    """Write the checkpoint and metrics record held in the run's object store into
-    ``run_path`` (``checkpoints/latest.pt``, ``metrics.jsonl``) unless the folder has a
-    checkpoint already; True when one was fetched, False when the store holds none."""
-    ckpt = Path(run_path) / "checkpoints" / "latest.pt"
-    if ckpt.exists():
+async def fetch_checkpoint(bus: Any, run: str, files: Any) -> bool:
+    """Write the checkpoint and metrics record held in the run's object store as the files of
+    ``files`` (a :class:`rollart.actors.trainer_files.RunFiles`) unless it has a checkpoint
+    already; True when one was fetched, False when the store holds none."""
+    if files.checkpoint.exists():
         return False
     store = await bus.object_store(m.object_bucket(run))
     try:
@@ -63,11 +61,11 @@ async def fetch_checkpoint(bus: Any, run: str, run_path: Path) -> bool:
         rows = b""
 
     def write() -> None:
-        ckpt.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt.with_suffix(".tmp")
+        files.make()
+        tmp = files.checkpoint.with_suffix(".tmp")
         tmp.write_bytes(data)
-        (Path(run_path) / "metrics.jsonl").write_bytes(rows)
-        tmp.replace(ckpt)
+        files.metrics.write_bytes(rows)
+        tmp.replace(files.checkpoint)
 
     await asyncio.to_thread(write)
     return True

@@ -197,7 +197,7 @@ class ConsumerLoop:
             await self._dead(d, e.reason)
             return
         ctx["traj_id"] = getattr(msg, "traj_id", None)
-        beat = asyncio.ensure_future(_heartbeat(d, s.heartbeat or max(0.05, s.ack_wait / 3)))
+        beat = self._beat(d)
         try:
             await h.fn(msg, d)
         except asyncio.CancelledError:  # not finished within the grace period
@@ -212,15 +212,9 @@ class ConsumerLoop:
         except Reject as r:
             await self._dead(d, r.reason)
         except Exception as e:  # noqa: BLE001 - any handler failure is retried then dead-lettered
-            self.stats.errors += 1
             reason = f"{type(e).__name__}: {e}"
-            if s.max_deliver > 0 and d.num_delivered >= s.max_deliver:
-                await self._dead(d, f"failed {d.num_delivered} times; last error {reason}",
-                                 kind="exhausted")
-            else:
-                log.warning("handler error %s: %s", ctx, reason, exc_info=log.isEnabledFor(logging.DEBUG))
-                await d.nak(backoff(d.num_delivered))
-                self.stats.naked += 1
+            await self._retry_or_dead(d, reason, "handler error %s: %s", ctx, reason,
+                                      exc_info=log.isEnabledFor(logging.DEBUG))
         else:
             await d.ack()
             self.stats.acked += 1
@@ -232,26 +226,36 @@ class ConsumerLoop:
         """``(payload, reference)`` of a message whose payload is in the object store
         (:mod:`rollart.actors.payloads`); None once the delivery has its outcome: dead-lettered
         (a reference that never resolves) or nak'ed (a bus error: redelivered later)."""
-        s = self.h.settings
-        beat = asyncio.ensure_future(_heartbeat(d, s.heartbeat or max(0.05, s.ack_wait / 3)))
+        beat = self._beat(d)
         try:
             return await payloads.fetch_payload(self.bus, self.actor.run, self.h.msg_type,
                                                 d.headers, d.data)
         except payloads.PayloadError as e:
             await self._dead(d, e.reason)
         except BusError as e:
-            self.stats.errors += 1
             reason = f"payload unreadable: {type(e).__name__}: {e}"
-            if s.max_deliver > 0 and d.num_delivered >= s.max_deliver:
-                await self._dead(d, f"failed {d.num_delivered} times; last error {reason}",
-                                 kind="exhausted")
-            else:
-                log.warning("%s %s: retried", ctx, reason)
-                await d.nak(backoff(d.num_delivered))
-                self.stats.naked += 1
+            await self._retry_or_dead(d, reason, "%s %s: retried", ctx, reason)
         finally:
             beat.cancel()
         return None
+
+    def _beat(self, d: Delivery) -> asyncio.Future:
+        """``in_progress`` signals for ``d`` while it is worked on (cancel it when done)."""
+        s = self.h.settings
+        return asyncio.ensure_future(_heartbeat(d, s.heartbeat or max(0.05, s.ack_wait / 3)))
+
+    async def _retry_or_dead(self, d: Delivery, reason: str, *log_args, **log_kw) -> None:
+        """A failure that may pass: nak ``d`` with backoff (logging ``log_args``), or dead-letter
+        it as ``exhausted`` once it reached ``max_deliver``."""
+        s = self.h.settings
+        self.stats.errors += 1
+        if s.max_deliver > 0 and d.num_delivered >= s.max_deliver:
+            await self._dead(d, f"failed {d.num_delivered} times; last error {reason}",
+                             kind="exhausted")
+        else:
+            log.warning(*log_args, **log_kw)
+            await d.nak(backoff(d.num_delivered))
+            self.stats.naked += 1
 
     async def _dead(self, d: Delivery, reason: str, kind: str = "permanent") -> None:
         await dead_letter(self.bus, self.actor, subject=d.subject, payload=d.data, reason=reason,

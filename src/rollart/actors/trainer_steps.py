@@ -223,21 +223,20 @@ class StepLoop:
         idx = RESTART_BASE + g.index * 100 + t.attempt
         gid = f"{t.group_id}-r{t.attempt}"
         self.ledger.readmitted(idx, gid, t.seed)
-        pool = self._env_pool()
+        pool = self._env_pool(g.index)
         for i in range(n):
             await self.publish_patiently("rollout.requested", m.RolloutRequested(
                 traj_id=f"{gid}-{i}", group_id=gid, env=t.env, seed=t.seed, index_in_group=i,
                 admitted_version=self.version, min_version=self.version, group_index=idx,
                 created_at=time.time()), msg_id=f"req:{self.run}:{gid}-{i}", pool=pool)
 
-    def _env_pool(self) -> str | None:
-        """The pool of the EnvManagers (``mapping.env``; several: taken in turn, one per
-        restarted group), None: this actor's own pool."""
+    def _env_pool(self, index: int) -> str | None:
+        """The pool of the EnvManagers for restarted group ``index`` (``mapping.env``;
+        several: taken in turn by group index), None: this actor's own pool."""
         if not self.cfg.pools:
             return None
         pools = mapped_pools(self.cfg.mapping, "env")
-        self._restarts_sent = getattr(self, "_restarts_sent", -1) + 1
-        return pools[self._restarts_sent % len(pools)]
+        return pools[index % len(pools)]
 
     async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict | None:
         # optional dependency: train_batch imports torch (a trainer process has it)

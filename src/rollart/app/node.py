@@ -234,13 +234,15 @@ async def _fetch_checkpoint(ns, cfg, run_path: Path) -> None:
     """``trainer.checkpoint_store: object``: a head whose run folder has no checkpoint takes
     the one in the run's object store (the head moved to this host)."""
     from rollart.actors.checkpoint_store import fetch_checkpoint
+    from rollart.actors.trainer_files import RunFiles
 
-    if (run_path / "checkpoints" / "latest.pt").exists():
+    files = RunFiles(run_path)
+    if files.checkpoint.exists():  # before any connection: the usual case, the head's own
         return
     bus = bus_from_config(ns, name="rollart-node-checkpoint", replicas=cfg.node.stream_replicas)
     await _connect_patiently(bus, cfg.rollout.service_wait)
     try:
-        if await fetch_checkpoint(bus, cfg.run, run_path):
+        if await fetch_checkpoint(bus, cfg.run, files):
             print(f"rollart node: took run {cfg.run}'s checkpoint from the object store "
                   f"(trainer.checkpoint_store: object) into {run_path}", flush=True)
     finally:
