@@ -82,16 +82,78 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
     assert state["backend"]["version"] == 8
 
 
+def _journal_state(run_dir: Path) -> tuple[int, int] | None:
+    """``(steps the durable state holds, steps the full checkpoint holds)``; None: not both yet."""
+    import torch
+
+    ck = run_dir / "checkpoints"
+    try:
+        seq = json.loads((ck / "state.json").read_text())["seq"]
+        full = torch.load(ck / "latest.pt", weights_only=False, mmap=True)["journal_seq"]
+    except (FileNotFoundError, ValueError, RuntimeError, EOFError):
+        return None
+    return seq, full
+
+
+def test_kill_between_full_checkpoints_replays_the_journal(tmp_path, tiny_model):
+    """``full_checkpoint_every: 3``: kill -9 once the full checkpoint of step 3 is on disk and
+    the durable state holds later steps; the resume loads step 3's full checkpoint, trains the
+    journaled steps again (bit for bit: each replayed version's digest is the one published,
+    so no weights file under a second name) and finishes: every trajectory id trained exactly
+    once, every step once, the journal empty after the last (full) checkpoint."""
+    steps = 8
+    cfg = _small_config(tmp_path, tiny_model, run="journal", steps=steps,
+                        trainer={"full_checkpoint_every": 3})
+    run_dir, log = tmp_path / "runs" / "journal", tmp_path / "journal.log"
+    proc = _start(tmp_path, log, "run", str(cfg), "--quiet")
+    def between() -> bool:  # and the version the state holds published (its digest is checked)
+        js = _journal_state(run_dir)
+        return bool(js and js[1] == 3 and js[0] > 3
+                    and (run_dir / "weights" / f"v{js[0]:06d}.safetensors").exists())
+
+    _wait(between, 180, "the durable state past the full checkpoint of step 3", proc, log)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    held, full = _journal_state(run_dir)
+    assert full == 3 < held < 6, (held, full)  # between two full checkpoints
+    assert sorted(int(p.stem) for p in (run_dir / "checkpoints" / "journal").glob("*.msgpack")) \
+        == list(range(4, held + 1)), "the journal holds exactly the steps after the full checkpoint"
+    published = _weights(run_dir)
+
+    proc = _start(tmp_path, log, "--log-level", "INFO", "run", "--resume", str(run_dir), "--quiet")
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    out = log.read_text().rsplit("=== rollart", 1)[-1]
+    assert (f"resumed at version {held} with {2 * held} trained groups: the full checkpoint of "
+            f"version 3 and {held - 3} journaled steps trained again") in out, out[-4000:]
+    assert "holds other tensors" not in out, out[-4000:]
+    if f"v{held:06d}.safetensors" in published:  # (unless a step ended between poll and kill)
+        assert f"announcing the existing v{held:06d}.safetensors again" in out, out[-4000:]
+    _assert_never_rewritten(published, run_dir)
+    assert set(_weights(run_dir)) == {f"v{v:06d}.safetensors" for v in range(1, steps + 1)}
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), "one record per step"
+    ids = [t for r in rows for t in r["traj_ids"]]
+    assert len(ids) == len(set(ids)) == steps * 2 * 4, "every trajectory trained exactly once"
+    assert sorted({t.rsplit("-", 1)[0] for t in ids}) == [f"g{i:06d}" for i in range(2 * steps)]
+    assert any(r.get("full_checkpoint_version") == 6 and r["full_checkpoint_bytes"] > 0
+               for r in rows), "the full checkpoint of step 6 is in a later step's row"
+    assert _journal_state(run_dir) == (steps, steps)
+    assert not list((run_dir / "checkpoints" / "journal").glob("*.msgpack"))
+
+
 # -- weights by content: a published version's file is never rewritten ------------------
 
 
-def _small_config(tmp_path: Path, tiny_model: Path, *, run: str, steps: int) -> Path:
+def _small_config(tmp_path: Path, tiny_model: Path, *, run: str, steps: int,
+                  trainer: dict | None = None) -> Path:
     cfg = {
         "run": run, "run_dir": str(tmp_path / "runs"),
         "model": {"path": str(tiny_model)},
         "envs": {"main": {"type": "frozenlake", "max_turns": 4}},
         "rollout": {"group_size": 4, "batch_groups": 2, "alpha": 1, "ack_wait": 3},
-        "trainer": {"steps": steps, "lr": 1e-3, "eval_groups": 1, "keep_weights": 1000},
+        "trainer": {"steps": steps, "lr": 1e-3, "eval_groups": 1, "keep_weights": 1000,
+                    **(trainer or {})},
         "actors": {"trainer": {"handlers": {"on_completed": {"ack_wait": 3}}}},
     }
     p = tmp_path / f"{run}.yaml"

@@ -72,6 +72,9 @@ class LLMProxy(PolicyLoading, Actor):
     load) or ``interrupt`` (they stop, and continue from their tokens on the new weights)."""
     gather_ms: float = 2.0
     max_batch: int = 128
+    dtype: str = "auto"
+    """``proxy.dtype``: the torch engine's weights (``auto``: the model folder's, see
+    :func:`rollart.engines.weight_stream.serving_dtype`)."""
     threads: int | None = 1
     seed: int = 0
     version_wait: float = 60.0
@@ -108,6 +111,13 @@ class LLMProxy(PolicyLoading, Actor):
     """Which policy records this replica loaded or refused, and when to try again."""
     loads: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
     """``(version, seconds)`` of each policy load."""
+    pauses: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
+    """``(version, seconds)`` generation was paused for each load (``pause()`` to
+    ``resume()`` returning)."""
+    _stage: Any = field(default=None, init=False, repr=False)
+    """Streamed versions (``trainer.sync.format: stream``): the staging folder and the
+    staged file of the version loaded, the base of the next delta
+    (:class:`rollart.actors.proxy_policy.StreamStage`); made at the first such version."""
     interrupted: int = field(default=0, init=False)
     """Engine requests stopped by an ``interrupt`` update (or the engine) and continued."""
     _seq: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
@@ -129,7 +139,8 @@ class LLMProxy(PolicyLoading, Actor):
         px = run_cfg.proxy
         kw = dict(model_dir=str(model_dir(run_cfg)), engine=px.engine,
                   engine_args=dict(px.engine_args), on_update=px.on_update,
-                  gather_ms=px.gather_ms, max_batch=px.max_batch, threads=run_cfg.model.threads,
+                  gather_ms=px.gather_ms, max_batch=px.max_batch, dtype=px.dtype,
+                  threads=run_cfg.model.threads,
                   seed=index)
         kw.update(actor_cfg.args)
         name = f"generate-{pool}-{replica_suffix()}-{index}"  # unique across hosts
@@ -141,9 +152,14 @@ class LLMProxy(PolicyLoading, Actor):
             raise ValueError(f"proxy.on_update {self.on_update!r} is not finish or interrupt")
         eng, self._owns_engine = self.engine_obj, True
         if eng is None:
+            args = dict(self.engine_args)
+            if self.engine == "torch" and "dtype" not in args:
+                from rollart.engines.weight_stream import serving_dtype
+
+                args["dtype"] = serving_dtype(self.dtype, self.model_dir)
             eng = build_engine(self.engine, self.model_dir, seed=self.seed, threads=self.threads,
                                gather_s=self.gather_ms / 1e3, max_batch=self.max_batch,
-                               engine_args=self.engine_args)
+                               engine_args=args)
         elif not isinstance(eng, AsyncEngine):  # a synchronous engine: batch it here
             eng = BatchedEngine(eng, gather_s=self.gather_ms / 1e3, max_batch=self.max_batch,
                                 owns=False)
@@ -165,6 +181,8 @@ class LLMProxy(PolicyLoading, Actor):
     async def teardown(self) -> None:
         if self._cancel_sub is not None:
             await self._cancel_sub.unsubscribe()
+        if self._stage is not None:
+            await asyncio.to_thread(self._stage.close)
 
     @property
     def version(self) -> int:

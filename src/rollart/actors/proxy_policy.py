@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
@@ -44,6 +47,8 @@ class PolicyLoading:
     _lock: asyncio.Lock
     _loaded: asyncio.Condition
     loads: list[tuple[int, float]]
+    pauses: list[tuple[int, float]]
+    _stage: StreamStage | None
     publish_patiently: Any
 
     @property
@@ -100,13 +105,27 @@ class PolicyLoading:
             if not follow.wanted(pub, self.version) or follow.blocked(pub):
                 return
             t0 = time.perf_counter()
+            staged = None
+            fetch_s = pause_s = 0.0
             try:
                 with tracing.span("policy.load", {"version": pub.version, "replica": self.name,
                                                   "on_update": self.on_update}):
-                    data = await fetch_weights(self.bus, pub)  # the engine serves meanwhile
-                    self._check_kind(data, pub)
-                    await self._load_paused(data, pub.version)
+                    # the engine serves meanwhile
+                    if pub.layout == "stream":
+                        if self._stage is None:
+                            self._stage = await asyncio.to_thread(StreamStage, self.name)
+                        staged = await self._stage.fetch(self.bus, pub)
+                        source: Any = staged.path
+                    else:
+                        source = await fetch_weights(self.bus, pub)
+                        self._check_kind(source, pub)
+                    fetch_s = time.perf_counter() - t0
+                    pause_s, apply_s = await self._load_paused(source, pub.version)
+                if staged is not None:
+                    await asyncio.to_thread(self._stage.loaded, staged)
             except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
+                if staged is not None:
+                    await asyncio.to_thread(self._stage.discard, staged)
                 tries, delay = follow.refuse(pub)
                 log.error("%s refused policy v%s (try %d, again in %.0fs or when announced "
                           "again): %s", self.name, pub.version, tries, delay, e)
@@ -118,9 +137,13 @@ class PolicyLoading:
                 follow.loaded_ok(pub)
                 self.gate.loaded(pub)
                 self.loads.append((pub.version, dt))
-                log.info("%s loaded policy v%s in %.2fs", self.name, pub.version, dt)
+                self.pauses.append((pub.version, pause_s))
+                log.info("%s loaded policy v%s in %.2fs (fetch%s %.3fs while serving; generation "
+                         "paused %.3fs, of which the load %.3fs)%s", self.name, pub.version, dt,
+                         "+assembly" if staged is not None else "", fetch_s, pause_s, apply_s,
+                         f" [{self._stage.last}]" if staged is not None else "")
                 report = m.PolicyLoaded(version=pub.version, replica=self.name, pool=self.pool,
-                                        load_s=dt)
+                                        load_s=dt, fetch_s=fetch_s, pause_s=pause_s)
                 msg_id = f"loaded:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}"
         if not report.error:
             async with self._loaded:
@@ -149,16 +172,22 @@ class PolicyLoading:
                              f"replica's engine ({type(self.async_engine).__name__}) applies none: "
                              f"the trainer publishes merged weights when proxy.engine is not torch")
 
-    async def _load_paused(self, data: bytes, version: int) -> None:
+    async def _load_paused(self, data: bytes | Path, version: int) -> tuple[float, float]:
         """Load weights between ``pause()`` and ``resume()`` of the engine: ``finish`` waits
         for the requests in flight, ``interrupt`` aborts them (they continue afterwards, see
-        :meth:`_serve`). A refused file raises; the engine resumes on its old weights."""
+        :meth:`_serve`). A refused file raises; the engine resumes on its old weights.
+        Returns the seconds from ``pause()`` to ``resume()`` returning (generation paused)
+        and those of the load itself."""
         eng = self.async_engine
+        t0 = time.perf_counter()
         await eng.pause("abort" if self.on_update == "interrupt" else "wait")
         try:
+            t1 = time.perf_counter()
             await eng.load_weights(data, version)
+            apply_s = time.perf_counter() - t1
         finally:
             await eng.resume()
+        return time.perf_counter() - t0, apply_s
 
 
     async def _check_reachable(self, v: int) -> None:
@@ -186,6 +215,48 @@ class PolicyLoading:
                     await asyncio.wait_for(self._loaded.wait(), left)
                 except TimeoutError:
                     pass
+
+
+class StreamStage:
+    """A replica's streamed versions (``PolicyPublished.layout: stream``): a private staging
+    folder where each version is assembled and checked
+    (:func:`rollart.engines.weight_stream.assemble_version`) before the engine loads it, and
+    the staged file of the version loaded, kept as the base of the next delta."""
+
+    def __init__(self, name: str):
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rollart-stage-{name[:40]}-"))
+        self.base: Any = None
+        """The :class:`~rollart.engines.weight_stream.Assembled` version the engine holds."""
+        self.last = ""
+        """How the last version was assembled (for the load's log line)."""
+
+    async def fetch(self, bus: Any, pub: m.PolicyPublished) -> Any:
+        """Assemble ``pub`` into the staging folder (off the loop; the engine serves)."""
+        from rollart.engines.weight_stream import assemble_version, blobs_for_uri
+
+        if pub.kind != "full":
+            raise ValueError(f"policy v{pub.version} is a {pub.kind!r} version in the stream "
+                             f"layout: LoRA versions travel as single files")
+        t0 = time.perf_counter()
+        blobs, name = await blobs_for_uri(bus, pub.uri)
+        got, info = await assemble_version(blobs, name, self.dir, base=self.base, digest=pub.digest)
+        self.last = (f"{info['path']}, {info['manifests']} manifest(s), "
+                     f"{info['wire_bytes'] / 2**20:.2f} MiB fetched, {time.perf_counter() - t0:.3f}s")
+        return got
+
+    def loaded(self, got: Any) -> None:
+        """The engine holds ``got`` now: it is the base; the previous one goes."""
+        old, self.base = self.base, got
+        if old is not None and old.path != got.path:
+            old.path.unlink(missing_ok=True)
+
+    def discard(self, got: Any) -> None:
+        """A staged version the engine refused."""
+        if self.base is None or got.path != self.base.path:
+            got.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class PolicyFollow:

@@ -2,7 +2,10 @@
 
 Each ``rollout.completed`` delivery stays un-acked (held by heartbeats) until the step
 that used it has been checkpointed, so a killed trainer loses nothing: what it had
-buffered is redelivered, and what it had trained is skipped by id on resume.
+buffered is redelivered, and what it had trained is skipped by id on resume. A checkpoint is
+small (the ledger and a journal of the steps since the last full checkpoint); the full one,
+model and optimizer, is written every few steps in the background, and a resume trains the
+journaled steps again (:mod:`rollart.actors.trainer_checkpoint`).
 
 This module is the actor: its state, set-up and resume, and the handlers of what comes in
 (which completions it takes: :class:`rollart.actors.admission.Admission`; where each group
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,7 @@ from rollart.actors.base import Actor, Reject, Retry, consume
 from rollart.actors.ledger import Group, GroupLedger
 from rollart.actors.records import decode_entry
 from rollart.actors.runtime import decode_core
+from rollart.actors.trainer_checkpoint import Checkpoints, replay
 from rollart.actors.trainer_files import RunFiles
 from rollart.actors.trainer_publish import GUARDED_KEYS, KvGuard, WeightPublisher
 from rollart.actors.trainer_steps import StepLoop
@@ -63,6 +68,8 @@ class Trainer(StepLoop, Actor):
     """Every training group's state; persisted with the checkpoint."""
     admission: Admission = field(default=None, init=False, repr=False)
     files: RunFiles = field(default=None, init=False, repr=False)
+    ckpt: Checkpoints = field(default=None, init=False, repr=False)
+    """The durable state, the journal and the full checkpoint in the background."""
     kv_guard: KvGuard = field(default=None, init=False, repr=False)
     weights: WeightPublisher = field(default=None, init=False, repr=False)
     issued: int | None = field(default=None, init=False)
@@ -126,6 +133,8 @@ class Trainer(StepLoop, Actor):
         self.admission = Admission(r, dict(self.cfg.envs))
         self.files = RunFiles(self.run_path)
         self.files.make()
+        self.ckpt = Checkpoints(self.files, t, bus=self.bus, run=self.run, name=self.name,
+                                object_store=t.checkpoint_store == "object")
         if self.resume:
             await asyncio.to_thread(self._load_checkpoint)
         self.kv_guard = KvGuard(self, self.counts)
@@ -142,6 +151,13 @@ class Trainer(StepLoop, Actor):
 
     async def teardown(self) -> None:
         await self._hb_sub.unsubscribe()
+        if self.weights is not None:
+            await self.weights.close()
+        try:  # a full checkpoint being written is finished (its thread would be anyway)
+            if self.ckpt is not None:
+                await self.ckpt.wait()
+        except Exception:  # the durable state holds the run without it
+            log.exception("%s: the last full checkpoint failed", self.name)
         if self.loggers is not None:
             await asyncio.to_thread(self.loggers.close)
 
@@ -163,12 +179,37 @@ class Trainer(StepLoop, Actor):
         return self.files.path
 
     def _load_checkpoint(self) -> None:
+        """Resume: the last full checkpoint, then the journal's steps after it trained again
+        (:func:`rollart.actors.trainer_checkpoint.replay`), the durable state's ledger."""
         state = self.files.load_checkpoint()
-        if state is None:
-            log.warning("no checkpoint at %s: starting from scratch", self.files.checkpoint)
+        durable = self.files.load_state()
+        if state is None and durable is None:
+            log.warning("no checkpoint at %s: starting from scratch", self.files.checkpoint.parent)
             self.files.rewrite_metrics(self.version)  # rows of steps no checkpoint holds are trained again
             return
-        self.backend.load_checkpoint_state(state["backend"])
+        if state is not None:
+            self.backend.load_checkpoint_state(state["backend"])
+        held = state.get("journal_seq") if state is not None else 0
+        if durable is not None and held is not None and durable["seq"] >= held:
+            from rollart.actors.train_batch import loss_config  # optional: imports torch
+
+            full_version = self.version
+            took = replay(self.files, self.backend, after=held, upto=durable["seq"],
+                          advantage=self.cfg.trainer.advantage, loss_cfg=loss_config(self.cfg.trainer))
+            if self.version != durable["version"]:
+                raise ValueError(
+                    f"{self.files.state}: the journal's steps {held + 1}..{durable['seq']} trained "
+                    f"again reach version {self.version}, the state says {durable['version']}")
+            self.ledger.load(durable["ledger"])
+            self.counts.update(durable.get("counts", {}))
+            self.wall_s = durable.get("wall_s", 0.0)
+            self.ckpt.resumed(seq=durable["seq"], full_seq=held, full_version=full_version)
+            self.files.rewrite_metrics(self.version)
+            log.info("resumed at version %d with %d trained groups: the full checkpoint of "
+                     "version %d and %d journaled steps trained again in %.2fs", self.version,
+                     self.ledger.trained, full_version, len(took), sum(took))
+            return
+        self.ckpt.resumed(seq=self.version, full_seq=self.version, full_version=self.version)
         if "ledger" in state:
             self.ledger.load(state["ledger"])
         elif "next_index" in state:  # a checkpoint from before the ledger: groups below are done
@@ -179,21 +220,28 @@ class Trainer(StepLoop, Actor):
         self.files.rewrite_metrics(self.version)
         log.info("resumed at version %d with %d trained groups", self.version, self.ledger.trained)
 
-    def _save_checkpoint(self) -> None:
-        self.files.save_checkpoint({
-            "backend": self.backend.state_dict_for_checkpoint(),
-            "ledger": self.ledger.state(), "counts": dict(self.counts),
-            "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s})
+    def _durable_state(self) -> dict[str, Any]:
+        return {"version": self.version, "ledger": self.ledger.state(), "counts": dict(self.counts),
+                "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s}
 
-    async def _checkpoint(self) -> None:
-        """Save the checkpoint; with ``trainer.checkpoint_store: object`` put it (and the
-        metrics record) in the run's object store too, before the deliveries it covers are
-        acked (:mod:`rollart.actors.checkpoint_store`)."""
-        await asyncio.to_thread(self._save_checkpoint)
-        if self.cfg.trainer.checkpoint_store == "object":
-            from rollart.actors.checkpoint_store import put_checkpoint
+    def _full_state(self) -> dict[str, Any]:
+        """What a full checkpoint holds (live tensors: :class:`Checkpoints` copies them)."""
+        return {"backend": self.backend.state_dict_for_checkpoint(), **self._durable_state()}
 
-            await put_checkpoint(self.bus, self.run, self.files, what=self.name)
+    async def _checkpoint(self, *, final: bool = False) -> dict[str, float]:
+        """Make the steps so far durable (journal, then state; with ``trainer.checkpoint_store:
+        object`` in the run's object store too, :mod:`rollart.actors.checkpoint_store`), before
+        the deliveries they cover are acked; a full checkpoint when one is due (``final``: the
+        last step's, waited for). Returns the seconds of the durable state and the seconds
+        the step waited for a full checkpoint."""
+        out = {"state_s": await self.ckpt.commit(self._durable_state())}
+        if self.ckpt.full_due(self.version, final=final):
+            out["full_block_s"] = await self.ckpt.start_full(self._full_state, self.version)
+            if final:
+                t0 = time.perf_counter()
+                await self.ckpt.wait()
+                out["full_block_s"] += time.perf_counter() - t0
+        return out
 
     async def _publish(self) -> None:
         """Announce the current weights: ``policy.published`` and KV ``policy.version``

@@ -114,11 +114,16 @@ class WeightPublisher:
         its announcement, and the newest is never deleted)."""
         self.prune_store = True
         """Delete old versions from the object store (off after the first refusal)."""
+        self.stream = StreamPublisher(self) if cfg.sync.format == "stream" else None
+        """``trainer.sync.format: stream``: versions as manifests and buckets."""
 
     async def publish(self) -> None:
         """Announce the backend's current version (see the class docstring)."""
         a, t, wdir = self.actor, self.cfg, self.weights
         v = self.backend.version
+        if self.stream is not None and getattr(self.backend, "weights_kind", "full") == "full":
+            await self.stream.publish(v)  # LoRA adapters (small) keep the single file
+            return
 
         def existing(p: Path) -> str | None:
             try:
@@ -164,6 +169,17 @@ class WeightPublisher:
             uri = f"obj://{m.object_bucket(a.run)}/{name}"
         pub = m.PolicyPublished(version=v, uri=uri, digest=digest, created_at=time.time(),
                                 kind=getattr(self.backend, "weights_kind", "full"))
+        await self.announce(pub)
+        await self._prune(v, path, store)
+
+    async def close(self) -> None:
+        """Stop what serves weights (the weight server of ``trainer.weights: tcp``)."""
+        if self.stream is not None:
+            await self.stream.close()
+
+    async def announce(self, pub: m.PolicyPublished) -> None:
+        """``policy.published`` and KV ``policy.version`` for ``pub`` (whose weights are stored)."""
+        a, v, digest = self.actor, pub.version, pub.digest
         self.announced[v] = digest
         self.announced_max = max(self.announced_max, v)
         self.guard.wrote(m.POLICY_KEY, pub)
@@ -172,7 +188,6 @@ class WeightPublisher:
         await retry(lambda: set_policy(a.bus, a.run, pub), retry_on=BusError,
                     what=f"{a.name}: setting policy v{v}", attempts=60, base=0.2, cap=5.0,
                     logger=log)
-        await self._prune(v, path, store)
 
     async def _prune(self, v: int, path: Path, store: Any) -> None:
         """Delete the versions older than the ``keep_weights`` newest (by version, never the
@@ -192,3 +207,116 @@ class WeightPublisher:
                                     "stay in the store from now on (under `rollart secure` "
                                     "credentials made without --run the trainer may not purge)",
                                     self.actor.name, old.name, e)
+
+
+class StreamPublisher:
+    """``trainer.sync.format: stream``: each version as a manifest and buckets in the
+    serving dtype (:mod:`rollart.engines.weight_stream`), a delta over the previous version
+    between anchors. The previous version's serving-dtype file (``<run>/weights/stream-base``,
+    on disk) is the base; without it (a fresh or resumed trainer) the version is an anchor.
+    Keeps every version from the anchor that the ``keep_weights`` newest need."""
+
+    def __init__(self, owner: WeightPublisher):
+        self.owner = owner
+        self.base: Any = None
+        """:class:`~rollart.engines.weight_stream.TrainerBase` of the last version published."""
+        self.versions: dict[int, tuple[int, list[str]]] = {}
+        """Version -> (its anchor, its object names) of what this process stored."""
+        self.last: dict[str, float] = {}
+        """Stats of the last version (``stream_*``: changed fraction, wire/full, encode s)."""
+        self._blobs: Any = None
+        self._dtype: str | None = None
+        self.server: Any = None
+        """``trainer.weights: tcp``: the :class:`~rollart.engines.weight_tcp.WeightServer`."""
+
+    async def close(self) -> None:
+        """Stop the weight server (``trainer.weights: tcp``), if one runs."""
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
+
+    async def blobs(self) -> Any:
+        from rollart.engines import weight_stream as ws
+
+        if self._blobs is None:
+            a, t = self.owner.actor, self.owner.cfg
+            if t.weights == "object":
+                bucket = m.object_bucket(a.run)
+                self._blobs = ws.ObjectBlobs(await a.bus.object_store(bucket), bucket)
+            elif t.weights == "shm":
+                self._blobs = ws.DirBlobs(ws.shm_dir(a.run))
+            elif t.weights == "tcp":
+                from rollart.engines.weight_tcp import WeightServer, advertised_host
+
+                root = self.owner.weights / "stream"
+                await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
+                s = t.sync
+                self.server = WeightServer(root, host=s.host, port=s.port,
+                                           advertise=s.advertise or advertised_host(
+                                               getattr(a.bus, "url", None)))
+                await self.server.start()
+                log.info("%s: weight server for generators at %s", a.name,
+                         self.server.base_uri.rsplit("/", 1)[0])
+                self._blobs = ws.ServedDirBlobs(root, self.server)
+            else:
+                self._blobs = ws.DirBlobs(self.owner.weights / "stream")
+        return self._blobs
+
+    def serving_dtype(self) -> str:
+        from rollart.engines.weight_stream import serving_dtype
+
+        if self._dtype is None:
+            a = self.owner.actor
+            cfg = getattr(a, "cfg", None)
+            self._dtype = serving_dtype(cfg.proxy.dtype if cfg is not None else "auto",
+                                        getattr(a, "model_dir", None))
+        return self._dtype
+
+    async def publish(self, v: int) -> None:
+        from rollart.engines import weight_stream as ws
+
+        owner, sync = self.owner, self.owner.cfg.sync
+        a = owner.actor
+        blobs = await self.blobs()
+        dtype = self.serving_dtype()
+        tensors = await asyncio.to_thread(owner.backend._weight_tensors)
+        source = await asyncio.to_thread(ws.TorchTensors, tensors, dtype)
+        base_path = owner.weights / "stream-base.safetensors"
+        nxt = owner.weights / "stream-base.next.safetensors"
+        base = self.base if self.base is not None and self.base.version < v else None
+        man, name = await ws.write_version(
+            blobs, source, version=v, dtype=dtype, bucket_bytes=int(sync.bucket_mb * 2**20),
+            base=base, delta=sync.delta, anchor_every=sync.anchor_every, base_out=nxt)
+        del tensors, source
+        st = man.stats
+        self.last = {"stream_changed": st.changed / max(1, st.total),
+                     "stream_wire_ratio": st.wire_bytes / max(1, st.full_bytes),
+                     "stream_wire_bytes": float(st.wire_bytes), "stream_encode_s": st.encode_s}
+        log.info("%s: v%d streamed as %s%s: %d buckets, %.2f MiB on the wire of %.2f MiB full "
+                 "(%.1f%%), %.1f%% of the elements changed, encoded in %.3fs (%s, %s)",
+                 a.name, v, "a delta over v" if man.kind == "delta" else "an anchor",
+                 man.parent_version if man.kind == "delta" else "", len(man.buckets),
+                 st.wire_bytes / 2**20, st.full_bytes / 2**20,
+                 100 * st.wire_bytes / max(1, st.full_bytes), 100 * st.changed / max(1, st.total),
+                 st.encode_s, dtype, blobs.where)
+        pub = m.PolicyPublished(version=v, uri=blobs.uri(name), digest=man.digest,
+                                created_at=time.time(), kind="full", layout="stream")
+        await owner.announce(pub)
+        await asyncio.to_thread(nxt.replace, base_path)  # the base of the next delta
+        self.base = ws.TrainerBase(base_path, v, man.digest, man.anchor)
+        self.versions[v] = (man.anchor, [name, *(b.name for b in man.buckets)])  # manifest first
+        await self._prune(v, blobs)
+
+    async def _prune(self, v: int, blobs: Any) -> None:
+        """Delete the versions below the anchor the ``keep_weights`` newest need."""
+        keep = [k for k in self.versions if k > v - max(1, self.owner.cfg.keep_weights)]
+        floor = min(self.versions[k][0] for k in keep)
+        for old in [k for k in self.versions if k < floor]:
+            try:
+                for n in self.versions[old][1]:
+                    await blobs.delete(n)
+            except BusError as e:  # left behind, not fatal
+                log.warning("%s: deleting stream version %d failed (%s)", self.owner.actor.name,
+                            old, e)
+                return
+            del self.versions[old]

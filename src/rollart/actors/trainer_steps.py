@@ -1,5 +1,6 @@
-"""The trainer's step loop: take a batch of groups from the ledger, train on it, checkpoint,
-announce the new weights and the ledger summary (:class:`StepLoop`).
+"""The trainer's step loop: take a batch of groups from the ledger, train on it, checkpoint
+(journal the step, :mod:`rollart.actors.trainer_checkpoint`), announce the new weights and the
+ledger summary (:class:`StepLoop`).
 
 Groups are taken oldest first. The α rule (DESIGN.md §4): the step producing ``v+1`` uses
 only groups whose ``min_version >= v - alpha``; ``rollout.stale`` decides what happens to a
@@ -18,6 +19,7 @@ from rollart import messages as m
 from rollart.actors.admission import RESTART_BASE
 from rollart.actors.ledger import Group, GroupLedger, put_summary
 from rollart.actors.run_end import put_run_end
+from rollart.actors.trainer_checkpoint import Checkpoints, rng_state
 from rollart.actors.trainer_files import RunFiles
 from rollart.actors.trainer_publish import KvGuard, WeightPublisher
 from rollart.config import RunConfig
@@ -40,6 +42,7 @@ class StepLoop:
     backend: Any
     ledger: GroupLedger
     files: RunFiles
+    ckpt: Checkpoints
     weights: WeightPublisher
     kv_guard: KvGuard
     counts: dict[str, int]
@@ -58,7 +61,6 @@ class StepLoop:
     on_step: Any
     publish_patiently: Any
     _publish: Any
-    _save_checkpoint: Any
     _checkpoint: Any
     loggers: Any
 
@@ -250,6 +252,7 @@ class StepLoop:
         samples = build_samples(trajs, [g.index for g in batch for _ in g.members[:k]],
                                 self.cfg.trainer.advantage)
         otel_metrics.staleness(v - t.min_version for t in trajs)
+        rng = rng_state(self.backend)  # the journal's replay starts the step from the same draws
         t0 = time.perf_counter()
         try:
             with tracing.span("train", {"samples": len(samples)}):
@@ -260,6 +263,7 @@ class StepLoop:
             log.error("%s: run stopped: %s", self.name, self.failure)
             return None
         train_s = time.perf_counter() - t0
+        self.ckpt.record(v, [g.index for g in batch for _ in g.members[:k]], trajs, rng)
         counts = {**self.ledger.counts, **self.counts}
         out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
                **trajectory_stats(trajs, v),
@@ -273,19 +277,21 @@ class StepLoop:
                # are counted apart (count_uniform_skipped)
                "groups_lost": self.ledger.lost - self.ledger.counts["uniform_skipped"],
                "traj_ids": [t.traj_id for t in trajs],
-               "traj_min_versions": [t.min_version for t in trajs]}
+               "traj_min_versions": [t.min_version for t in trajs],
+               # a full checkpoint finished in the background since the previous row
+               **self.ckpt.take_done()}
         t1 = time.perf_counter()
         out["wall_s"] = t1 - t_start
         self.history.append(out)
-        checkpointed = (self.version % self.cfg.trainer.checkpoint_every == 0
-                        or self.version >= self.cfg.trainer.steps)
+        final = self.version >= self.cfg.trainer.steps
+        checkpointed = self.version % self.cfg.trainer.checkpoint_every == 0 or final
         # the record first: a resume keeps exactly the rows of the steps its checkpoint holds
         with tracing.span("checkpoint", {"saved": checkpointed}):
             await asyncio.to_thread(self.files.write_metrics, out)
             if self.loggers is not None:  # never raises: a failing logger turns itself off
                 await asyncio.to_thread(self.loggers.log, out)
-            if checkpointed:
-                await self._checkpoint()
+            if checkpointed:  # seconds of the state, and waited for a full checkpoint
+                out.update(await self._checkpoint(final=final))
         with tracing.span("publish"):
             await self._publish()
             await self._publish_ledger()

@@ -45,14 +45,12 @@ def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
 
 
 def checkpoint_version(run_path: Path) -> int | None:
-    """The policy version of a run folder's checkpoint (None: no checkpoint yet)."""
-    p = run_path / "checkpoints" / "latest.pt"
-    if not p.exists():
-        return None
-    import torch  # optional dependency: the train extra (a trainer's host has it)
+    """The policy version a resume of a run folder continues from (its durable state's, which
+    may be ahead of the full checkpoint: :mod:`rollart.actors.trainer_checkpoint`); None: no
+    checkpoint yet."""
+    from rollart.actors.trainer_files import RunFiles
 
-    state = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
-    return int(state["backend"]["version"])
+    return RunFiles(run_path).durable_version()
 
 
 def write_config(cfg: RunConfig, *, overwrite: bool = True) -> Path:

@@ -237,7 +237,7 @@ async def _fetch_checkpoint(ns, cfg, run_path: Path) -> None:
     from rollart.actors.trainer_files import RunFiles
 
     files = RunFiles(run_path)
-    if files.checkpoint.exists():  # before any connection: the usual case, the head's own
+    if files.has_checkpoint():  # before any connection: the usual case, the head's own
         return
     bus = bus_from_config(ns, name="rollart-node-checkpoint", replicas=cfg.node.stream_replicas)
     await _connect_patiently(bus, cfg.rollout.service_wait)

@@ -252,10 +252,18 @@ class ProxyConfig(Base):
     """Milliseconds to gather concurrent requests into one engine batch (``torch``)."""
     max_batch: int = 128
     """Requests per engine batch at most (``torch``)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The serving dtype: the torch engine's weights, and the dtype streamed versions
+    (``trainer.sync.format: stream``) are cast to by the trainer. ``auto``: the model
+    folder's ``torch_dtype`` when it is bfloat16 or float16, else float32."""
 
     def __post_init__(self) -> None:
         in_range(self, "proxy.", "gather_ms", ge=0)
         in_range(self, "proxy.", "max_batch", ge=1)
+        given = self.engine_args.get("dtype") if isinstance(self.engine_args, dict) else None
+        if self.dtype != "auto" and given is not None and given != self.dtype:
+            raise ValueError(f"proxy.engine_args.dtype ({given!r}) and proxy.dtype ({self.dtype!r}) "
+                             f"disagree: set proxy.dtype only")
 
 
 class RewardConfig(Base):
@@ -310,6 +318,36 @@ class LoraConfig(Base):
         if not self.targets or not all(isinstance(t, str) and t.strip() for t in self.targets):
             raise ValueError(f"{k}targets must be a non-empty list of module names "
                              f"(it is {self.targets!r})")
+
+
+class SyncConfig(Base):
+    """``trainer.sync``: how a policy version travels to the generators."""
+
+    format: Literal["file", "stream"] = "file"
+    """``file``: one safetensors file per version (``trainer.weights`` says where).
+    ``stream``: a manifest and buckets of ``bucket_mb``, deltas over the previous version in
+    the serving dtype (``proxy.dtype``); generators assemble and check a version into a
+    staging file before their engine loads it (README: Weight sync). LoRA versions (small
+    adapters) keep the single file either way."""
+    bucket_mb: float = 64.0
+    """MiB of tensor data per bucket (``stream``): a generator's load holds about two."""
+    delta: bool = True
+    """``stream``: versions between anchors are XOR deltas over the previous one."""
+    anchor_every: int = 8
+    """``stream``: a full version every this many versions (a replica that lost track
+    starts from the newest anchor)."""
+    host: str = "0.0.0.0"
+    """``trainer.weights: tcp``: the address the trainer's weight server listens on."""
+    port: int = 0
+    """``trainer.weights: tcp``: its port (0: any free port; the version's URI says which)."""
+    advertise: str = ""
+    """``trainer.weights: tcp``: the address generators reach the server at ("": this host's
+    address on the route to the NATS server, 127.0.0.1 when that server is local)."""
+
+    def __post_init__(self) -> None:
+        in_range(self, "trainer.sync.", "bucket_mb", gt=0)
+        in_range(self, "trainer.sync.", "anchor_every", ge=1)
+        in_range(self, "trainer.sync.", "port", ge=0, le=65535)
 
 
 class TrainerConfig(Base):
@@ -367,8 +405,14 @@ class TrainerConfig(Base):
     """LoRA (``peft``): train adapters only, over the frozen base model (``backend: torch``);
     a published version is the adapter file, which ``proxy.engine: torch`` replicas apply
     over the base (other engines get the merged weights). None: full fine-tuning."""
-    weights: Literal["file", "object"] = "file"
-    """Where weights travel: the run folder (shared filesystem) or the bus object store."""
+    weights: Literal["file", "object", "shm", "tcp"] = "file"
+    """Where weights travel: the run folder (shared filesystem), the bus object store, or
+    (``sync.format: stream`` only) ``shm``: ``/dev/shm/rollart-<run>``, for generators on
+    the trainer's host, or ``tcp``: the trainer's own weight server (``sync.host``,
+    ``sync.port``), which generators on any host read at socket speed (the object store
+    moves ~0.2 GB/s here: ``benchmarks/weight_sync.py``)."""
+    sync: SyncConfig = SyncConfig()
+    """How versions travel: one file each, or streamed buckets and deltas."""
     checkpoint_store: Literal["file", "object"] = "file"
     """Where the checkpoint lives: the run folder only (``file``), or also the run's object
     store (``object``: each checkpoint and the metrics record are put there before the
@@ -376,7 +420,21 @@ class TrainerConfig(Base):
     them from the store, so the head can move to a host without the old run folder; needs
     ``weights: object``)."""
     checkpoint_every: int = 1
-    """Steps between checkpoints; trajectories are acked only once checkpointed."""
+    """Steps between checkpoints; trajectories are acked only once checkpointed. A checkpoint
+    is the small durable state (ledger, counters, version) plus a journal of the steps since
+    the last full checkpoint (the trajectories each trained on, in order): a resume loads the
+    last full checkpoint and trains the journaled steps again, losing nothing and training
+    nothing twice (:mod:`rollart.actors.trainer_checkpoint`)."""
+    full_checkpoint_every: int = 10
+    """Steps between full checkpoints (model, optimizer, scheduler, RNG: 16 bytes a
+    parameter in fp32 with AdamW), taken at the first checkpoint this many versions after
+    the previous one, and at the last step. Each is copied to CPU memory (the step waits for
+    that copy only) and written by a thread while the next steps train, one write at a time.
+    A resume trains the steps since the last one again, so this bounds the work a crash
+    costs, never what it loses."""
+    full_checkpoint_s: float | None = None
+    """Seconds after which a checkpoint is a full one even before ``full_checkpoint_every``
+    steps (a bound on the replay after a crash when steps are slow); None: steps only."""
     keep_weights: int = 3
     """Weight files kept on disk (older versions are deleted)."""
     seed: int = 0
@@ -409,11 +467,16 @@ class TrainerConfig(Base):
     def __post_init__(self) -> None:
         if self.stall_after <= 0:
             raise ValueError("trainer.stall_after must be > 0 seconds")
+        if self.weights in ("shm", "tcp") and self.sync.format != "stream":
+            raise ValueError(f"trainer.weights: {self.weights} needs trainer.sync.format: stream "
+                             f"(the single-file layout reads its files from the run folder)")
         if self.checkpoint_store == "object" and self.weights != "object":
             raise ValueError("trainer.checkpoint_store: object needs trainer.weights: object (a "
                              "head on another host serves the weights from the store too)")
         k = "trainer."
-        in_range(self, k, "steps micro_batch_tokens checkpoint_every keep_weights eval_groups", ge=1)
+        in_range(self, k, "steps micro_batch_tokens checkpoint_every full_checkpoint_every "
+                          "keep_weights eval_groups", ge=1)
+        in_range(self, k, "full_checkpoint_s", gt=0)
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
         in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform", ge=0)
         in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low

@@ -47,22 +47,44 @@ class TensorDigest:
     def __init__(self) -> None:
         self._h = hashlib.sha256(_MAGIC)
         self._last: str | None = None
+        self._open: list | None = None  # [name, declared bytes, bytes so far] of begin()
 
     def add(self, name: str, dtype: str, shape: Iterable[int], nbytes: int,
             chunks: Iterable[bytes | memoryview]) -> None:
+        self.begin(name, dtype, shape, nbytes)
+        for c in chunks:
+            self.update(c)
+        self.end()
+
+    def begin(self, name: str, dtype: str, shape: Iterable[int], nbytes: int) -> None:
+        """Start tensor ``name`` (its data follows in :meth:`update` calls, then :meth:`end`):
+        for data that arrives in pieces across calls, e.g. a tensor split across the buckets
+        of a streamed version (:mod:`rollart.engines.weight_stream`)."""
+        if self._open is not None:
+            raise ValueError(f"tensor {self._open[0]!r} is not ended")
         if self._last is not None and name <= self._last:
             raise ValueError(f"tensors must be added in name order: {name!r} after {self._last!r}")
         self._last = name
         self._h.update(json.dumps([name, dtype, [int(d) for d in shape], int(nbytes)],
                                   separators=(",", ":")).encode() + b"\n")
-        n = 0
-        for c in chunks:
-            n += len(c)
-            self._h.update(c)
+        self._open = [name, int(nbytes), 0]
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        """More data of the tensor :meth:`begin` started."""
+        if self._open is None:
+            raise ValueError("update() outside begin()/end()")
+        self._open[2] += len(chunk)
+        self._h.update(chunk)
+
+    def end(self) -> None:
+        name, nbytes, n = self._open if self._open is not None else ("?", 0, 0)
+        self._open = None
         if n != nbytes:
             raise ValueError(f"tensor {name!r}: {n} bytes of data, {nbytes} declared")
 
     def hexdigest(self) -> str:
+        if self._open is not None:
+            raise ValueError(f"tensor {self._open[0]!r} is not ended")
         return CONTENT_PREFIX + self._h.hexdigest()
 
 

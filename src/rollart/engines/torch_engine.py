@@ -78,6 +78,11 @@ def _as_ids(x) -> list[int]:
     return [int(t) for t in x]
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F64": torch.float64}
+"""The float dtypes of a safetensors file the engine loads weights from."""
+
+
 class TorchGenerationEngine(GenerationEngine):
     """Generation with `transformers.AutoModelForCausalLM` in plain PyTorch.
 
@@ -382,14 +387,59 @@ class TorchGenerationEngine(GenerationEngine):
         """
         from safetensors import safe_open  # optional dependency
 
+        from .lora import is_adapter_metadata
+        from .weight_files import read_header, read_metadata
+
         path = Path(path)
+        # names and shapes from the header first: nothing changes for a file that does not
+        # fit; then one tensor at a time (the extra memory of a load is its largest tensor,
+        # not a second copy of the model)
+        header = read_header(path)
+        meta = read_metadata(path)
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+                if is_adapter_metadata(meta):  # adapters are small: as a dict, over the base
+                    sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+                    self.load_state_dict(sd, version, metadata=meta, what=str(path))
+                    return
+                self._check_names({k: t.shape for k, t in header.items()}, str(path))
+                self.clear_kv()  # the stored K/V belong to the old weights
+                self._read_into_model(path)
+        except ValueError:
+            raise
         except Exception as e:  # safetensors raises several types for bad files
             raise ValueError(f"cannot read weights from {path}: {e}") from e
-        self.load_state_dict(sd, version, metadata=meta, what=str(path))
+        self._base = {}  # these weights are the base of later adapters
+        self.version = int(version)
+
+    def _read_into_model(self, path: Path) -> None:
+        """Copy a checked safetensors file into the model's tensors: read straight into
+        each parameter's memory where the file holds its dtype (a staged streamed version
+        always does), else through one tensor's buffer and a cast. Plain reads, not a
+        memory map: the file's pages stay page cache and do not add a model's worth to this
+        process's resident memory while it loads."""
+        from .weight_files import data_layout
+
+        start, layout = data_layout(path)
+        own = self.model.state_dict()
+        with open(path, "rb", buffering=0) as f, torch.no_grad():
+            for k, (dtype, shape, b, e) in layout.items():
+                dst = own[k]
+                src_dtype = _SAFETENSORS_DTYPES.get(dtype)
+                if src_dtype is None:
+                    raise ValueError(f"{path}: tensor {k} has dtype {dtype}, not a float the engine loads")
+                direct = (src_dtype == dst.dtype and dst.device.type == "cpu" and dst.is_contiguous())
+                buf = dst.view(-1).view(torch.uint8) if direct else torch.empty(e - b, dtype=torch.uint8)
+                mv = memoryview(buf.numpy())
+                f.seek(start + b)
+                got = 0
+                while got < e - b:
+                    n = f.readinto(mv[got:])
+                    if not n:
+                        raise ValueError(f"{path}: truncated in tensor {k}")
+                    got += n
+                if not direct:
+                    dst.copy_(buf.view(src_dtype).view(shape).to(device=dst.device, dtype=dst.dtype))
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int, *,
                         metadata: dict[str, str] | None = None, what: str = "state dict") -> None:
@@ -420,6 +470,16 @@ class TorchGenerationEngine(GenerationEngine):
                 own[name].copy_((base[name].float() + d.to(base[name].device)).to(own[name].dtype))
 
     def _check_and_load(self, sd: dict[str, torch.Tensor], what: str) -> None:
+        self._check_names({k: tuple(v.shape) for k, v in sd.items()}, what)
+        own = self.model.state_dict()
+        self.clear_kv()  # the stored K/V belong to the old weights
+        with torch.no_grad():
+            for k, v in sd.items():
+                own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
+
+    def _check_names(self, sd: dict[str, tuple[int, ...]], what: str) -> None:
+        """``ValueError`` unless ``sd`` (name -> shape) holds every parameter with the model's
+        shape (a tied one under either name) and no unknown name."""
         own = self.model.state_dict()
         alias = self._tied_aliases()
         unexpected = sorted(set(sd) - set(own))
@@ -432,19 +492,15 @@ class TorchGenerationEngine(GenerationEngine):
             if not any(p in sd for p in partners):
                 missing.append(k)
         bad_shapes = [
-            f"{k}: {tuple(v.shape)} != {tuple(own[k].shape)}"
+            f"{k}: {tuple(v)} != {tuple(own[k].shape)}"
             for k, v in sd.items()
-            if k in own and tuple(v.shape) != tuple(own[k].shape)
+            if k in own and tuple(v) != tuple(own[k].shape)
         ]
         if unexpected or missing or bad_shapes:
             raise ValueError(
                 f"weights in {what} do not match the model: missing={missing[:5]} "
                 f"unexpected={unexpected[:5]} shape mismatches={bad_shapes[:5]}"
             )
-        self.clear_kv()  # the stored K/V belong to the old weights
-        with torch.no_grad():
-            for k, v in sd.items():
-                own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
 
     def state_dict_bytes(self) -> bytes:
         """The current weights as safetensors bytes (tied tensors written under each name)."""

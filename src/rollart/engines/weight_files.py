@@ -39,6 +39,7 @@ __all__ = [
     "TIED",
     "Tensor",
     "check_weights",
+    "data_layout",
     "model_weight_shapes",
     "place_weights",
     "is_adapter_metadata",
@@ -79,6 +80,18 @@ def read_header(source: Source) -> dict[str, Tensor]:
     size its dtype and shape make; the message names the file (``weights`` for bytes)."""
     raw, data_len, what = _raw_header(source)
     return _parse(raw, data_len, what)
+
+
+def data_layout(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """``(data_start, {name: (dtype, shape, begin, end)})`` of a safetensors file: where each
+    tensor's bytes are (``data_start + begin`` up to ``data_start + end``), checked as
+    :func:`read_header` checks them; for reads straight into a model's tensors."""
+    raw, data_len, what = _raw_header(path)
+    tensors = _parse(raw, data_len, what)
+    header = json.loads(raw)
+    out = {name: (t.dtype, t.shape, *(int(x) for x in header[name]["data_offsets"]))
+           for name, t in tensors.items()}
+    return 8 + len(raw), out
 
 
 def read_metadata(source: Source) -> dict[str, str]:

@@ -256,8 +256,9 @@ class ServiceProgress(Message, frozen=True, kw_only=True):
 
 class PolicyPublished(Message, frozen=True, kw_only=True):
     version: Count
-    uri: Annotated[str, Meta(pattern=r"^(file:///|obj://)", max_length=4096)]
-    """``file:///abs/path`` or ``obj://bucket/name``."""
+    uri: Annotated[str, Meta(pattern=r"^(file:///|obj://|tcp://)", max_length=4096)]
+    """``file:///abs/path``, ``obj://bucket/name`` or (a streamed version's manifest on the
+    trainer's weight server, ``trainer.weights: tcp``) ``tcp://host:port/token/name``."""
     digest: Annotated[str, Meta(pattern=r"(?s)^(sha256|tensors-sha256):.")]
     """``sha256:<hex>`` of the weight bytes (``tensors-sha256:<hex>``: of their tensors)."""
     created_at: float = 0.0
@@ -265,6 +266,10 @@ class PolicyPublished(Message, frozen=True, kw_only=True):
     """``full``: every weight of the model; ``lora``: a LoRA adapter (``trainer.lora``, peft's
     tensor names, ``rollart_kind: lora`` in the file's metadata) that a generator applies
     over the base model of the run's model folder, replacing the previous version's."""
+    layout: Literal["file", "stream"] = "file"
+    """``file``: ``uri`` is one safetensors file; ``stream`` (``trainer.sync.format:
+    stream``): ``uri`` is the version's manifest, whose buckets a generator assembles and
+    checks against ``digest`` (:mod:`rollart.engines.weight_stream`)."""
 
 
 class PolicyLoaded(Message, frozen=True, kw_only=True):
@@ -273,6 +278,11 @@ class PolicyLoaded(Message, frozen=True, kw_only=True):
     pool: str = ""
     load_s: NonNegative = 0.0
     error: str = ""
+    fetch_s: NonNegative = 0.0
+    """Seconds fetching (and, streamed, assembling) the version while the engine served."""
+    pause_s: NonNegative = 0.0
+    """Seconds generation was paused for the update: from ``pause()`` (which waits for
+    the requests in flight under ``on_update: finish``) to ``resume()`` returning."""
 
 
 # -- operations ----------------------------------------------------------------

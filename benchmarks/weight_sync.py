@@ -1,0 +1,457 @@
+"""Weight sync at real sizes: streamed versions (buckets), deltas, and the paths they travel.
+
+::
+
+    python benchmarks/weight_sync.py [--quick] [--sizes 0.1,0.5,1.5] [--bucket-mb 64]
+
+Random-init Qwen3-layout models from the tiny builder (its 512-token vocabulary; the layers
+of Qwen3-0.6B and -1.7B, so ~0.1B, ~0.44B and ~1.4B parameters: nothing is downloaded),
+each in fp32 and bf16 serving dtype (the trainer keeps fp32 masters either way). Per model
+and dtype, in fresh child processes so that each peak RSS is its own:
+
+- **trainer** (:func:`trainer_child`): the fp32 model and AdamW; version 0 published as a
+  full anchor, then from the same weights one real optimizer step (a causal-LM loss on a
+  random batch, fresh AdamW: Adam's first step moves every weight by about ``lr``) at each
+  learning rate, each published as a delta over version 0. Per version: publish seconds
+  (cast, encode, compress, write every bucket and the manifest), bytes on the wire,
+  changed-element fraction, the peak RSS during the publish above the RSS before it.
+- **generator** (:func:`generator_child`): rollart's torch engine holding version 0 in the
+  serving dtype, then each version assembled (fetch, check, decode into a staged file whose
+  content digest must be the published one) and loaded, over each path: ``shm`` (the
+  trainer's folder in ``/dev/shm``), ``tcp`` (the same folder served by
+  :class:`rollart.engines.weight_tcp.WeightServer`, read over loopback) and ``object``
+  (the NATS object store of an embedded server). Per version: fetch+assemble seconds, load
+  seconds (the engine is paused for the load only: the generation pause of
+  ``proxy.on_update: wait``), and the peak RSS above the RSS before.
+
+The machine's limits, measured in the same run: ``memcpy`` (numpy copy of 256 MiB) and
+loopback TCP (one thread each side, 8 MiB ``sendall``/``recv_into``, 1 GiB). Prints JSON,
+writes ``results/weight_sync.json`` and its section of ``README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODELS = {
+    "0.1": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4,
+            "intermediate_size": 2048},  # the 76M model of NOTES.md
+    "0.5": {"hidden_size": 1024, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8,
+            "intermediate_size": 3072},  # Qwen3-0.6B's layers
+    "1.5": {"hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8,
+            "intermediate_size": 6144},  # Qwen3-1.7B's layers
+}
+QUICKSTART_LR = 3e-3
+LRS = (1e-6, 1e-5, QUICKSTART_LR)
+"""Learning rates of the deltas: typical RL fine-tuning of a real LLM, and the quickstart's."""
+MODEL_CACHE = Path(tempfile.gettempdir()) / "rollart-bench-weight-sync"
+
+
+# ======================================================================================
+# The machine's limits
+# ======================================================================================
+def memcpy_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    import numpy as np
+
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, nbytes / (time.perf_counter() - t))
+    return best / 1e9
+
+
+def tcp_gbps(nbytes: int = 1 << 30, chunk: int = 8 << 20) -> float:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+
+    def send() -> None:
+        c, _ = srv.accept()
+        buf, left = b"\0" * chunk, nbytes
+        while left > 0:
+            c.sendall(buf[:min(chunk, left)])
+            left -= chunk
+        c.close()
+
+    th = threading.Thread(target=send)
+    th.start()
+    s = socket.create_connection(("127.0.0.1", port))
+    mv, got = memoryview(bytearray(chunk)), 0
+    t = time.perf_counter()
+    while got < nbytes:
+        n = s.recv_into(mv)
+        if not n:
+            break
+        got += n
+    dt = time.perf_counter() - t
+    th.join()
+    s.close()
+    srv.close()
+    return got / dt / 1e9
+
+
+# ======================================================================================
+# Memory: the peak RSS of a phase above the RSS before it (Linux: clear_refs resets VmHWM)
+# ======================================================================================
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class PeakAbove:
+    def __enter__(self) -> PeakAbove:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        self.before = _status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mib = (_status_kib("VmHWM") - self.before) / 1024
+
+
+# ======================================================================================
+# Children
+# ======================================================================================
+def trainer_child(model_dir: str, dtype: str, store: str, base_out: str, bucket_mb: int,
+                  lrs: list[float], optimizer: str) -> dict:
+    """Publish version 0, then one delta per learning rate (from version 0's weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollart.engines.weight_stream import DirBlobs, TorchTensors, TrainerBase, write_version
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    params = sum(p.numel() for p in model.parameters())
+    blobs = DirBlobs(store)
+    out: dict = {"params": params, "versions": []}
+    base_path = Path(base_out)
+
+    def publish(version: int, base: TrainerBase | None, lr: float | None) -> TrainerBase:
+        nxt = base_path.with_name(f"v{version}.safetensors")
+        with PeakAbove() as mem:
+            t = time.perf_counter()
+            man, name = asyncio.run(write_version(
+                blobs, TorchTensors(model.state_dict(), dtype), version=version, dtype=dtype,
+                bucket_bytes=bucket_mb << 20, base=base, delta=base is not None,
+                anchor_every=1 << 30, base_out=nxt))
+            dt = time.perf_counter() - t
+        s = man.stats
+        out["versions"].append({"version": version, "lr": lr, "kind": man.kind, "name": name,
+                                "digest": man.digest, "publish_s": dt, "wire_bytes": s.wire_bytes,
+                                "full_bytes": s.full_bytes, "changed": s.changed / s.total,
+                                "buckets": len(man.buckets), "rss_above_mib": mem.mib})
+        print(f"  trainer v{version} {man.kind} lr={lr}: {dt:.2f}s, {s.wire_bytes / 1e6:.1f} of "
+              f"{s.full_bytes / 1e6:.1f} MB, changed {s.changed / s.total:.4f}, "
+              f"+{mem.mib:.0f} MiB", file=sys.stderr, flush=True)
+        return TrainerBase(nxt, version, man.digest, man.anchor if man.kind == "delta" else version)
+
+    v0 = publish(0, None, None)
+    keep = {k: v.detach().clone() for k, v in model.state_dict().items()} if len(lrs) > 1 else None
+    vocab = model.config.vocab_size
+    for i, lr in enumerate(lrs):
+        if keep is not None and i:
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    v.copy_(keep[k])
+        opt = (torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0) if optimizer == "adamw"
+               else torch.optim.SGD(model.parameters(), lr=lr))
+        ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(i))
+        t = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del opt
+        out.setdefault("step_s", []).append(time.perf_counter() - t)
+        publish(i + 1, v0, lr)
+    return out
+
+
+def generator_child(model_dir: str, dtype: str, transport: str, where: str, versions: list[dict],
+                    stage: str) -> dict:
+    """Hold version 0 in the engine, then assemble and load each version over ``transport``."""
+    from rollart.engines.torch_engine import TorchGenerationEngine
+    from rollart.engines.weight_stream import Assembled, DirBlobs, ObjectBlobs, assemble_version
+
+    eng = TorchGenerationEngine(model_dir, dtype=dtype, threads=2, kv_cache_mb=0)
+    out: list[dict] = []
+
+    async def run() -> None:
+        bus = None
+        if transport == "shm":
+            blobs = DirBlobs(where)
+        elif transport == "tcp":
+            from rollart.engines.weight_tcp import TcpBlobs, parse_tcp_uri
+
+            host, port, token, _ = parse_tcp_uri(where + "/x")
+            blobs = TcpBlobs(host, port, token)
+        else:
+            from rollart.bus.nats import NatsBus
+
+            url, bucket = where.split("|")
+            bus = NatsBus(url, name="bench-generator")
+            await bus.connect()
+            blobs = ObjectBlobs(await bus.object_store(bucket), bucket)
+        base: Assembled | None = None
+        for v in versions:
+            with PeakAbove() as mem:
+                t = time.perf_counter()
+                got, info = await assemble_version(blobs, v["name"], stage, base=base, digest=v["digest"])
+                fetch_s = time.perf_counter() - t
+                t = time.perf_counter()
+                await asyncio.to_thread(eng.load_weights, got.path, v["version"])
+                load_s = time.perf_counter() - t
+            out.append({"version": v["version"], "kind": v["kind"], "path": info["path"],
+                        "fetch_s": fetch_s, "load_s": load_s, "wire_bytes": info["wire_bytes"],
+                        "rss_above_mib": mem.mib})
+            print(f"  generator {transport} v{v['version']} ({info['path']}): fetch {fetch_s:.2f}s "
+                  f"load {load_s:.2f}s +{mem.mib:.0f} MiB", file=sys.stderr, flush=True)
+            if base is None:
+                base = got  # version 0: the base of every delta here
+            else:
+                got.path.unlink(missing_ok=True)
+        if bus is not None:
+            await bus.close()
+
+    asyncio.run(run())
+    return {"versions": out}
+
+
+def run_child(*args: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    sys.stderr.write(p.stderr[-4000:] if p.returncode else p.stderr)
+    if p.returncode:
+        raise RuntimeError(f"child {args[0]} failed ({p.returncode})")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+async def _copy_to_object_store(url: str, bucket: str, store: Path, names: list[str]) -> float:
+    """Put the version folder's blobs into the object store (as the trainer's object path
+    would); returns the seconds it took."""
+    from rollart.bus.nats import NatsBus
+
+    bus = NatsBus(url, name="bench-trainer")
+    await bus.connect()
+    try:
+        obs = await bus.object_store(bucket)
+        t = time.perf_counter()
+        for n in names:
+            await obs.put(n, await asyncio.to_thread((store / n).read_bytes))
+        return time.perf_counter() - t
+    finally:
+        await bus.close()
+
+
+def measure(size: str, dtype: str, model_dir: Path, bucket_mb: int, transports: list[str],
+            lrs: list[float], optimizer: str, nats_url: str | None) -> dict:
+    from rollart.engines.weight_stream import shm_dir
+
+    store = shm_dir(f"bench-{os.getpid()}-{size}-{dtype}")
+    shutil.rmtree(store, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix="rollart-bench-ws-"))
+    try:
+        tr = run_child("trainer", str(model_dir), dtype, str(store), str(work / "base"),
+                       str(bucket_mb), ",".join(map(str, lrs)), optimizer)
+        res: dict = {"trainer": tr, "generators": {}}
+        names = sorted(p.name for p in store.iterdir() if not p.name.startswith("."))
+        for tp in transports:
+            if tp == "shm":
+                where = str(store)
+            elif tp == "tcp":
+                from rollart.engines.weight_tcp import WeightServer
+
+                srv = WeightServer(store, host="127.0.0.1")
+                srv.start_sync()
+                where = srv.base_uri
+            else:
+                bucket = f"BENCH_{size.replace('.', '_')}_{dtype}"
+                res["object_put_s"] = asyncio.run(_copy_to_object_store(nats_url, bucket, store, names))
+                where = f"{nats_url}|{bucket}"
+            try:
+                res["generators"][tp] = run_child("generator", str(model_dir), dtype, tp, where,
+                                                  json.dumps(tr["versions"]), str(work / f"stage-{tp}"))
+            finally:
+                if tp == "tcp":
+                    srv.close_sync()
+        return res
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ======================================================================================
+# The README section
+# ======================================================================================
+def section(res: dict) -> str:
+    from readme_section import markers
+
+    begin, end = markers("weight_sync")
+    tcp, mem = res["tcp_gbps"], res["memcpy_gbps"]
+    rows, drows, targets = [], [], []
+    for key, r in res["models"].items():
+        size, dtype = key.split("/")
+        tv = r["trainer"]["versions"]
+        full = tv[0]
+        gb = full["full_bytes"] / 1e9
+        for tp, g in r["generators"].items():
+            g0 = g["versions"][0]
+            serve = full["publish_s"] + g0["fetch_s"] + g0["load_s"]
+            rate = full["full_bytes"] / (g0["fetch_s"]) / 1e9
+            rows.append(f"| {size}B ({r['trainer']['params'] / 1e6:.0f} M) | {dtype} | {tp} | "
+                        f"{gb:.2f} | {full['publish_s']:.2f} | {g0['fetch_s']:.2f} | {g0['load_s']:.2f} | "
+                        f"{serve:.2f} | {rate:.2f} ({rate / tcp:.0%} of TCP) | "
+                        f"{full['rss_above_mib']:.0f} | {g0['rss_above_mib']:.0f} |")
+        for d in tv[1:]:
+            gs = {tp: next(x for x in g["versions"] if x["version"] == d["version"])
+                  for tp, g in r["generators"].items()}
+            tcp_g = gs.get("tcp") or next(iter(gs.values()))
+            drows.append(f"| {size}B | {dtype} | {d['lr']:g} | {d['changed']:.2%} | "
+                         f"{d['wire_bytes'] / 1e6:.2f} | {d['wire_bytes'] / d['full_bytes']:.1%} | "
+                         f"{d['publish_s']:.2f} | {tcp_g['fetch_s']:.2f} | {tcp_g['load_s']:.2f} |")
+            if dtype == "bfloat16" and d["lr"] == QUICKSTART_LR:
+                targets.append(("delta bytes / full, bf16, quickstart LR, one step, " + size + "B",
+                                d["wire_bytes"] / d["full_bytes"], "<= 10%", d["wire_bytes"] / d["full_bytes"] <= 0.10))
+        for tp in ("shm", "tcp"):
+            if tp in r["generators"]:
+                g0 = r["generators"][tp]["versions"][0]
+                rate = full["full_bytes"] / g0["fetch_s"] / 1e9
+                targets.append((f"full version fetch over {tp}, {size}B {dtype}", rate / tcp,
+                                ">= 50% of loopback TCP", rate / tcp >= 0.5))
+                bucket_mib = res["bucket_mb"]
+                extra = g0["rss_above_mib"]
+                targets.append((f"generator extra memory in a load, {tp}, {size}B {dtype}",
+                                extra / bucket_mib, "<= 2.2 buckets", extra <= 2.2 * bucket_mib))
+    trows = "\n".join(f"| {n} | {v:.1%} | {lim} | {'pass' if ok else '**fail**'} |"
+                      if "memory" not in n else
+                      f"| {n} | {v:.2f} buckets | {lim} | {'pass' if ok else '**fail**'} |"
+                      for n, v, lim, ok in targets)
+    return f"""{begin}
+## Weight sync: streamed versions, deltas, paths (`weight_sync.py`)
+
+`python benchmarks/weight_sync.py [--quick] [--sizes 0.1,0.5,1.5] [--bucket-mb {res['bucket_mb']}]`
+publishes versions of random-init Qwen3-layout models (the tiny builder's 512-token vocabulary
+with the layers of the 76M model of NOTES.md, of Qwen3-0.6B and of Qwen3-1.7B) with
+`trainer.sync.format: stream` ({res['bucket_mb']} MiB buckets) and loads them into rollart's torch
+engine in another process over three paths: `shm` (`trainer.weights: shm`, the folder in
+`/dev/shm`), `tcp` (`trainer.weights: tcp`, that folder served by the trainer's weight server
+over loopback) and `object` (`trainer.weights: object`, the NATS object store of an embedded
+server). Version 0 is a full anchor; then, from version 0's weights, one real optimizer step
+({res['optimizer']}) per learning rate, each published as a delta over version 0. Trainer and
+generator run in fresh child processes, one after the other (2 torch threads each); "RSS above"
+is the peak resident memory during the publish or the load above the RSS just before it.
+
+Last run {res['when']}: {res['cpus']} CPUs, load {res['load_start']:.2f} at start, {res['load_end']:.2f}
+at end, Python {res['python']}, torch {res['torch']}; total {res['total_s']:.0f} s.
+Machine limits measured in the same run: memcpy **{mem:.1f} GB/s**, loopback TCP **{tcp:.2f} GB/s**.
+
+Full versions (version 0). *publish*: the trainer casts, encodes and writes every bucket and the
+manifest; *fetch*: the generator fetches, checks and decodes every bucket into its staged file
+and checks the content digest; *load*: the engine copies the staged file into its weights (the
+only time generation pauses, `proxy.on_update: wait`); *served*: publish + fetch + load.
+
+| model | serving dtype | path | GB | publish s | fetch s | load s | served s | fetch GB/s | trainer RSS above MiB | generator RSS above MiB |
+|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|
+{chr(10).join(rows)}
+
+Deltas after one step (fetch and load over `tcp`):
+
+| model | serving dtype | lr | elements changed | wire MB | wire / full | publish s | fetch s | load s |
+|---|---|---:|---:|---:|---:|---:|---:|---:|
+{chr(10).join(drows)}
+
+| Target | Value | Limit | Result |
+|---|---:|---|---|
+{trows}
+
+{res.get('notes', '')}
+Raw numbers: `benchmarks/results/weight_sync.json`.
+{end}"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("::")[0].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="0.1,0.5,1.5", help="models to run (of 0.1, 0.5, 1.5)")
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="0.1B, bf16, one learning rate, shm and tcp")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        role, *rest = args.child
+        if role == "trainer":
+            md, dtype, store, base, bucket, lrs, opt = rest
+            r = trainer_child(md, dtype, store, base, int(bucket), [float(x) for x in lrs.split(",")], opt)
+        else:
+            md, dtype, tp, where, versions, stage = rest
+            r = generator_child(md, dtype, tp, where, json.loads(versions), stage)
+        print(json.dumps(r))
+        return
+
+    import torch
+    from readme_section import replace_section
+
+    from rollart.bus.server import EmbeddedServer
+    from rollart.engines.tiny import build_tiny_model
+
+    t0, load0 = time.time(), os.getloadavg()[0]
+    sizes = ["0.1"] if args.quick else args.sizes.split(",")
+    dtypes = ["bfloat16"] if args.quick else ["float32", "bfloat16"]
+    res: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
+                 "load_start": load0, "python": platform.python_version(), "torch": torch.__version__,
+                 "bucket_mb": args.bucket_mb, "optimizer": "AdamW (1.5B: SGD, AdamW's state does not fit in 24 GiB)",
+                 "memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps(), "models": {}}
+    print(f"memcpy {res['memcpy_gbps']:.1f} GB/s, loopback TCP {res['tcp_gbps']:.2f} GB/s", file=sys.stderr)
+    nats_dir = Path(tempfile.mkdtemp(prefix="rollart-bench-nats-"))
+    server = EmbeddedServer(nats_dir)
+    server.start()
+    try:
+        for size in sizes:
+            t = time.perf_counter()
+            md = build_tiny_model(MODEL_CACHE / f"qwen3-{size}b", seed=0, **MODELS[size])
+            print(f"model {size}B ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+            big = size == "1.5"
+            for dtype in dtypes:
+                transports = ["shm", "tcp"] if (args.quick or big) else ["shm", "tcp", "object"]
+                lrs = [QUICKSTART_LR] if args.quick else ([1e-5, QUICKSTART_LR] if big else list(LRS))
+                print(f"{size}B {dtype}", file=sys.stderr, flush=True)
+                res["models"][f"{size}/{dtype}"] = measure(
+                    size, dtype, md, args.bucket_mb, transports, lrs, "sgd" if big else "adamw", server.url)
+    finally:
+        server.stop()
+        shutil.rmtree(nats_dir, ignore_errors=True)
+    res["load_end"] = os.getloadavg()[0]
+    res["total_s"] = time.time() - t0
+    print(json.dumps(res, indent=2))
+    if not args.quick:
+        (HERE / "results").mkdir(exist_ok=True)
+        (HERE / "results" / "weight_sync.json").write_text(json.dumps(res, indent=2))
+        replace_section("weight_sync", section(res))
+
+
+if __name__ == "__main__":
+    main()

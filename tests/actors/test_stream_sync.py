@@ -1,0 +1,102 @@
+"""``trainer.sync.format: stream`` between real actors over a real nats-server: the trainer's
+WeightPublisher streams anchors and deltas into the run's object store, an LLMProxy (torch
+engine) assembles and loads each, reports ``pause_s``/``fetch_s``, and holds exactly the
+trainer's tensors in the serving dtype."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rollart import messages as m
+from rollart.actors.llm_proxy import LLMProxy
+from rollart.config import RunConfig, convert
+from rollart.engines.weight_stream import Manifest
+from rollart.node import Node, ensure_run_streams
+from rollart.node.build import training_actors
+from tests.actors.sample_actors import collect, new_run
+from tests.waiting import until
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize(("on_update", "weights"), [("finish", "object"), ("interrupt", "object"),
+                                                    ("finish", "tcp")])
+async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp_path, on_update,
+                                                       weights):
+    bus, run = nats_bus, new_run()
+    cfg = convert({"run": run, "run_dir": str(tmp_path / "runs"), "model": {"path": str(tiny_model)},
+                   "envs": {"main": {"type": "frozenlake"}}, "proxy": {"dtype": "bfloat16"},
+                   "trainer": {"steps": 5, "weights": weights, "keep_weights": 2,
+                               "sync": {"format": "stream", "bucket_mb": 0.05, "anchor_every": 3}}},
+                  RunConfig)
+    _, trainer, _ = training_actors(cfg)
+    trainer.bus = bus
+    await trainer.setup()
+    await ensure_run_streams(bus, run)
+    model = trainer.backend.model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr)
+    proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model), dtype="bfloat16",
+                     on_update=on_update)
+    store = await bus.object_store(m.object_bucket(run))
+    kinds = []
+    async with Node(bus, [proxy], heartbeat_every=0):
+        assert proxy.async_engine.engine.dtype == torch.bfloat16, "proxy.dtype reaches the engine"
+        for v in range(5):
+            if v:  # a real optimizer step on the trainer's model
+                ids = torch.randint(0, 300, (4, 16))
+                model.train()
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                model.eval()
+                trainer.backend.version = v
+            await trainer.weights.publish()
+            pub = await until(lambda v=v: _current(bus, run, v), deadline=30, what=f"v{v} announced")
+            name = pub.uri.rsplit("/", 1)[1]
+            if weights == "object":
+                assert pub.layout == "stream" and pub.uri.startswith(f"obj://{m.object_bucket(run)}/")
+                raw = await store.get(name)
+            else:  # the trainer's weight server, on the loopback of a local NATS server
+                srv = trainer.weights.stream.server
+                assert pub.uri == f"tcp://127.0.0.1:{srv.port}/{srv.token}/{name}"
+                raw = (trainer.files.weights / "stream" / name).read_bytes()
+            man = msgspec.json.decode(raw, type=Manifest)
+            kinds.append(man.kind)
+            await until(lambda v=v: proxy.version == v, deadline=60, what=f"the proxy on v{v}")
+            exp = {k: t.detach().to(torch.bfloat16) for k, t in trainer.backend._weight_tensors().items()}
+            own = proxy.async_engine.engine.model.state_dict()
+            assert all(torch.equal(own[k], exp[k]) for k in exp), f"v{v}: the engine holds the trainer's tensors"
+            if v == 1:  # the model folder is no staged base: v1 came by the chain from v0
+                assert proxy._stage.last.startswith("chain, 2 manifest(s)"), proxy._stage.last
+            elif v > 1:
+                assert proxy._stage.last.startswith("delta" if kinds[-1] == "delta" else "full")
+        loaded = await collect(bus, run, "policy.loaded", 4, deadline=30)
+        stage = proxy._stage.dir
+        assert proxy._stage.base.version == 4 and proxy._stage.base.path.exists()
+        assert [p.name for p in stage.iterdir()] == [proxy._stage.base.path.name], "one base kept"
+    assert kinds == ["full", "delta", "delta", "full", "delta"], kinds
+    # v0 is the model folder's own weights: nothing to load
+    assert [x.version for x in loaded] == [1, 2, 3, 4] and not any(x.error for x in loaded)
+    assert all(x.pause_s > 0 and x.fetch_s > 0 and x.load_s >= x.fetch_s for x in loaded), loaded
+    assert [v for v, _ in proxy.pauses] == [1, 2, 3, 4]
+    assert trainer.weights.stream.last["stream_wire_ratio"] < 1.0
+    # keep_weights 2: v3 and v4 kept, v3 is an anchor, so v0..v2 are gone
+    assert sorted(trainer.weights.stream.versions) == [3, 4]
+    assert not stage.exists(), "the staging folder goes with the proxy"
+    if weights == "tcp":
+        srv = trainer.weights.stream.server
+        assert srv.served > 0
+        port = srv.port
+        await trainer.weights.close()  # the trainer's teardown stops its weight server
+        from rollart.engines.weight_tcp import fetch_blob
+
+        with pytest.raises(OSError, match="cannot reach the trainer's weight server"):
+            fetch_blob("127.0.0.1", port, "t", "x", stall_s=2.0)
+
+
+async def _current(bus, run, v):
+    from rollart.actors.policy import current_policy
+
+    pub = await current_policy(bus, run)
+    return pub if pub is not None and pub.version == v else None

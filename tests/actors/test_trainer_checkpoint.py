@@ -1,0 +1,222 @@
+"""The trainer's checkpoints (:mod:`rollart.actors.trainer_checkpoint`): the journal of the
+steps since the last full checkpoint, the full checkpoint written in the background, and the
+replay that joins them: the weights after a replay are the weights of the run, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from rollart import messages as m
+from rollart.actors.checkpoint_store import JOURNAL, STATE, fetch_checkpoint
+from rollart.actors.train_batch import build_samples
+from rollart.actors.trainer_checkpoint import (
+    Checkpoints,
+    StepRecord,
+    replay,
+    rng_state,
+    snapshot,
+)
+from rollart.actors.trainer_files import RunFiles
+from rollart.algos.losses import LossConfig
+from rollart.config import TrainerConfig
+from rollart.engines.torch_trainer import TorchTrainBackend
+
+LOSS = LossConfig(entropy_coef=0.01)
+KW = {"lr": 1e-2, "grad_clip": 1.0, "threads": 1, "seed": 0, "micro_batch_tokens": 64}
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.3, "targets": ["q_proj", "v_proj"]}
+
+
+def _traj(step: int, g: int, i: int, rng: random.Random) -> m.RolloutCompleted:
+    n_prompt, n_resp = rng.randint(3, 6), rng.randint(2, 6)
+    ids = [rng.randrange(1, 500) for _ in range(n_prompt + n_resp)]
+    return m.RolloutCompleted(
+        traj_id=f"g{g:06d}-{i}", group_id=f"g{g:06d}", env="main", seed=g, index_in_group=i,
+        token_ids=ids, response_mask=[0] * n_prompt + [1] * n_resp,
+        logprobs=[0.0] * n_prompt + [-rng.uniform(0.5, 3.0) for _ in range(n_resp)],
+        reward=float(rng.random() < 0.5), min_version=step, max_version=step, group_index=g)
+
+
+def _batch(step: int, groups: int = 2, size: int = 4) -> tuple[list[int], list[m.RolloutCompleted]]:
+    rng = random.Random(step)
+    gi = [step * groups + j for j in range(groups) for _ in range(size)]
+    return gi, [_traj(step, step * groups + j, i, rng) for j in range(groups) for i in range(size)]
+
+
+def _train(backend, ckpt: Checkpoints, step: int) -> None:
+    gi, trajs = _batch(step)
+    rng = rng_state(backend)
+    backend.train_step(build_samples(trajs, gi, "grpo"), loss_cfg=LOSS)
+    ckpt.record(step, gi, trajs, rng)
+
+
+def _ledger_state(version: int) -> dict:
+    return {"version": version, "ledger": {"closed": {"low": 2 * version}}, "counts": {}, "wall_s": 0.0}
+
+
+def _full(backend) -> dict:
+    return {"backend": backend.state_dict_for_checkpoint(), **_ledger_state(backend.version)}
+
+
+def _fresh(tiny_model, **kw) -> TorchTrainBackend:
+    return TorchTrainBackend(tiny_model, **{**KW, **kw})
+
+
+def _resume(tiny_model, files: RunFiles, **kw) -> TorchTrainBackend:
+    b = _fresh(tiny_model, **kw)
+    full = files.load_checkpoint()
+    held = 0
+    if full is not None:
+        b.load_checkpoint_state(full["backend"])
+        held = full["journal_seq"]
+    replay(files, b, after=held, upto=files.load_state()["seq"], advantage="grpo", loss_cfg=LOSS)
+    return b
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora-dropout"])
+async def test_full_checkpoint_then_replay_gives_the_same_weights(tmp_path, tiny_model, lora):
+    """Steps 1-3, a full checkpoint (in the background, while step 4 trains), steps 4-5
+    journaled: a fresh backend that loads the full checkpoint and replays 4-5 holds exactly
+    the weights the run has (with LoRA dropout too: the journal restores each step's RNG)."""
+    files = RunFiles(tmp_path / "run")
+    files.make()
+    cfg = TrainerConfig(full_checkpoint_every=3)
+    ckpt = Checkpoints(files, cfg)
+    run = _fresh(tiny_model, lora=lora)
+    for step in range(5):
+        _train(run, ckpt, step)
+        await ckpt.commit(_ledger_state(run.version))
+        if ckpt.full_due(run.version):
+            await ckpt.start_full(lambda: _full(run), run.version)
+            assert run.version == 3 and ckpt.task is not None  # written while the next steps train
+    await ckpt.wait()
+    assert ckpt.full_seq == 3 and files.journal_seqs() == [4, 5], "held steps pruned"
+    state = files.load_state()
+    assert (state["version"], state["seq"]) == (5, 5) and state["journal_from"] <= 4
+    assert files.load_checkpoint()["journal_seq"] == 3
+
+    again = _resume(tiny_model, files, lora=lora)
+    assert again.version == 5
+    assert again.weights_digest() == run.weights_digest()
+
+    if lora:  # the control: the same replay from other RNG draws gives other weights
+        import msgspec
+
+        path = files.journal_path(4)
+        rec = msgspec.msgpack.decode(path.read_bytes(), type=StepRecord)
+        torch.manual_seed(12345)
+        other = msgspec.structs.replace(rec, rng=rng_state(run))
+        path.write_bytes(msgspec.msgpack.encode(other))
+        assert _resume(tiny_model, files, lora=lora).weights_digest() != run.weights_digest()
+
+
+async def test_replay_from_the_initial_model_and_a_missing_record(tmp_path, tiny_model):
+    """Before the first full checkpoint the journal holds every step and the replay starts
+    from the model folder; a record the state counts but that is gone fails the resume with
+    the file's name (training on would publish other weights than the run did)."""
+    files = RunFiles(tmp_path / "run")
+    files.make()
+    ckpt = Checkpoints(files, TrainerConfig(full_checkpoint_every=100))
+    run = _fresh(tiny_model)
+    for step in range(3):
+        _train(run, ckpt, step)
+        if step != 1:  # checkpoint_every 2-like: step 1's record waits for the next commit
+            await ckpt.commit(_ledger_state(run.version))
+    assert files.journal_seqs() == [1, 2, 3] and not files.checkpoint.exists()
+    assert _resume(tiny_model, files).weights_digest() == run.weights_digest()
+    files.journal_path(2).unlink()
+    with pytest.raises(ValueError, match=r"00000002\.msgpack is missing.*counts step 2"):
+        _resume(tiny_model, files)
+
+
+def test_snapshot_is_a_copy_the_next_step_does_not_change(tiny_model):
+    b = _fresh(tiny_model)
+    b.train_step(build_samples(*reversed(_batch(0)), "grpo"), loss_cfg=LOSS)
+    live = b.state_dict_for_checkpoint()
+    snap = snapshot(live)
+    name = next(k for k, v in live["model"].items() if v.dtype.is_floating_point and v.dim() == 2)
+    before = snap["model"][name].clone()
+    moments = {k: v["exp_avg"].clone() for k, v in snap["optimizer"]["state"].items()}
+    b.train_step(build_samples(*reversed(_batch(1)), "grpo"), loss_cfg=LOSS)
+    assert not torch.equal(b.model.state_dict()[name], before), "the step changed the model"
+    assert torch.equal(snap["model"][name], before)
+    assert all(torch.equal(snap["optimizer"]["state"][k]["exp_avg"], v) for k, v in moments.items())
+    tied = [k for k in live["model"] if k.endswith("embed_tokens.weight") or k == "lm_head.weight"]
+    if len(tied) == 2 and live["model"][tied[0]].data_ptr() == live["model"][tied[1]].data_ptr():
+        assert snap["model"][tied[0]].data_ptr() == snap["model"][tied[1]].data_ptr(), \
+            "tied weights stay one copy"
+
+
+async def test_a_full_checkpoint_waits_for_the_previous_one(tmp_path, tiny_model, monkeypatch):
+    """Never two full checkpoints written at once: the next one starts once the previous is
+    on disk (its write is made slow here by holding it on an event the test sets)."""
+    import threading
+
+    files = RunFiles(tmp_path / "run")
+    files.make()
+    ckpt = Checkpoints(files, TrainerConfig(full_checkpoint_every=1))
+    run = _fresh(tiny_model)
+    release, writing, active, most = threading.Event(), threading.Event(), [0], [0]
+    real = files.save_checkpoint
+
+    def slow(state):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        writing.set()
+        release.wait(60)
+        try:
+            return real(state)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(files, "save_checkpoint", slow)
+    _train(run, ckpt, 0)
+    await ckpt.commit(_ledger_state(run.version))
+    await ckpt.start_full(lambda: _full(run), run.version)
+    import asyncio
+
+    await asyncio.to_thread(writing.wait, 60)
+    _train(run, ckpt, 1)  # trains while the first write is held
+    await ckpt.commit(_ledger_state(run.version))
+    second = asyncio.create_task(ckpt.start_full(lambda: _full(run), run.version))
+    await asyncio.sleep(0)
+    assert not second.done() and not files.checkpoint.exists()
+    release.set()
+    await second
+    await ckpt.wait()
+    assert most[0] == 1
+    assert files.load_checkpoint()["journal_seq"] == 2 and files.journal_seqs() == []
+    done = ckpt.take_done()
+    assert done["full_checkpoint_version"] == 2 and done["full_checkpoint_bytes"] > 0
+
+
+async def test_object_store_holds_what_a_new_head_resumes_from(tmp_path, tiny_model, memory_bus_only):
+    """``checkpoint_store: object``: records, metrics and state go to the store at each
+    commit, the full checkpoint after its write (the records it holds deleted then); an
+    empty run folder fetches all of it and resumes to the run's exact weights."""
+    bus = memory_bus_only
+    files = RunFiles(tmp_path / "old")
+    files.make()
+    ckpt = Checkpoints(files, TrainerConfig(full_checkpoint_every=2), bus=bus, run="obj",
+                       object_store=True)
+    run = _fresh(tiny_model)
+    for step in range(3):
+        _train(run, ckpt, step)
+        files.write_metrics({"step": run.version})
+        await ckpt.commit(_ledger_state(run.version))
+        if ckpt.full_due(run.version):
+            await ckpt.start_full(lambda: _full(run), run.version)
+    await ckpt.wait()
+    store = await bus.object_store(m.object_bucket("obj"))
+    assert not await store.exists(f"{JOURNAL}00000001") and not await store.exists(f"{JOURNAL}00000002")
+    assert json.loads(await store.get(STATE))["seq"] == 3
+
+    new = RunFiles(tmp_path / "new")
+    assert await fetch_checkpoint(bus, "obj", new)
+    assert new.journal_seqs() == [3] and new.load_checkpoint()["journal_seq"] == 2
+    assert [json.loads(x)["step"] for x in new.metrics.read_text().splitlines()] == [1, 2, 3]
+    assert _resume(tiny_model, new).weights_digest() == run.weights_digest()
+    assert not await fetch_checkpoint(bus, "obj", new), "a folder with a checkpoint keeps its own"

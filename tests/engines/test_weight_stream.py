@@ -1,0 +1,271 @@
+"""Streamed weight versions (:mod:`rollart.engines.weight_stream`): anchors and XOR deltas in
+the serving dtype, after real optimizer steps on a tiny model, assembled bit-identical to a
+direct load; and every way an assembly can fail leaves the base untouched and says why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rollart.config import RunConfig, load
+from rollart.engines.digest import file_content_digest
+from rollart.engines.weight_stream import (
+    DirBlobs,
+    StreamError,
+    TorchTensors,
+    TrainerBase,
+    assemble_version,
+    manifest_name,
+    read_manifest,
+    write_version,
+)
+from tests.waiting import until_sync
+
+torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Trainer:
+    """A tiny model, its AdamW and the trainer's side of the stream (a base file on disk)."""
+
+    def __init__(self, model_dir, tmp: Path, dtype: str, lr: float = 3e-3, seed: int = 0,
+                 bucket_bytes: int = 1 << 16, anchor_every: int = 8):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.dtype, self.bucket_bytes, self.anchor_every = dtype, bucket_bytes, anchor_every
+        self.dir = tmp / "trainer"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.blobs = DirBlobs(tmp / "store")
+        self.base: TrainerBase | None = None
+        self.version = 0
+
+    def step(self, tokens=None) -> None:
+        ids = tokens if tokens is not None else torch.randint(0, 300, (8, 24))
+        self.model(ids, labels=ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.version += 1
+
+    def expected(self) -> dict:
+        target = getattr(torch, self.dtype)
+        return {k: v.detach().to(target).clone() for k, v in self.model.state_dict().items()}
+
+    async def publish(self, blobs=None):
+        nxt = self.dir / "next.safetensors"
+        man, name = await write_version(
+            blobs or self.blobs, TorchTensors(dict(self.model.state_dict()), self.dtype),
+            version=self.version, dtype=self.dtype, bucket_bytes=self.bucket_bytes,
+            base=self.base, delta=True, anchor_every=self.anchor_every, base_out=nxt)
+        os.replace(nxt, self.dir / "base.safetensors")
+        self.base = TrainerBase(self.dir / "base.safetensors", self.version, man.digest, man.anchor)
+        return man, name
+
+
+def same_tensors(path: Path, expected: dict) -> bool:
+    from safetensors.torch import load_file
+
+    got = load_file(str(path))
+    return set(got) == set(expected) and all(
+        got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_anchor_and_deltas_assemble_bit_identical(tiny_model_dir, tmp_path, dtype):
+    from rollart.engines.torch_engine import TorchGenerationEngine
+
+    tr = Trainer(tiny_model_dir, tmp_path, dtype)
+    stage = tmp_path / "stage"
+    base = None
+    for v in range(4):
+        if v:
+            tr.step()
+        man, name = await tr.publish()
+        assert man.kind == ("full" if v == 0 else "delta") and man.dtype == dtype
+        if v:
+            assert man.parent_version == v - 1 and man.anchor == 0
+            assert 0 < man.stats.changed <= man.stats.total
+        got, info = await assemble_version(tr.blobs, name, stage, base=base, digest=man.digest)
+        assert info["path"] == ("full" if v == 0 else "delta")
+        assert got.digest == man.digest == file_content_digest(got.path)
+        assert same_tensors(got.path, tr.expected()), f"v{v} differs from a direct load"
+        if base is not None:
+            base.path.unlink()
+        base = got
+        print(f"{dtype} v{v} {man.kind}: wire/full {man.stats.wire_bytes / man.stats.full_bytes:.3f}, "
+              f"changed {man.stats.changed / man.stats.total:.3f}")
+    eng = TorchGenerationEngine(tiny_model_dir, threads=1, dtype=dtype)
+    eng.load_weights(base.path, 3)
+    exp = tr.expected()
+    own = eng.model.state_dict()
+    assert all(torch.equal(own[k], exp[k]) for k in exp), "the engine holds the trainer's tensors"
+    assert sorted(p.name for p in stage.iterdir()) == [base.path.name], "no temp or chain files left"
+
+
+async def test_small_buckets_split_tensors(tiny_model_dir, tmp_path):
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=3000)
+    man0, name0 = await tr.publish()
+    tr.step()
+    man1, name1 = await tr.publish()
+    split = {s.tensor for b in man1.buckets for s in b.spans if s.offset > 0}
+    assert split and len(man1.buckets) > len(man1.tensors), "large tensors span several buckets"
+    assert all(b.raw <= 3000 for b in man1.buckets)
+    base, _ = await assemble_version(tr.blobs, name0, tmp_path / "stage", base=None, digest=man0.digest)
+    got, info = await assemble_version(tr.blobs, name1, tmp_path / "stage", base=base, digest=man1.digest)
+    assert info["path"] == "delta" and same_tensors(got.path, tr.expected())
+
+
+async def test_corrupt_bucket_is_refused_naming_it_and_the_base_is_kept(tiny_model_dir, tmp_path):
+    tr = Trainer(tiny_model_dir, tmp_path, "float32")
+    man0, name0 = await tr.publish()
+    tr.step()
+    man1, name1 = await tr.publish()
+    stage = tmp_path / "stage"
+    base, _ = await assemble_version(tr.blobs, name0, stage, base=None, digest=man0.digest)
+    before = base.path.read_bytes()
+    bad = tr.blobs.root / man1.buckets[1].name
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(StreamError) as e:
+        await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest)
+    msg = str(e.value)
+    assert f"bucket 1 ({man1.buckets[1].name})" in msg and man1.buckets[1].xxh3 in msg, msg
+    assert base.path.read_bytes() == before and file_content_digest(base.path) == man0.digest
+    assert sorted(p.name for p in stage.iterdir()) == [base.path.name], "nothing half-staged"
+    # a wrong published digest is refused before any bucket is fetched
+    with pytest.raises(StreamError, match="published one is"):
+        await assemble_version(tr.blobs, name0, stage, base=None, digest="tensors-sha256:00")
+
+
+async def test_missing_base_falls_back_to_the_anchor_chain(tiny_model_dir, tmp_path):
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16")
+    pubs = []
+    for v in range(4):
+        if v:
+            tr.step()
+        pubs.append(await tr.publish())
+    stage = tmp_path / "stage"
+    man3, name3 = pubs[3]
+    got, info = await assemble_version(tr.blobs, name3, stage, base=None, digest=man3.digest)
+    assert info == {"path": "chain", "manifests": 4, "wire_bytes": info["wire_bytes"]}
+    assert same_tensors(got.path, tr.expected())
+    # a replica that skipped versions: from its own v1, not the anchor
+    v1, _ = await assemble_version(tr.blobs, pubs[1][1], tmp_path / "s1", base=None,
+                                   digest=pubs[1][0].digest)
+    got2, info2 = await assemble_version(tr.blobs, name3, tmp_path / "s1", base=v1, digest=man3.digest)
+    assert info2["path"] == "chain" and info2["manifests"] == 2 and got2.digest == man3.digest
+    # a base whose file is broken: the direct delta fails, the anchor chain still works
+    stale = got._replace(path=tmp_path / "nothing.safetensors", digest=pubs[2][0].digest, version=2)
+    got3, info3 = await assemble_version(tr.blobs, name3, tmp_path / "s2", base=stale, digest=man3.digest)
+    assert info3["path"] == "chain" and info3["manifests"] == 4 and got3.digest == man3.digest
+
+
+async def test_missing_anchor_is_refused_with_the_reason(tiny_model_dir, tmp_path):
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16")
+    man0, _ = await tr.publish()
+    tr.step()
+    man1, name1 = await tr.publish()
+    await tr.blobs.delete(manifest_name(0, man0.digest))
+    with pytest.raises(StreamError) as e:
+        await assemble_version(tr.blobs, name1, tmp_path / "stage", base=None, digest=man1.digest)
+    msg = str(e.value)
+    assert "cannot assemble version 1" in msg and "incomplete: v0 (parent of v1)" in msg, msg
+    assert "never committed" in msg and not list((tmp_path / "stage").glob("*.safetensors"))
+
+
+async def test_buckets_without_a_manifest_are_no_version(tiny_model_dir, tmp_path):
+    """A trainer killed mid-publish: its buckets are stored, its manifest (the commit point,
+    written last) is not, so the version does not exist for a reader."""
+    tr = Trainer(tiny_model_dir, tmp_path, "float32", bucket_bytes=1 << 14)
+
+    class Killed(DirBlobs):
+        async def put(self, name, data):
+            if name.endswith(".manifest"):
+                raise RuntimeError("killed before the commit point")
+            await super().put(name, data)
+
+    with pytest.raises(RuntimeError, match="commit point"):
+        await tr.publish(Killed(tr.blobs.root))
+    stored = sorted(p.name for p in tr.blobs.root.iterdir())
+    assert stored and all(".b" in n for n in stored), stored
+    digest = file_content_digest(tr.dir / "next.safetensors")  # what it would have published
+    with pytest.raises(StreamError, match="never committed"):
+        await read_manifest(tr.blobs, manifest_name(0, digest))
+
+
+async def test_a_generator_killed_mid_assembly_leaves_a_temp_file_only(tiny_model_dir, tmp_path):
+    tr = Trainer(tiny_model_dir, tmp_path, "float32", bucket_bytes=1 << 14)
+    man, name = await tr.publish()
+    stage = tmp_path / "stage"
+    marker = tmp_path / "holding"
+    script = textwrap.dedent(f"""
+        import asyncio, pathlib, threading
+        from rollart.engines.weight_stream import DirBlobs, assemble_version
+
+        class Slow(DirBlobs):
+            n = 0
+            async def get(self, name):
+                self.n += 1
+                if self.n == 4:  # the manifest and two buckets are in: hold here
+                    pathlib.Path({str(marker)!r}).write_text("x")
+                    await asyncio.Event().wait()
+                return await super().get(name)
+
+        asyncio.run(assemble_version(Slow({str(tr.blobs.root)!r}), {name!r}, {str(stage)!r},
+                                     base=None, digest={man.digest!r}))
+    """)
+
+    def kill_mid_assembly() -> None:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+        try:
+            until_sync(marker.exists, deadline=60, what="the generator mid-assembly",
+                       abort=lambda: proc.poll() is not None and f"it exited with {proc.returncode}")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    await asyncio.to_thread(kill_mid_assembly)
+    left = sorted(p.name for p in stage.iterdir())
+    assert len(left) == 1 and left[0].startswith(".") and left[0].endswith(".tmp"), left
+    got, _ = await assemble_version(tr.blobs, name, stage, base=None, digest=man.digest)
+    assert same_tensors(got.path, tr.expected()) and got.digest == man.digest
+
+
+async def test_bf16_delta_after_one_step_at_the_quickstart_lr_is_well_under_full(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rollart.engines.tiny import build_tiny_model
+
+    cfg = load(ROOT / "configs" / "quickstart.yaml", RunConfig)
+    t = cfg.model.tiny
+    model_dir = await asyncio.to_thread(
+        build_tiny_model, tmp_path / "model", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+        num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        intermediate_size=t.intermediate_size, seed=t.seed)
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    texts = ["FrozenLake\nSFFF\nFHFH\nFFFH\nHFFG\nD", "FrozenLake\nSFFF\nFPFH\nFFFH\nHFFG\nR"]
+    ids = [tok.encode(x) for x in texts * 4]
+    n = min(map(len, ids))
+    batch = torch.tensor([i[:n] for i in ids])
+    tr = Trainer(model_dir, tmp_path, "bfloat16", lr=cfg.trainer.lr)
+    full, _ = await tr.publish()
+    tr.step(batch)
+    man, _ = await tr.publish()
+    ratio = man.stats.wire_bytes / full.stats.full_bytes
+    print(f"bf16 delta after one step at lr {cfg.trainer.lr}: {man.stats.wire_bytes} of "
+          f"{full.stats.full_bytes} bytes ({ratio:.3f} of full; the anchor is "
+          f"{full.stats.wire_bytes / full.stats.full_bytes:.3f}), "
+          f"{man.stats.changed / man.stats.total:.3f} of the elements changed")
+    assert man.kind == "delta" and ratio < 0.5
