@@ -1,5 +1,6 @@
 """The scale-out trainer learns the quickstart: ``trainer.world_size: 2`` (rank 1 a child
-process of the run, gloo), and ``trainer.lora`` (adapters only, published as adapter files),
+process of the run, gloo), ``trainer.lora`` (adapters only, published as adapter files) and
+``trainer.sync.format: stream`` (versions as buckets and deltas),
 reach greedy success >= 0.9 under the rules of :mod:`tests.e2e.test_learning`: one run, the
 packaged config as it is (LoRA: its rank, alpha and LR), no retry with another seed, no
 ``--resume``. Run by ``make test-scale`` (marked ``scale``)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from rollart.app.launch import with_overrides
@@ -86,3 +88,30 @@ async def test_quickstart_learns_with_lora(tmp_path):
         assert all(mv >= v - alpha for mv in r["traj_min_versions"]), (r["step"], r["traj_min_versions"])
     ids = [t for r in rows for t in r["traj_ids"]]
     assert len(ids) == len(set(ids)), "no trajectory trained twice"
+
+
+@pytest.mark.timeout(1200)
+async def test_quickstart_learns_with_streamed_deltas(tmp_path):
+    """``trainer.sync.format: stream`` (deltas on, anchors every 8 versions): the quickstart
+    learns the same, every version after the first assembled from a delta or a chain."""
+    from rollart.config.pipeline import SyncConfig
+
+    cfg = with_overrides(quickstart(tmp_path, "learn-stream", 1), trainer={"sync": SyncConfig(format="stream")})
+    assert cfg.trainer.sync.format == "stream" and cfg.trainer.sync.delta
+    steps = cfg.trainer.steps
+    summary = await train(cfg, nats="memory", resume=False, quiet=True)
+    assert summary["steps"] == steps and not summary["interrupted"], summary
+    rows = _rows(cfg)
+    report = (f"stream: final greedy success {summary.get('greedy_success')}; sampled success "
+              f"every 10 steps {[round(r['success'], 2) for r in rows[::10]]}; "
+              f"{summary.get('wall_s', 0):.0f} s")
+    print(report)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[0]["success"] < 0.5, "it must start from a policy that cannot do the task"
+    assert summary["greedy_success"] >= GREEDY, f"the quickstart did not learn: {report}"
+    stream = Path(cfg.run_dir) / cfg.run / "weights" / "stream"
+    manifests = sorted(stream.glob("*.manifest"))
+    kept = [msgspec.json.decode(p.read_bytes()) for p in manifests]
+    assert "delta" in [k["kind"] for k in kept] and kept[0]["kind"] == "full", \
+        [(k["version"], k["kind"]) for k in kept]  # the kept versions start at their anchor
+    assert all(k["stats"]["wire_bytes"] < k["stats"]["full_bytes"] for k in kept if k["kind"] == "delta")

@@ -16,16 +16,9 @@ import pytest
 
 from rollart.config import RunConfig, load
 from rollart.engines.digest import file_content_digest
-from rollart.engines.weight_stream import (
-    DirBlobs,
-    StreamError,
-    TorchTensors,
-    TrainerBase,
-    assemble_version,
-    manifest_name,
-    read_manifest,
-    write_version,
-)
+from rollart.engines.weight_decode import assemble_version
+from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
+from rollart.engines.weight_stream import DirBlobs, StreamError, manifest_name, read_manifest
 from tests.waiting import until_sync
 
 torch = pytest.importorskip("torch")
@@ -210,7 +203,8 @@ async def test_a_generator_killed_mid_assembly_leaves_a_temp_file_only(tiny_mode
     marker = tmp_path / "holding"
     script = textwrap.dedent(f"""
         import asyncio, pathlib, threading
-        from rollart.engines.weight_stream import DirBlobs, assemble_version
+        from rollart.engines.weight_decode import assemble_version
+        from rollart.engines.weight_stream import DirBlobs
 
         class Slow(DirBlobs):
             n = 0

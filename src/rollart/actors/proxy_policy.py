@@ -232,7 +232,8 @@ class StreamStage:
 
     async def fetch(self, bus: Any, pub: m.PolicyPublished) -> Any:
         """Assemble ``pub`` into the staging folder (off the loop; the engine serves)."""
-        from rollart.engines.weight_stream import assemble_version, blobs_for_uri
+        from rollart.engines.weight_decode import assemble_version
+        from rollart.engines.weight_stream import blobs_for_uri
 
         if pub.kind != "full":
             raise ValueError(f"policy v{pub.version} is a {pub.kind!r} version in the stream "

@@ -273,18 +273,18 @@ class StreamPublisher:
         return self._dtype
 
     async def publish(self, v: int) -> None:
-        from rollart.engines import weight_stream as ws
+        from rollart.engines import weight_encode as enc
 
         owner, sync = self.owner, self.owner.cfg.sync
         a = owner.actor
         blobs = await self.blobs()
         dtype = self.serving_dtype()
         tensors = await asyncio.to_thread(owner.backend._weight_tensors)
-        source = await asyncio.to_thread(ws.TorchTensors, tensors, dtype)
+        source = await asyncio.to_thread(enc.TorchTensors, tensors, dtype)
         base_path = owner.weights / "stream-base.safetensors"
         nxt = owner.weights / "stream-base.next.safetensors"
         base = self.base if self.base is not None and self.base.version < v else None
-        man, name = await ws.write_version(
+        man, name = await enc.write_version(
             blobs, source, version=v, dtype=dtype, bucket_bytes=int(sync.bucket_mb * 2**20),
             base=base, delta=sync.delta, anchor_every=sync.anchor_every, base_out=nxt)
         del tensors, source
@@ -303,7 +303,7 @@ class StreamPublisher:
                                 created_at=time.time(), kind="full", layout="stream")
         await owner.announce(pub)
         await asyncio.to_thread(nxt.replace, base_path)  # the base of the next delta
-        self.base = ws.TrainerBase(base_path, v, man.digest, man.anchor)
+        self.base = enc.TrainerBase(base_path, v, man.digest, man.anchor)
         self.versions[v] = (man.anchor, [name, *(b.name for b in man.buckets)])  # manifest first
         await self._prune(v, blobs)
 

@@ -16,9 +16,10 @@ cache holds K/V of the current weights only: loading weights clears it.
 
 See `rollart.engines.base` for the log-prob, stopping and constrained-decoding contract.
 
-Kept whole (~450 lines): prefill, the decode loop and constrained sampling share the
-batch's tensors; the KV cache is :mod:`~rollart.engines.kv_cache`, the trie
-:mod:`~rollart.engines.choice_trie`.
+Kept whole (~500 lines): prefill, the decode loop and constrained sampling share the
+batch's tensors, and weight loading (the check, adapters over the base) its model; the KV
+cache is :mod:`~rollart.engines.kv_cache`, the trie :mod:`~rollart.engines.choice_trie`,
+reading a file into the parameters :mod:`~rollart.engines.torch_weights`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .base import (
 )
 from .choice_trie import Trie, choice_trie
 from .kv_cache import Hit, SessionKVCache, cached_prefill_batch, lookup, row_kv, session_cache
+from .torch_weights import read_file_into
 
 __all__ = ["TorchGenerationEngine", "allowed_after", "build_choice_trie"]
 
@@ -76,11 +78,6 @@ def _as_ids(x) -> list[int]:
     if isinstance(x, int):
         return [x]
     return [int(t) for t in x]
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                       "F64": torch.float64}
-"""The float dtypes of a safetensors file the engine loads weights from."""
 
 
 class TorchGenerationEngine(GenerationEngine):
@@ -404,42 +401,13 @@ class TorchGenerationEngine(GenerationEngine):
                     return
                 self._check_names({k: t.shape for k, t in header.items()}, str(path))
                 self.clear_kv()  # the stored K/V belong to the old weights
-                self._read_into_model(path)
+                read_file_into(self.model.state_dict(), path)
         except ValueError:
             raise
         except Exception as e:  # safetensors raises several types for bad files
             raise ValueError(f"cannot read weights from {path}: {e}") from e
         self._base = {}  # these weights are the base of later adapters
         self.version = int(version)
-
-    def _read_into_model(self, path: Path) -> None:
-        """Copy a checked safetensors file into the model's tensors: read straight into
-        each parameter's memory where the file holds its dtype (a staged streamed version
-        always does), else through one tensor's buffer and a cast. Plain reads, not a
-        memory map: the file's pages stay page cache and do not add a model's worth to this
-        process's resident memory while it loads."""
-        from .weight_files import data_layout
-
-        start, layout = data_layout(path)
-        own = self.model.state_dict()
-        with open(path, "rb", buffering=0) as f, torch.no_grad():
-            for k, (dtype, shape, b, e) in layout.items():
-                dst = own[k]
-                src_dtype = _SAFETENSORS_DTYPES.get(dtype)
-                if src_dtype is None:
-                    raise ValueError(f"{path}: tensor {k} has dtype {dtype}, not a float the engine loads")
-                direct = (src_dtype == dst.dtype and dst.device.type == "cpu" and dst.is_contiguous())
-                buf = dst.view(-1).view(torch.uint8) if direct else torch.empty(e - b, dtype=torch.uint8)
-                mv = memoryview(buf.numpy())
-                f.seek(start + b)
-                got = 0
-                while got < e - b:
-                    n = f.readinto(mv[got:])
-                    if not n:
-                        raise ValueError(f"{path}: truncated in tensor {k}")
-                    got += n
-                if not direct:
-                    dst.copy_(buf.view(src_dtype).view(shape).to(device=dst.device, dtype=dst.dtype))
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int, *,
                         metadata: dict[str, str] | None = None, what: str = "state dict") -> None:

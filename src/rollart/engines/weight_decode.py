@@ -1,0 +1,180 @@
+"""The generator's side of streamed versions (:mod:`rollart.engines.weight_stream`): fetch a
+version's buckets one by one, check and decode them (over the base for a delta), write the
+result into a staged file whose content digest must be the announced one; walk the chain
+back to the loaded version or the newest anchor when the base is not the parent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+
+from .weight_staging import BaseReader, StagedFile, byte_planes
+from .weight_stream import (
+    BucketEntry,
+    Manifest,
+    StreamError,
+    manifest_name,
+    read_manifest,
+)
+
+__all__ = ["Assembled", "apply_manifest", "assemble_version"]
+
+class Assembled(NamedTuple):
+    """A verified staged version."""
+
+    path: Path
+    version: int
+    digest: str
+
+
+def _decode_bucket(wire: bytes, b: BucketEntry, j: int, man: Manifest, base: BaseReader | None,
+                   start: int, writer: StagedFile, dctx: Any) -> None:
+    what = f"v{man.version} bucket {j} ({b.name})"
+    got = xxhash.xxh3_128_hexdigest(wire)
+    if len(wire) != b.wire or got != b.xxh3:
+        raise StreamError(f"{what}: {len(wire)} bytes with xxh3 {got}, the manifest says "
+                          f"{b.wire} bytes with xxh3 {b.xxh3}")
+    if b.codec == "raw":
+        data = np.frombuffer(wire, np.uint8)
+        if base is not None:
+            raise StreamError(f"{what}: a raw bucket in a delta")
+        writer.write(data)
+        return
+    try:
+        raw = dctx.decompress(wire, max_output_size=b.raw)
+    except Exception as e:  # noqa: BLE001 - zstandard.ZstdError
+        raise StreamError(f"{what}: not a zstd frame ({e})") from None
+    if len(raw) != b.raw:
+        raise StreamError(f"{what}: {len(raw)} bytes decoded, the manifest says {b.raw}")
+    data = np.frombuffer(raw, np.uint8)
+    if man.shuffle:
+        data = byte_planes(data, b.spans, man.tensors, undo=True)
+    del raw
+    if base is not None:
+        buf = base.read(start, b.raw)
+        np.bitwise_xor(buf, data, out=buf)
+        writer.write(buf)
+    else:
+        writer.write(data)
+
+
+async def apply_manifest(blobs: Any, man: Manifest, stage: Path, base: Assembled | None,
+                         *, suffix: str = "") -> tuple[Assembled, int]:
+    """Fetch ``man``'s buckets one by one and stage the version (over ``base`` for a delta);
+    returns it and the wire bytes fetched. ``StreamError`` names the bucket or digest."""
+    import zstandard
+
+    final = stage / f"v{man.version:06d}-{man.digest.rsplit(':', 1)[-1][:16]}{suffix}.safetensors"
+    what = f"v{man.version}"
+    reader = None
+    if man.kind == "delta":
+        if base is None or base.digest != man.parent_digest:
+            raise StreamError(f"{what} is a delta over v{man.parent_version} ({man.parent_digest}), "
+                              f"not over the base given")
+        reader = await asyncio.to_thread(BaseReader, base.path, man.tensors, what)
+    writer = await asyncio.to_thread(StagedFile, final, man.tensors)
+    dctx = zstandard.ZstdDecompressor()
+    start, fetched = 0, 0
+    try:
+        for j, b in enumerate(man.buckets):
+            try:
+                wire = await blobs.get(b.name)
+            except KeyError:
+                raise StreamError(f"{what} bucket {j} ({b.name}) is missing from {blobs.where}") from None
+            fetched += len(wire)
+            await asyncio.to_thread(_decode_bucket, wire, b, j, man, reader, start, writer, dctx)
+            del wire
+            start += b.raw
+        try:
+            digest = await asyncio.to_thread(writer.commit, man.digest)
+        except StreamError as e:
+            raise StreamError(f"{what}: {e}") from None
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if reader is not None:
+            reader.close()
+    return Assembled(final, man.version, digest), fetched
+
+
+async def assemble_version(blobs: Any, name: str, stage: str | os.PathLike, *,
+                           base: Assembled | None, digest: str) -> tuple[Assembled, dict[str, Any]]:
+    """Stage the version whose manifest is ``name`` in ``stage`` and return it with stats
+    (``path``: ``full``, ``delta`` or ``chain``; ``manifests``, ``wire_bytes``).
+
+    An anchor is applied alone; a delta over ``base`` when it is the delta's parent; else
+    (or when that fails) by walking the parents back to the newest anchor and applying
+    them in order. Intermediate versions are deleted; ``base`` is the caller's to keep.
+    ``StreamError`` says why each way failed; nothing is staged then."""
+    stage = Path(stage)
+    man = await read_manifest(blobs, name)
+    if man.digest != digest:
+        raise StreamError(f"manifest {name} is of digest {man.digest}, the published one is {digest}")
+    if man.kind == "full":
+        got, n = await apply_manifest(blobs, man, stage, None)
+        return got, {"path": "full", "manifests": 1, "wire_bytes": n}
+    reasons = []
+    if base is not None and base.digest == man.parent_digest:
+        try:
+            got, n = await apply_manifest(blobs, man, stage, base)
+            return got, {"path": "delta", "manifests": 1, "wire_bytes": n}
+        except StreamError as e:
+            reasons.append(f"delta over the loaded v{base.version}: {e}")
+    else:
+        reasons.append(f"the loaded weights ({base.digest if base else 'the model folder'}) are "
+                       f"not its parent v{man.parent_version}")
+    # the loaded version may be further down the chain (a replica that skipped versions):
+    # from it first; then from the anchor
+    starts = ([base] if base is not None and not reasons[0].startswith("delta") else []) + [None]
+    for start in starts:
+        try:
+            got, info = await _apply_chain(blobs, man, stage, start)
+            return got, info
+        except StreamError as e:
+            reasons.append(f"the chain from {f'the loaded v{start.version}' if start else f'anchor v{man.anchor}'}: {e}")
+    raise StreamError(f"cannot assemble version {man.version} ({name}): " + "; ".join(reasons))
+
+
+async def _apply_chain(blobs: Any, man: Manifest, stage: Path,
+                       start: Assembled | None) -> tuple[Assembled, dict[str, Any]]:
+    """Walk ``man``'s parents back to ``start`` (None: to the anchor) and apply them in order."""
+    chain = [man]
+    while chain[-1].kind == "delta":
+        cur = chain[-1]
+        if start is not None and start.digest == cur.parent_digest:
+            break
+        if start is not None and (cur.parent_version or 0) < start.version:
+            raise StreamError(f"v{start.version} is not on the chain of v{man.version}")
+        pname = manifest_name(cur.parent_version or 0, cur.parent_digest)
+        try:
+            parent = await read_manifest(blobs, pname)
+        except StreamError as e:
+            raise StreamError(f"incomplete: v{cur.parent_version} (parent of v{cur.version}): {e}") from None
+        if parent.digest != cur.parent_digest or parent.version != cur.parent_version:
+            raise StreamError(f"manifest {pname} is not the parent of v{cur.version}")
+        chain.append(parent)
+    else:
+        start = None
+    chain.reverse()
+    made: list[Assembled] = []
+    cur_base, wire = start, 0
+    try:
+        for k, mm in enumerate(chain):  # intermediates under their own name: never the caller's base
+            nxt, n = await apply_manifest(blobs, mm, stage, cur_base,
+                                          suffix="" if k == len(chain) - 1 else ".chain")
+            wire += n
+            if made:  # an intermediate version: only the next step needs it
+                made.pop().path.unlink(missing_ok=True)
+            made.append(nxt)
+            cur_base = nxt
+    except BaseException:
+        for a in made:
+            a.path.unlink(missing_ok=True)
+        raise
+    return cur_base, {"path": "chain", "manifests": len(chain), "wire_bytes": wire}

@@ -1,0 +1,165 @@
+"""The trainer's side of streamed versions (:mod:`rollart.engines.weight_stream`): its fp32
+masters cast to the serving dtype a tensor at a time, cut into buckets (raw for an anchor,
+zstd of the XOR byte planes for a delta), stored, and the manifest written last."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+import xxhash
+
+from .weight_files import DTYPE_BYTES
+from .weight_staging import BaseReader, StagedFile, byte_planes, changed_elements
+from .weight_stream import (
+    SERVING_DTYPES,
+    ZSTD_LEVEL,
+    BucketEntry,
+    Manifest,
+    Span,
+    StreamError,
+    StreamStats,
+    TensorSpec,
+    manifest_name,
+    plan_buckets,
+    read_manifest,
+)
+
+__all__ = ["TorchTensors", "TrainerBase", "write_version"]
+
+_TORCH_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
+                "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+                "bool": "BOOL"}
+
+
+class TorchTensors:
+    """The trainer's tensors as bytes in the serving dtype (float tensors cast, others
+    as they are), cast one tensor at a time (the last one is kept for the next span):
+    never a serving-dtype copy of the whole model in memory."""
+
+    def __init__(self, tensors: Mapping[str, Any], dtype: str):
+        import torch  # optional dependency: the trainer has it
+
+        if dtype not in SERVING_DTYPES:
+            raise ValueError(f"serving dtype must be one of {sorted(SERVING_DTYPES)}, got {dtype!r}")
+        self._torch = torch
+        self._target = getattr(torch, dtype)
+        self._tensors = tensors
+        self.names = sorted(tensors)
+        self.specs = []
+        for name in self.names:
+            t = tensors[name]
+            dt = self._target if t.is_floating_point() else t.dtype
+            self.specs.append(TensorSpec(name, _TORCH_NAMES[str(dt).removeprefix("torch.")],
+                                         [int(d) for d in t.shape]))
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def read(self, i: int, offset: int, length: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != i:
+            self._cached = None  # free the previous tensor before casting the next
+            t = self._tensors[self.names[i]].detach().to("cpu")
+            if t.is_floating_point():
+                t = t.to(self._target)
+            self._cached = (i, t.contiguous().reshape(-1).view(self._torch.uint8).numpy())
+        return self._cached[1][offset:offset + length]
+
+
+class TrainerBase(NamedTuple):
+    """The trainer's previous published stream version: its serving-dtype file (on disk)."""
+
+    path: Path
+    version: int
+    digest: str
+    anchor: int
+
+
+def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
+                   base: BaseReader | None, start: int, writer: StagedFile,
+                   cctx: Any) -> tuple[bytes | memoryview, int, int]:
+    parts = [source.read(s.tensor, s.offset, s.length) for s in spans]
+    raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    writer.write(raw)
+    if base is None:
+        changed, payload = sum(s.length // DTYPE_BYTES[tensors[s.tensor].dtype] for s in spans), raw
+    else:
+        payload = base.read(start, len(raw))
+        np.bitwise_xor(payload, raw, out=payload)
+        changed = changed_elements(payload, spans, tensors)
+    if base is None:  # an anchor: the bytes as they are (see BucketEntry.codec)
+        return memoryview(raw), len(raw), changed
+    return cctx.compress(memoryview(byte_planes(payload, spans, tensors))), len(raw), changed
+
+
+async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
+                        bucket_bytes: int, base: TrainerBase | None, delta: bool,
+                        anchor_every: int, base_out: Path) -> tuple[Manifest, str]:
+    """Store version ``version`` of ``source`` (:class:`TorchTensors`) in ``blobs``: the
+    buckets, then the manifest (the commit point). A delta over ``base`` when ``delta``,
+    the base has the same tensors and its anchor is fewer than ``anchor_every`` versions
+    back; else an anchor. The serving-dtype file of the version is written to ``base_out``
+    (the next base; the caller moves it into place once the version is announced). Returns
+    the manifest and its name; on a failure the buckets written are deleted again."""
+    import zstandard
+
+    t0 = time.perf_counter()
+    specs: list[TensorSpec] = list(source.specs)
+    what = f"stream version {version}"
+    reader = None
+    if delta and base is not None and version - base.anchor < max(1, anchor_every):
+        try:
+            reader = await asyncio.to_thread(BaseReader, base.path, specs, what)
+        except StreamError:
+            reader = None  # another layout or no file: an anchor
+    plan = plan_buckets(specs, bucket_bytes)
+    nonce = secrets.token_hex(4)
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    writer = await asyncio.to_thread(StagedFile, base_out, specs)
+    entries: list[BucketEntry] = []
+    written: list[str] = []
+    changed, start = 0, 0
+    try:
+        for i, spans in enumerate(plan):
+            wire, raw, ch = await asyncio.to_thread(_encode_bucket, source, spans, specs, reader,
+                                                    start, writer, cctx)
+            check = xxhash.xxh3_128_hexdigest(wire)  # ~20 GB/s: not worth a thread hop
+            name = f"stream.v{version:06d}-{nonce}.b{i:04d}"
+            await blobs.put(name, wire)
+            written.append(name)
+            entries.append(BucketEntry(name=name, raw=raw, wire=len(wire), xxh3=check, spans=spans,
+                                       codec="zstd" if reader is not None else "raw"))
+            changed += ch
+            start += raw
+        digest = await asyncio.to_thread(writer.commit)
+    except BaseException:
+        writer.abort()
+        for n in written:
+            with contextlib.suppress(Exception):
+                await blobs.delete(n)
+        raise
+    finally:
+        if reader is not None:
+            reader.close()
+    total = sum(t.elements for t in specs)
+    stats = StreamStats(changed=changed if reader is not None else total, total=total,
+                        wire_bytes=sum(e.wire for e in entries), full_bytes=start,
+                        encode_s=time.perf_counter() - t0)
+    man = Manifest(version=version, kind="delta" if reader is not None else "full",
+                   parent_version=base.version if reader is not None else None,
+                   parent_digest=base.digest if reader is not None else "",
+                   anchor=base.anchor if reader is not None else version, dtype=dtype,
+                   tensors=specs, buckets=entries, digest=digest, stats=stats)
+    mname = manifest_name(version, digest)
+    if await blobs.exists(mname):  # the same tensors published before (a resume): keep that one
+        for n in written:
+            await blobs.delete(n)
+        return await read_manifest(blobs, mname), mname
+    await blobs.put(mname, msgspec.json.encode(man))  # the commit point
+    return man, mname
+

@@ -1,0 +1,173 @@
+"""Staged files of streamed versions (:mod:`rollart.engines.weight_stream`): a safetensors
+file written front to back with its content digest computed on the way, renamed into place
+only when whole and right; the base file a delta reads; the byte planes deltas are stored as.
+Shared by the trainer's side (:mod:`rollart.engines.weight_encode`, whose serving-dtype file
+is the next delta's base) and the generator's (:mod:`rollart.engines.weight_decode`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .digest import TensorDigest
+from .weight_files import DTYPE_BYTES
+from .weight_stream import Span, StreamError, TensorSpec, header_bytes
+
+__all__ = ["BaseReader", "StagedFile", "byte_planes", "changed_elements"]
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+class StagedFile:
+    """A safetensors file written front to back (header from the tensors, then their data
+    in order, in pieces of any size) under a temp name; :meth:`commit` checks it is whole
+    and its content digest and renames it into place (no fsync: a staged file, or the
+    trainer's base, is rebuilt after a crash, never trusted across one). Blocking."""
+
+    def __init__(self, final: str | os.PathLike, tensors: Sequence[TensorSpec]):
+        self.final = Path(final)
+        self.tmp = self.final.with_name(f".{self.final.name}.{os.getpid()}.tmp")
+        self.tensors = list(tensors)
+        self._digest = TensorDigest()
+        self._i = 0
+        self._left: int | None = None
+        # The content digest (SHA-256, ~1.5 GB/s) runs in its own thread, one piece behind
+        # the file write and the caller's next fetch: SHA-256 and file writes release the GIL,
+        # so on two cores a version assembles at the speed of the slower of the two, not of
+        # their sum. One piece at a time: a caller may reuse a piece's buffer after the
+        # next write() returns (TcpBlobs alternates two buffers for that).
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-digest")
+        self._pending: concurrent.futures.Future | None = None
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit() or abort()
+        self._f.write(header_bytes(self.tensors))
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._left is None and self._i < len(self.tensors):
+            t = self.tensors[self._i]
+            self._digest.begin(t.name, t.dtype, t.shape, t.nbytes)
+            self._left = t.nbytes
+            if self._left == 0:
+                self._digest.end()
+                self._i, self._left = self._i + 1, None
+
+    def write(self, data: Any) -> None:
+        """The next bytes of the data section (the buffer must stay unchanged until the next
+        write() or commit() returns)."""
+        mv = memoryview(data).cast("B")
+        self._wait()
+        self._pending = self._hasher.submit(self._hash, mv)
+        self._f.write(mv)
+
+    def _hash(self, mv: memoryview) -> None:
+        pos = 0
+        while pos < len(mv):
+            if self._left is None:
+                raise StreamError(f"{self.final.name}: more data than its tensors hold")
+            n = min(self._left, len(mv) - pos)
+            self._digest.update(mv[pos:pos + n])
+            pos += n
+            self._left -= n
+            if self._left == 0:
+                self._digest.end()
+                self._i, self._left = self._i + 1, None
+                self._advance()
+
+    def _wait(self) -> None:
+        """The previous piece hashed (its error raised here)."""
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            p.result()
+
+    def commit(self, expected: str | None = None) -> str:
+        """Rename the whole file into place and return its content digest; ``StreamError``
+        (and no file) when data is missing or the digest is not ``expected``."""
+        try:
+            self._wait()
+            if self._i < len(self.tensors):
+                raise StreamError(f"{self.final.name}: incomplete, tensor "
+                                  f"{self.tensors[self._i].name} lacks {self._left} bytes")
+            digest = self._digest.hexdigest()
+            if expected is not None and digest != expected:
+                raise StreamError(f"assembled digest {digest} is not the published {expected}")
+            self._f.close()
+            os.replace(self.tmp, self.final)
+            self._hasher.shutdown()
+            return digest
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._wait()
+        self._hasher.shutdown()
+        with contextlib.suppress(OSError):
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class BaseReader:
+    """Byte ranges of a base version's staged file, checked to have the given layout."""
+
+    def __init__(self, path: Path, tensors: Sequence[TensorSpec], what: str):
+        want = header_bytes(tensors)
+        try:
+            self._f = open(path, "rb")  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            raise StreamError(f"{what}: base {path} cannot be read: {e}") from None
+        if self._f.read(len(want)) != want:
+            self._f.close()
+            raise StreamError(f"{what}: base {path.name} holds other tensors than the delta's")
+        self._start = len(want)
+
+    def read(self, offset: int, n: int) -> np.ndarray:
+        """A writable copy of ``n`` data bytes from ``offset``."""
+        buf = np.empty(n, np.uint8)
+        self._f.seek(self._start + offset)
+        if self._f.readinto(memoryview(buf)) != n:
+            raise StreamError(f"base file truncated at data byte {offset + n}")
+        return buf
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def byte_planes(buf: np.ndarray, spans: Sequence[Span], tensors: Sequence[TensorSpec],
+            *, undo: bool = False) -> np.ndarray:
+    """``buf`` (the bytes of ``spans``) with each span's elements split into byte planes
+    (``undo``: joined back)."""
+    out = np.empty_like(buf)
+    pos = 0
+    for s in spans:
+        es = DTYPE_BYTES[tensors[s.tensor].dtype]
+        seg = buf[pos:pos + s.length]
+        dst = out[pos:pos + s.length]
+        if es == 1:
+            dst[...] = seg
+        else:  # one plane at a time: contiguous on one side (a 2-D transposed copy is 6-15x slower)
+            elements, planes = (dst.reshape(-1, es), seg.reshape(es, -1)) if undo else \
+                (seg.reshape(-1, es), dst.reshape(es, -1))
+            for k in range(es):
+                if undo:
+                    elements[:, k] = planes[k]
+                else:
+                    planes[k] = elements[:, k]
+        pos += s.length
+    return out
+
+
+def changed_elements(xor: np.ndarray, spans: Sequence[Span], tensors: Sequence[TensorSpec]) -> int:
+    n, pos = 0, 0
+    for s in spans:
+        es = DTYPE_BYTES[tensors[s.tensor].dtype]
+        n += int(np.count_nonzero(xor[pos:pos + s.length].view(_UINT[es])))
+        pos += s.length
+    return n
+
