@@ -131,6 +131,17 @@ class PeakAbove:
         self.mib = (_status_kib("VmHWM") - self.before) / 1024
 
 
+def resident(model) -> None:
+    """Make the model's weights resident, private memory before anything is measured:
+    transformers maps a safetensors file whose dtype matches, so the first write into a
+    weight (an optimizer step, a load) would otherwise count the model itself as extra."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1)
+
+
 # ======================================================================================
 # Children
 # ======================================================================================
@@ -146,6 +157,7 @@ def trainer_child(model_dir: str, dtype: str, store: str, base_out: str, bucket_
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    resident(model)
     params = sum(p.numel() for p in model.parameters())
     blobs = DirBlobs(store)
     out: dict = {"params": params, "versions": []}
@@ -200,12 +212,13 @@ def generator_child(model_dir: str, dtype: str, transport: str, where: str, vers
     from rollart.engines.weight_stream import DirBlobs, ObjectBlobs
 
     eng = TorchGenerationEngine(model_dir, dtype=dtype, threads=2, kv_cache_mb=0)
+    resident(eng.model)
     out: list[dict] = []
 
     async def run() -> None:
         bus = None
         if transport == "shm":
-            blobs = DirBlobs(where)
+            blobs = DirBlobs(where, reuse=True)
         elif transport == "tcp":
             from rollart.engines.weight_tcp import TcpBlobs, parse_tcp_uri
 

@@ -81,6 +81,12 @@ async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp
     assert all(x.pause_s > 0 and x.fetch_s > 0 and x.load_s >= x.fetch_s for x in loaded), loaded
     assert [v for v, _ in proxy.pauses] == [1, 2, 3, 4]
     assert trainer.weights.stream.last["stream_wire_ratio"] < 1.0
+    for x in loaded:  # what the trainer's policy.loaded consumer hands its publisher
+        trainer.weights.loaded(x)
+    row = trainer.weights.sync_row(4)  # the metrics row of the step trained from v4
+    assert row["sync_version"] == 4 and row["sync_replicas"] == 1, row
+    assert row["sync_pause_s_max"] == loaded[-1].pause_s and row["stream_wire_ratio"] < 1.0, row
+    assert trainer.weights.sync_row(0) == {}, "v0 is the model folder's: nothing travelled"
     # keep_weights 2: v3 and v4 kept, v3 is an anchor, so v0..v2 are gone
     assert sorted(trainer.weights.stream.versions) == [3, 4]
     assert not stage.exists(), "the staging folder goes with the proxy"

@@ -353,6 +353,7 @@ class Trainer(StepLoop, Actor):
     @consume("policy.loaded", max_inflight=4)
     async def on_policy_loaded(self, msg: m.PolicyLoaded, delivery) -> None:
         self._check_policy_version("policy.loaded", msg.version)
+        self.weights.loaded(msg)  # the generation pauses of a version, for the metrics row
 
     def _check_policy_version(self, what: str, version: int) -> None:
         steps = self.cfg.trainer.steps

@@ -115,6 +115,8 @@ class WeightPublisher:
         self.prune_store = True
         """Delete old versions from the object store (off after the first refusal)."""
         self.stream = StreamPublisher(self) if cfg.sync.format == "stream" else None
+        self.reports: dict[int, dict[str, m.PolicyLoaded]] = {}
+        """Version -> replica -> its ``policy.loaded`` (see :meth:`loaded`)."""
         """``trainer.sync.format: stream``: versions as manifests and buckets."""
 
     async def publish(self) -> None:
@@ -171,6 +173,29 @@ class WeightPublisher:
                                 kind=getattr(self.backend, "weights_kind", "full"))
         await self.announce(pub)
         await self._prune(v, path, store)
+
+    def loaded(self, report: m.PolicyLoaded) -> None:
+        """A replica's ``policy.loaded``: kept for :meth:`sync_row` (a few versions back)."""
+        if not report.error:
+            self.reports.setdefault(report.version, {})[report.replica] = report
+            for old in [k for k in self.reports if k < report.version - 8]:
+                del self.reports[old]
+
+    def sync_row(self, v: int) -> dict[str, float]:
+        """Metrics-row fields of version ``v``'s trip to the generators (``sync_*``): the
+        longest generation pause and fetch among the replicas that reported loading it so
+        far, how many did, and for a streamed version the changed-element fraction, wire
+        bytes against full and encode seconds (none for v0, the model folder's weights)."""
+        out: dict[str, float] = {}
+        got = self.reports.get(v)
+        if got:
+            out.update(sync_version=float(v), sync_replicas=float(len(got)),
+                       sync_pause_s_max=max(r.pause_s for r in got.values()),
+                       sync_fetch_s_max=max(r.fetch_s for r in got.values()))
+        if self.stream is not None and self.stream.last.get("version") == v:
+            out.update({k: x for k, x in self.stream.last.items() if k != "version"},
+                       sync_version=float(v))
+        return out
 
     async def close(self) -> None:
         """Stop what serves weights (the weight server of ``trainer.weights: tcp``)."""
@@ -289,7 +314,7 @@ class StreamPublisher:
             base=base, delta=sync.delta, anchor_every=sync.anchor_every, base_out=nxt)
         del tensors, source
         st = man.stats
-        self.last = {"stream_changed": st.changed / max(1, st.total),
+        self.last = {"version": v, "stream_changed": st.changed / max(1, st.total),
                      "stream_wire_ratio": st.wire_bytes / max(1, st.full_bytes),
                      "stream_wire_bytes": float(st.wire_bytes), "stream_encode_s": st.encode_s}
         log.info("%s: v%d streamed as %s%s: %d buckets, %.2f MiB on the wire of %.2f MiB full "

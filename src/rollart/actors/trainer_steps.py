@@ -279,7 +279,9 @@ class StepLoop:
                "traj_ids": [t.traj_id for t in trajs],
                "traj_min_versions": [t.min_version for t in trajs],
                # a full checkpoint finished in the background since the previous row
-               **self.ckpt.take_done()}
+               **self.ckpt.take_done(),
+               # how the version this step trained from reached the generators
+               **self.weights.sync_row(v)}
         t1 = time.perf_counter()
         out["wall_s"] = t1 - t_start
         self.history.append(out)

@@ -13,9 +13,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from .weight_staging import BaseReader, StagedFile, byte_planes
+from .weight_files import DTYPE_BYTES
+from .weight_staging import BaseReader, StagedFile
 from .weight_stream import (
     BucketEntry,
+    Buffers,
     Manifest,
     StreamError,
     manifest_name,
@@ -32,35 +34,75 @@ class Assembled(NamedTuple):
     digest: str
 
 
-def _decode_bucket(wire: bytes, b: BucketEntry, j: int, man: Manifest, base: BaseReader | None,
-                   start: int, writer: StagedFile, dctx: Any) -> None:
+_CHUNK = 4 << 20
+"""Bytes decompressed at a time into :attr:`_DecodeBuffers.chunk` (a delta's decoded bucket
+is never whole in memory: it is XORed into the base's bytes as it streams out of zstd)."""
+
+
+class _DecodeBuffers:
+    """The generator's buffers, reused bucket after bucket (:class:`Buffers`): the base's
+    bytes of the bucket, which become the result (handed to the staged file, hashed one
+    bucket behind: two), and one chunk of decompressed bytes."""
+
+    def __init__(self) -> None:
+        self.out = Buffers(2)
+        self.chunk = np.empty(_CHUNK, np.uint8)
+
+
+def _targets(out: np.ndarray, b: BucketEntry, man: Manifest):
+    """The views of ``out`` that the decompressed stream fills, in stream order: each span's
+    byte planes (``man.shuffle``: its elements' first bytes, then their second...), or the
+    span's bytes as they are."""
+    pos = 0
+    for s in b.spans:
+        seg = out[pos:pos + s.length]
+        es = DTYPE_BYTES[man.tensors[s.tensor].dtype]
+        if man.shuffle and es > 1:
+            elements = seg.reshape(-1, es)
+            for k in range(es):
+                yield elements[:, k]
+        else:
+            yield seg
+        pos += s.length
+
+
+def _decode_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, base: BaseReader | None,
+                   start: int, writer: StagedFile, dctx: Any, bufs: _DecodeBuffers) -> None:
     what = f"v{man.version} bucket {j} ({b.name})"
     got = xxhash.xxh3_128_hexdigest(wire)
     if len(wire) != b.wire or got != b.xxh3:
         raise StreamError(f"{what}: {len(wire)} bytes with xxh3 {got}, the manifest says "
                           f"{b.wire} bytes with xxh3 {b.xxh3}")
     if b.codec == "raw":
-        data = np.frombuffer(wire, np.uint8)
         if base is not None:
             raise StreamError(f"{what}: a raw bucket in a delta")
-        writer.write(data)
+        writer.write(np.frombuffer(wire, np.uint8))
         return
+    out = bufs.out.take(b.raw)
+    if base is not None:
+        base.read_into(start, out)
+    else:
+        out[...] = 0  # XOR into zeros: the bytes themselves
+    chunk, mv = bufs.chunk, memoryview(bufs.chunk)
     try:
-        raw = dctx.decompress(wire, max_output_size=b.raw)
+        with dctx.stream_reader(wire) as r:
+            for t in _targets(out, b, man):
+                off = 0
+                while off < len(t):
+                    n = r.readinto(mv[:min(len(chunk), len(t) - off)])
+                    if not n:
+                        raise StreamError(f"{what}: the zstd frame ends before the {b.raw} bytes "
+                                          f"the manifest says")
+                    np.bitwise_xor(t[off:off + n], chunk[:n], out=t[off:off + n])
+                    off += n
+            if r.read(1):
+                raise StreamError(f"{what}: the zstd frame holds more than the {b.raw} bytes "
+                                  f"the manifest says")
+    except StreamError:
+        raise
     except Exception as e:  # noqa: BLE001 - zstandard.ZstdError
         raise StreamError(f"{what}: not a zstd frame ({e})") from None
-    if len(raw) != b.raw:
-        raise StreamError(f"{what}: {len(raw)} bytes decoded, the manifest says {b.raw}")
-    data = np.frombuffer(raw, np.uint8)
-    if man.shuffle:
-        data = byte_planes(data, b.spans, man.tensors, undo=True)
-    del raw
-    if base is not None:
-        buf = base.read(start, b.raw)
-        np.bitwise_xor(buf, data, out=buf)
-        writer.write(buf)
-    else:
-        writer.write(data)
+    writer.write(out)
 
 
 async def apply_manifest(blobs: Any, man: Manifest, stage: Path, base: Assembled | None,
@@ -79,6 +121,7 @@ async def apply_manifest(blobs: Any, man: Manifest, stage: Path, base: Assembled
         reader = await asyncio.to_thread(BaseReader, base.path, man.tensors, what)
     writer = await asyncio.to_thread(StagedFile, final, man.tensors)
     dctx = zstandard.ZstdDecompressor()
+    bufs = _DecodeBuffers()
     start, fetched = 0, 0
     try:
         for j, b in enumerate(man.buckets):
@@ -87,7 +130,7 @@ async def apply_manifest(blobs: Any, man: Manifest, stage: Path, base: Assembled
             except KeyError:
                 raise StreamError(f"{what} bucket {j} ({b.name}) is missing from {blobs.where}") from None
             fetched += len(wire)
-            await asyncio.to_thread(_decode_bucket, wire, b, j, man, reader, start, writer, dctx)
+            await asyncio.to_thread(_decode_bucket, wire, b, j, man, reader, start, writer, dctx, bufs)
             del wire
             start += b.raw
         try:

@@ -22,6 +22,7 @@ from .weight_stream import (
     SERVING_DTYPES,
     ZSTD_LEVEL,
     BucketEntry,
+    Buffers,
     Manifest,
     Span,
     StreamError,
@@ -60,14 +61,20 @@ class TorchTensors:
             self.specs.append(TensorSpec(name, _TORCH_NAMES[str(dt).removeprefix("torch.")],
                                          [int(d) for d in t.shape]))
         self._cached: tuple[int, np.ndarray] | None = None
+        self._scratch: Any = None  # the cast of the current tensor, reused (see Buffers)
 
     def read(self, i: int, offset: int, length: int) -> np.ndarray:
+        """Bytes ``offset..offset+length`` of tensor ``i`` in the serving dtype (valid until
+        the next tensor is read)."""
         if self._cached is None or self._cached[0] != i:
-            self._cached = None  # free the previous tensor before casting the next
+            torch = self._torch
             t = self._tensors[self.names[i]].detach().to("cpu")
-            if t.is_floating_point():
-                t = t.to(self._target)
-            self._cached = (i, t.contiguous().reshape(-1).view(self._torch.uint8).numpy())
+            if t.is_floating_point() and t.dtype != self._target:
+                n = t.numel()
+                if self._scratch is None or self._scratch.numel() < n:
+                    self._scratch = torch.empty(n, dtype=self._target)
+                t = self._scratch[:n].copy_(t.reshape(-1))
+            self._cached = (i, t.contiguous().reshape(-1).view(torch.uint8).numpy())
         return self._cached[1][offset:offset + length]
 
 
@@ -80,21 +87,33 @@ class TrainerBase(NamedTuple):
     anchor: int
 
 
+class _EncodeBuffers:
+    """The trainer's buffers, reused bucket after bucket (:class:`Buffers`)."""
+
+    def __init__(self) -> None:
+        self.raw = Buffers(2)  # handed to the staged file, hashed one bucket behind
+        self.xor = Buffers(1)
+        self.planes = Buffers(1)
+
+
 def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
                    base: BaseReader | None, start: int, writer: StagedFile,
-                   cctx: Any) -> tuple[bytes | memoryview, int, int]:
-    parts = [source.read(s.tensor, s.offset, s.length) for s in spans]
-    raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                   cctx: Any, bufs: _EncodeBuffers) -> tuple[bytes | memoryview, int, int]:
+    n = sum(s.length for s in spans)
+    raw = bufs.raw.take(n)
+    pos = 0
+    for s in spans:  # a copy: the source's bytes change with its next tensor
+        raw[pos:pos + s.length] = source.read(s.tensor, s.offset, s.length)
+        pos += s.length
     writer.write(raw)
-    if base is None:
-        changed, payload = sum(s.length // DTYPE_BYTES[tensors[s.tensor].dtype] for s in spans), raw
-    else:
-        payload = base.read(start, len(raw))
-        np.bitwise_xor(payload, raw, out=payload)
-        changed = changed_elements(payload, spans, tensors)
     if base is None:  # an anchor: the bytes as they are (see BucketEntry.codec)
-        return memoryview(raw), len(raw), changed
-    return cctx.compress(memoryview(byte_planes(payload, spans, tensors))), len(raw), changed
+        changed = sum(s.length // DTYPE_BYTES[tensors[s.tensor].dtype] for s in spans)
+        return memoryview(raw), n, changed
+    payload = base.read_into(start, bufs.xor.take(n))
+    np.bitwise_xor(payload, raw, out=payload)
+    changed = changed_elements(payload, spans, tensors)
+    planes = byte_planes(payload, spans, tensors, out=bufs.planes.take(n))
+    return cctx.compress(memoryview(planes)), n, changed
 
 
 async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
@@ -120,6 +139,7 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
     plan = plan_buckets(specs, bucket_bytes)
     nonce = secrets.token_hex(4)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    bufs = _EncodeBuffers()
     writer = await asyncio.to_thread(StagedFile, base_out, specs)
     entries: list[BucketEntry] = []
     written: list[str] = []
@@ -127,7 +147,7 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
     try:
         for i, spans in enumerate(plan):
             wire, raw, ch = await asyncio.to_thread(_encode_bucket, source, spans, specs, reader,
-                                                    start, writer, cctx)
+                                                    start, writer, cctx, bufs)
             check = xxhash.xxh3_128_hexdigest(wire)  # ~20 GB/s: not worth a thread hop
             name = f"stream.v{version:06d}-{nonce}.b{i:04d}"
             await blobs.put(name, wire)

@@ -129,21 +129,24 @@ class BaseReader:
 
     def read(self, offset: int, n: int) -> np.ndarray:
         """A writable copy of ``n`` data bytes from ``offset``."""
-        buf = np.empty(n, np.uint8)
+        return self.read_into(offset, np.empty(n, np.uint8))
+
+    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
+        """``out`` filled with the ``len(out)`` data bytes from ``offset``."""
         self._f.seek(self._start + offset)
-        if self._f.readinto(memoryview(buf)) != n:
-            raise StreamError(f"base file truncated at data byte {offset + n}")
-        return buf
+        if self._f.readinto(memoryview(out)) != len(out):
+            raise StreamError(f"base file truncated at data byte {offset + len(out)}")
+        return out
 
     def close(self) -> None:
         self._f.close()
 
 
 def byte_planes(buf: np.ndarray, spans: Sequence[Span], tensors: Sequence[TensorSpec],
-            *, undo: bool = False) -> np.ndarray:
+            *, undo: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """``buf`` (the bytes of ``spans``) with each span's elements split into byte planes
     (``undo``: joined back)."""
-    out = np.empty_like(buf)
+    out = np.empty_like(buf) if out is None else out
     pos = 0
     for s in spans:
         es = DTYPE_BYTES[tensors[s.tensor].dtype]
