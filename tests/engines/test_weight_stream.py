@@ -18,6 +18,7 @@ from rollart.config import RunConfig, load
 from rollart.engines.digest import file_content_digest
 from rollart.engines.weight_decode import assemble_version
 from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
+from rollart.engines.weight_staging import SPARE, retire
 from rollart.engines.weight_stream import DirBlobs, StreamError, manifest_name, read_manifest
 from tests.waiting import until_sync
 
@@ -101,7 +102,8 @@ async def test_anchor_and_deltas_assemble_bit_identical(tiny_model_dir, tmp_path
     exp = tr.expected()
     own = eng.model.state_dict()
     assert all(torch.equal(own[k], exp[k]) for k in exp), "the engine holds the trainer's tensors"
-    assert sorted(p.name for p in stage.iterdir()) == [base.path.name], "no temp or chain files left"
+    left = sorted(p.name for p in stage.iterdir() if p.name != SPARE)  # the spare: see retire()
+    assert left == [base.path.name], "no temp or chain files left"
 
 
 async def test_small_buckets_split_tensors(tiny_model_dir, tmp_path):
@@ -134,7 +136,8 @@ async def test_corrupt_bucket_is_refused_naming_it_and_the_base_is_kept(tiny_mod
     msg = str(e.value)
     assert f"bucket 1 ({man1.buckets[1].name})" in msg and man1.buckets[1].xxh3 in msg, msg
     assert base.path.read_bytes() == before and file_content_digest(base.path) == man0.digest
-    assert sorted(p.name for p in stage.iterdir()) == [base.path.name], "nothing half-staged"
+    assert sorted(p.name for p in stage.iterdir() if p.name != SPARE) == [base.path.name], \
+        "nothing half-staged (a refused file is the spare)"
     # a wrong published digest is refused before any bucket is fetched
     with pytest.raises(StreamError, match="published one is"):
         await assemble_version(tr.blobs, name0, stage, base=None, digest="tensors-sha256:00")
@@ -235,6 +238,14 @@ async def test_a_generator_killed_mid_assembly_leaves_a_temp_file_only(tiny_mode
     assert len(left) == 1 and left[0].startswith(".") and left[0].endswith(".tmp"), left
     got, _ = await assemble_version(tr.blobs, name, stage, base=None, digest=man.digest)
     assert same_tensors(got.path, tr.expected()) and got.digest == man.digest
+    # the next one is written over a spare (here: a longer file) and cut to its own size
+    spare = stage / SPARE
+    spare.write_bytes(b"\xff" * (got.path.stat().st_size + 12345))
+    retire(got.path)  # the spare is replaced by the staged file just made
+    spare.write_bytes(b"\xff" * (spare.stat().st_size + 12345))
+    again, _ = await assemble_version(tr.blobs, name, stage, base=None, digest=man.digest)
+    assert not spare.exists() and same_tensors(again.path, tr.expected())
+    assert file_content_digest(again.path) == man.digest
 
 
 async def test_bf16_delta_after_one_step_at_the_quickstart_lr_is_well_under_full(tmp_path):

@@ -246,15 +246,20 @@ class StreamStage:
         return got
 
     def loaded(self, got: Any) -> None:
-        """The engine holds ``got`` now: it is the base; the previous one goes."""
+        """The engine holds ``got`` now: it is the base; the previous one is the folder's
+        spare, which the next version is written over (:func:`~rollart.engines.weight_staging.retire`)."""
+        from rollart.engines.weight_staging import retire
+
         old, self.base = self.base, got
         if old is not None and old.path != got.path:
-            old.path.unlink(missing_ok=True)
+            retire(old.path)
 
     def discard(self, got: Any) -> None:
         """A staged version the engine refused."""
+        from rollart.engines.weight_staging import retire
+
         if self.base is None or got.path != self.base.path:
-            got.path.unlink(missing_ok=True)
+            retire(got.path)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -234,6 +234,15 @@ class WeightPublisher:
                                     self.actor.name, old.name, e)
 
 
+def _rotate(base: Path, nxt: Path) -> None:
+    """``nxt`` becomes the base; the old base the folder's spare, written over by the next
+    version (:func:`~rollart.engines.weight_staging.retire`: no new pages per version)."""
+    from rollart.engines.weight_staging import retire
+
+    retire(base)
+    nxt.replace(base)
+
+
 class StreamPublisher:
     """``trainer.sync.format: stream``: each version as a manifest and buckets in the
     serving dtype (:mod:`rollart.engines.weight_stream`), a delta over the previous version
@@ -327,7 +336,7 @@ class StreamPublisher:
         pub = m.PolicyPublished(version=v, uri=blobs.uri(name), digest=man.digest,
                                 created_at=time.time(), kind="full", layout="stream")
         await owner.announce(pub)
-        await asyncio.to_thread(nxt.replace, base_path)  # the base of the next delta
+        await asyncio.to_thread(_rotate, base_path, nxt)  # the base of the next delta
         self.base = enc.TrainerBase(base_path, v, man.digest, man.anchor)
         self.versions[v] = (man.anchor, [name, *(b.name for b in man.buckets)])  # manifest first
         await self._prune(v, blobs)

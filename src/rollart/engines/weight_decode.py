@@ -14,7 +14,7 @@ import numpy as np
 import xxhash
 
 from .weight_files import DTYPE_BYTES
-from .weight_staging import BaseReader, StagedFile
+from .weight_staging import BaseReader, StagedFile, retire
 from .weight_stream import (
     BucketEntry,
     Buffers,
@@ -213,11 +213,11 @@ async def _apply_chain(blobs: Any, man: Manifest, stage: Path,
                                           suffix="" if k == len(chain) - 1 else ".chain")
             wire += n
             if made:  # an intermediate version: only the next step needs it
-                made.pop().path.unlink(missing_ok=True)
+                retire(made.pop().path)
             made.append(nxt)
             cur_base = nxt
     except BaseException:
         for a in made:
-            a.path.unlink(missing_ok=True)
+            retire(a.path)
         raise
     return cur_base, {"path": "chain", "manifests": len(chain), "wire_bytes": wire}

@@ -19,7 +19,22 @@ from .digest import TensorDigest
 from .weight_files import DTYPE_BYTES
 from .weight_stream import Span, StreamError, TensorSpec, header_bytes
 
-__all__ = ["BaseReader", "StagedFile", "byte_planes", "changed_elements"]
+__all__ = ["SPARE", "BaseReader", "StagedFile", "byte_planes", "changed_elements", "retire"]
+
+SPARE = ".spare.safetensors"
+"""A staged file no one needs any more, kept in its folder to be written over by the next
+:class:`StagedFile` there (see :func:`retire`)."""
+
+
+def retire(path: str | os.PathLike) -> None:
+    """Put a staged file no one needs (an old base, a refused or intermediate version) aside
+    as its folder's spare instead of deleting it: the next staged file of the folder is
+    written over its pages. Why: writing a model's worth of new pages runs at the page
+    allocator's speed (~0.4 GB/s into a new file on this machine's disk, ~1.4 GB/s into a new
+    one in /dev/shm), rewriting pages the file already has at memcpy's."""
+    p = Path(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(p, p.parent / SPARE)
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -44,7 +59,12 @@ class StagedFile:
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-digest")
         self._pending: concurrent.futures.Future | None = None
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit() or abort()
+        try:  # over the folder's spare (its pages), else a new file
+            os.replace(self.final.parent / SPARE, self.tmp)
+            mode = "r+b"
+        except FileNotFoundError:
+            mode = "wb"
+        self._f = open(self.tmp, mode)  # noqa: SIM115 - closed in commit() or abort()
         self._f.write(header_bytes(self.tensors))
         self._advance()
 
@@ -96,6 +116,7 @@ class StagedFile:
             digest = self._digest.hexdigest()
             if expected is not None and digest != expected:
                 raise StreamError(f"assembled digest {digest} is not the published {expected}")
+            self._f.truncate()  # a spare written over may have been longer
             self._f.close()
             os.replace(self.tmp, self.final)
             self._hasher.shutdown()
@@ -110,7 +131,7 @@ class StagedFile:
         self._hasher.shutdown()
         with contextlib.suppress(OSError):
             self._f.close()
-        self.tmp.unlink(missing_ok=True)
+        retire(self.tmp)  # garbage, but its pages serve the next one
 
 
 class BaseReader:
