@@ -148,10 +148,6 @@ class BaseReader:
             raise StreamError(f"{what}: base {path.name} holds other tensors than the delta's")
         self._start = len(want)
 
-    def read(self, offset: int, n: int) -> np.ndarray:
-        """A writable copy of ``n`` data bytes from ``offset``."""
-        return self.read_into(offset, np.empty(n, np.uint8))
-
     def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
         """``out`` filled with the ``len(out)`` data bytes from ``offset``."""
         self._f.seek(self._start + offset)

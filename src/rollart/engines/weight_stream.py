@@ -74,7 +74,6 @@ __all__ = [
     "read_manifest",
     "serving_dtype",
     "shm_dir",
-    "stream_versions",
 ]
 
 SERVING_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -182,12 +181,6 @@ def manifest_name(version: int, digest: str) -> str:
     """The manifest's object name: by version and digest, so a version trained again after a
     resume (other tensors) never overwrites the one generators may be reading."""
     return f"stream.v{int(version):06d}-{digest.rsplit(':', 1)[-1][:16]}.manifest"
-
-
-def _version_of(name: str) -> int | None:
-    if name.startswith("stream.v") and name[8:14].isdigit():
-        return int(name[8:14])
-    return None
 
 
 def check_manifest(man: Manifest, what: str) -> None:
@@ -448,12 +441,3 @@ def serving_dtype(choice: str, model_dir: str | os.PathLike | None) -> str:
             return d
     return "float32"
 
-
-def stream_versions(names: Sequence[str]) -> dict[int, list[str]]:
-    """Version -> the object names of it (manifests and buckets) among ``names``."""
-    out: dict[int, list[str]] = {}
-    for n in names:
-        v = _version_of(n)
-        if v is not None:
-            out.setdefault(v, []).append(n)
-    return out
