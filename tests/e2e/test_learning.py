@@ -43,19 +43,18 @@ def _rows(cfg: RunConfig) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-# ~1.5-4 min a variant (a loaded host is 2-2.5x slower)
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("alpha,bus", [(0, "memory"), (1, "memory"), (1, "nats")])
-async def test_quickstart_learns(tmp_path, alpha, bus, request):
-    nats = "memory" if bus == "memory" else request.getfixturevalue("nats_server").url
-    cfg = quickstart(tmp_path, f"learn-a{alpha}-{bus}", alpha)
-    steps = cfg.trainer.steps
+async def learns(cfg: RunConfig, label: str, *, nats: str = "memory") -> tuple[dict, list[dict]]:
+    """Run ``cfg`` to its end and assert what every run of the recipe must meet (the module
+    docstring); print one line with its curve. Returns the summary and the metrics rows, for
+    the variant's own assertions."""
+    steps, alpha = cfg.trainer.steps, cfg.rollout.alpha
     summary = await train(cfg, nats=nats, resume=False, quiet=True)
-    assert summary["steps"] == steps and not summary["interrupted"]
+    assert summary["steps"] == steps and not summary["interrupted"], summary
     rows = _rows(cfg)
-    report = (f"{bus} alpha={alpha}: final greedy success {summary.get('greedy_success')}; "
-              f"sampled success every 10 steps {[round(r['success'], 2) for r in rows[::10]]}, "
-              f"last {rows[-1]['success']:.2f}; {summary.get('wall_s', 0):.0f} s")
+    report = (f"{label}: final greedy success {summary.get('greedy_success')}; sampled success "
+              f"every 10 steps {[round(r['success'], 2) for r in rows[::10]]}, last "
+              f"{rows[-1]['success']:.2f}; {summary.get('wall_s', 0):.0f} s, train "
+              f"{sum(r['train_s'] for r in rows) / len(rows):.2f} s/step")
     print(report)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert rows[0]["success"] < 0.5, "it must start from a policy that cannot do the task"
@@ -64,9 +63,19 @@ async def test_quickstart_learns(tmp_path, alpha, bus, request):
     for r in rows:  # the α rule on recorded data: step v+1 uses min_version >= v - alpha
         v = r["step"] - 1
         assert all(mv >= v - alpha for mv in r["traj_min_versions"]), (r["step"], r["traj_min_versions"])
+    ids = [t for r in rows for t in r["traj_ids"]]
+    assert len(ids) == len(set(ids)), "no trajectory trained twice"
+    return summary, rows
+
+
+# ~1.5-4 min a variant (a loaded host is 2-2.5x slower)
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("alpha,bus", [(0, "memory"), (1, "memory"), (1, "nats")])
+async def test_quickstart_learns(tmp_path, alpha, bus, request):
+    nats = "memory" if bus == "memory" else request.getfixturevalue("nats_server").url
+    cfg = quickstart(tmp_path, f"learn-a{alpha}-{bus}", alpha)
+    summary, rows = await learns(cfg, f"{bus} alpha={alpha}", nats=nats)
     if alpha == 0:
         assert all(r["max_staleness"] == 0 for r in rows), "alpha = 0 is on-policy"
-    ids = [t for r in rows for t in r["traj_ids"]]
-    assert len(ids) == len(set(ids))
     assert msgspec.json.decode((tmp_path / "runs" / cfg.run / "summary.json").read_bytes())["plot"]
 
