@@ -64,7 +64,7 @@ async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp
             man = msgspec.json.decode(raw, type=Manifest)
             kinds.append(man.kind)
             await until(lambda v=v: proxy.version == v, deadline=60, what=f"the proxy on v{v}")
-            exp = {k: t.detach().to(torch.bfloat16) for k, t in trainer.backend._weight_tensors().items()}
+            exp = {k: t.detach().to(torch.bfloat16) for k, t in trainer.backend.weight_tensors().items()}
             own = proxy.async_engine.engine.model.state_dict()
             assert all(torch.equal(own[k], exp[k]) for k in exp), f"v{v}: the engine holds the trainer's tensors"
             if v == 1:  # the model folder is no staged base: v1 came by the chain from v0

@@ -199,7 +199,7 @@ def test_one_step_matches_the_torch_backend(qwen3_dir, cfg):
     # between the two models' matmul orders) may move either way, so the parameters are
     # compared where the update is determined; gradients are compared on every element
     # (test_gradients_match_the_torch_backend)
-    after_t, after_m = torch_be._weight_tensors(), mg_be._weight_tensors()
+    after_t, after_m = torch_be.weight_tensors(), mg_be.weight_tensors()
     before = _hf(qwen3_dir).state_dict()
     assert sorted(after_t) == sorted(after_m) == sorted(before)
     close = total = 0

@@ -313,7 +313,7 @@ class StreamPublisher:
         a = owner.actor
         blobs = await self.blobs()
         dtype = self.serving_dtype()
-        tensors = await asyncio.to_thread(owner.backend._weight_tensors)
+        tensors = await asyncio.to_thread(owner.backend.weight_tensors)
         source = await asyncio.to_thread(enc.TorchTensors, tensors, dtype)
         base_path = owner.weights / "stream-base.safetensors"
         nxt = owner.weights / "stream-base.next.safetensors"

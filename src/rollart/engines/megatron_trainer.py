@@ -164,6 +164,6 @@ class MegatronTrainBackend(TorchTrainBackend):
     def _load_model(self) -> torch.nn.Module:
         return load_gpt_from_hf(self.model_dir, dtype=self.dtype, device=self.device)
 
-    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
         """HF-named tensors (what generators load and the digest covers)."""
         return self.model.hf_state_dict()

@@ -362,7 +362,7 @@ class TorchTrainBackend:
                        seconds=time.perf_counter() - t0)
         return metrics
 
-    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
         """What a version is, on CPU, contiguous: the state dict (LoRA: the adapter's tensors
         under peft's names, or the merged weights); tensors sharing storage (tied
         embeddings) appear once per name, as copies."""
@@ -387,7 +387,7 @@ class TorchTrainBackend:
         """The content digest (``"tensors-sha256:<hex>"``, see
         :func:`rollart.engines.digest.file_content_digest`) of the current weights, without
         writing them: equal to what :meth:`save_weights` would return now."""
-        return tensors_digest(self._weight_tensors())
+        return tensors_digest(self.weight_tensors())
 
     def save_weights(self, path: str | os.PathLike) -> str:
         """Write the model's state dict as one safetensors file (atomically: temp file,
@@ -400,7 +400,7 @@ class TorchTrainBackend:
             from rollart.engines.lora import adapter_metadata
 
             meta.update(adapter_metadata(self.lora["rank"], self.lora["alpha"], self.lora["targets"]))
-        save_file(self._weight_tensors(), tmp, metadata=meta)
+        save_file(self.weight_tensors(), tmp, metadata=meta)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
