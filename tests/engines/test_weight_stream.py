@@ -106,6 +106,23 @@ async def test_anchor_and_deltas_assemble_bit_identical(tiny_model_dir, tmp_path
     assert left == [base.path.name], "no temp or chain files left"
 
 
+async def test_without_deltas_every_version_is_full_and_no_base_file_is_written(tiny_model_dir, tmp_path):
+    """``trainer.sync.delta: false``: anchors only, and the trainer keeps no base file (the
+    digest is computed on the way, no model-sized write per version)."""
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16")
+    for v in range(2):
+        if v:
+            tr.step()
+        man, name = await write_version(
+            tr.blobs, TorchTensors(dict(tr.model.state_dict()), "bfloat16"), version=v,
+            dtype="bfloat16", bucket_bytes=tr.bucket_bytes, base=tr.base, delta=False,
+            anchor_every=8, base_out=None)
+        assert man.kind == "full" and man.parent_version is None
+        got, _ = await assemble_version(tr.blobs, name, tmp_path / "stage", base=None, digest=man.digest)
+        assert got.digest == man.digest and same_tensors(got.path, tr.expected())
+    assert not any(tr.dir.iterdir()), "no base file"
+
+
 async def test_small_buckets_split_tensors(tiny_model_dir, tmp_path):
     tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=3000)
     man0, name0 = await tr.publish()

@@ -320,7 +320,8 @@ class StreamPublisher:
         base = self.base if self.base is not None and self.base.version < v else None
         man, name = await enc.write_version(
             blobs, source, version=v, dtype=dtype, bucket_bytes=int(sync.bucket_mb * 2**20),
-            base=base, delta=sync.delta, anchor_every=sync.anchor_every, base_out=nxt)
+            base=base, delta=sync.delta, anchor_every=sync.anchor_every,
+            base_out=nxt if sync.delta else None)  # no deltas: no base to keep
         del tensors, source
         st = man.stats
         self.last = {"version": v, "stream_changed": st.changed / max(1, st.total),
@@ -336,8 +337,9 @@ class StreamPublisher:
         pub = m.PolicyPublished(version=v, uri=blobs.uri(name), digest=man.digest,
                                 created_at=time.time(), kind="full", layout="stream")
         await owner.announce(pub)
-        await asyncio.to_thread(_rotate, base_path, nxt)  # the base of the next delta
-        self.base = enc.TrainerBase(base_path, v, man.digest, man.anchor)
+        if sync.delta:
+            await asyncio.to_thread(_rotate, base_path, nxt)  # the base of the next delta
+            self.base = enc.TrainerBase(base_path, v, man.digest, man.anchor)
         self.versions[v] = (man.anchor, [name, *(b.name for b in man.buckets)])  # manifest first
         await self._prune(v, blobs)
 

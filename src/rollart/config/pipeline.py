@@ -182,6 +182,13 @@ class RolloutConfig(Base):
     replica_timeout: float = 3.0
     """Seconds without a progress report from the replica holding a request (or with no live
     replica claiming it) before the request is sent again elsewhere; 0 turns this off."""
+    affinity: bool = True
+    """Send each turn of a trajectory to the generate replica that served its previous turn
+    (within the pool ``route`` picked), so that its engine's KV cache of the trajectory is
+    hit; a new trajectory goes to the live replica with the fewest this EnvManager pinned.
+    A replica that went silent, drains, stops answering or holds more than 1.25 x its
+    pool's mean requests + 2 is passed over. Needs ``replica_timeout`` > 0 (the replicas'
+    progress reports); false: every turn goes to the pool's queue group."""
     ack_wait: float = 30.0
     """Seconds before an abandoned trajectory is redelivered (heartbeats hold live ones)."""
     max_trajectory_s: float | None = None
@@ -332,7 +339,8 @@ class SyncConfig(Base):
     bucket_mb: float = 64.0
     """MiB of tensor data per bucket (``stream``): a generator's load holds about two."""
     delta: bool = True
-    """``stream``: versions between anchors are XOR deltas over the previous one."""
+    """``stream``: versions between anchors are XOR deltas over the previous one (false:
+    every version is full, and the trainer keeps no base file of the last one)."""
     anchor_every: int = 8
     """``stream``: a full version every this many versions (a replica that lost track
     starts from the newest anchor)."""

@@ -118,12 +118,13 @@ def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
 
 async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
                         bucket_bytes: int, base: TrainerBase | None, delta: bool,
-                        anchor_every: int, base_out: Path) -> tuple[Manifest, str]:
+                        anchor_every: int, base_out: Path | None) -> tuple[Manifest, str]:
     """Store version ``version`` of ``source`` (:class:`TorchTensors`) in ``blobs``: the
     buckets, then the manifest (the commit point). A delta over ``base`` when ``delta``,
     the base has the same tensors and its anchor is fewer than ``anchor_every`` versions
     back; else an anchor. The serving-dtype file of the version is written to ``base_out``
-    (the next base; the caller moves it into place once the version is announced). Returns
+    (the next base; the caller moves it into place once the version is announced; None: no
+    file, for a trainer that sends no deltas). Returns
     the manifest and its name; on a failure the buckets written are deleted again."""
     import zstandard
 

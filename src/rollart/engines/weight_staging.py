@@ -42,11 +42,13 @@ class StagedFile:
     """A safetensors file written front to back (header from the tensors, then their data
     in order, in pieces of any size) under a temp name; :meth:`commit` checks it is whole
     and its content digest and renames it into place (no fsync: a staged file, or the
-    trainer's base, is rebuilt after a crash, never trusted across one). Blocking."""
+    trainer's base, is rebuilt after a crash, never trusted across one). Blocking.
 
-    def __init__(self, final: str | os.PathLike, tensors: Sequence[TensorSpec]):
-        self.final = Path(final)
-        self.tmp = self.final.with_name(f".{self.final.name}.{os.getpid()}.tmp")
+    ``final`` None: no file, the content digest alone (a trainer that sends no deltas needs
+    no base)."""
+
+    def __init__(self, final: str | os.PathLike | None, tensors: Sequence[TensorSpec]):
+        self.final = Path(final) if final is not None else None
         self.tensors = list(tensors)
         self._digest = TensorDigest()
         self._i = 0
@@ -58,6 +60,11 @@ class StagedFile:
         # next write() returns (TcpBlobs alternates two buffers for that).
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-digest")
         self._pending: concurrent.futures.Future | None = None
+        self._f = None
+        if self.final is None:
+            self._advance()
+            return
+        self.tmp = self.final.with_name(f".{self.final.name}.{os.getpid()}.tmp")
         self.final.parent.mkdir(parents=True, exist_ok=True)
         try:  # over the folder's spare (its pages), else a new file
             os.replace(self.final.parent / SPARE, self.tmp)
@@ -67,6 +74,10 @@ class StagedFile:
         self._f = open(self.tmp, mode)  # noqa: SIM115 - closed in commit() or abort()
         self._f.write(header_bytes(self.tensors))
         self._advance()
+
+    @property
+    def _name(self) -> str:
+        return self.final.name if self.final is not None else "the version"
 
     def _advance(self) -> None:
         while self._left is None and self._i < len(self.tensors):
@@ -83,13 +94,14 @@ class StagedFile:
         mv = memoryview(data).cast("B")
         self._wait()
         self._pending = self._hasher.submit(self._hash, mv)
-        self._f.write(mv)
+        if self._f is not None:
+            self._f.write(mv)
 
     def _hash(self, mv: memoryview) -> None:
         pos = 0
         while pos < len(mv):
             if self._left is None:
-                raise StreamError(f"{self.final.name}: more data than its tensors hold")
+                raise StreamError(f"{self._name}: more data than its tensors hold")
             n = min(self._left, len(mv) - pos)
             self._digest.update(mv[pos:pos + n])
             pos += n
@@ -111,14 +123,15 @@ class StagedFile:
         try:
             self._wait()
             if self._i < len(self.tensors):
-                raise StreamError(f"{self.final.name}: incomplete, tensor "
+                raise StreamError(f"{self._name}: incomplete, tensor "
                                   f"{self.tensors[self._i].name} lacks {self._left} bytes")
             digest = self._digest.hexdigest()
             if expected is not None and digest != expected:
                 raise StreamError(f"assembled digest {digest} is not the published {expected}")
-            self._f.truncate()  # a spare written over may have been longer
-            self._f.close()
-            os.replace(self.tmp, self.final)
+            if self._f is not None:
+                self._f.truncate()  # a spare written over may have been longer
+                self._f.close()
+                os.replace(self.tmp, self.final)
             self._hasher.shutdown()
             return digest
         except BaseException:
@@ -129,6 +142,8 @@ class StagedFile:
         with contextlib.suppress(Exception):
             self._wait()
         self._hasher.shutdown()
+        if self._f is None:
+            return
         with contextlib.suppress(OSError):
             self._f.close()
         retire(self.tmp)  # garbage, but its pages serve the next one
