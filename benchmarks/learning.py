@@ -14,7 +14,8 @@ one variant at a time, each in its own fresh Python process, all on this machine
   multi-turn KV cache as rollart has it; ``plain-nokv``: the same without the cache;
 - ``alpha0-mp`` / ``alpha1-mp``: ``rollart.app.run.train`` as plain ``rollart run`` does it: an
   embedded ``nats-server``, generation, envs and the trainer in separate processes
-  (``node.local_processes``), ``rollout.alpha`` 0 or 1; ``alpha0-batch-mp``: α = 0 with
+  (``node.local_processes``), ``rollout.alpha`` 0 or 1; ``alpha1-mp1``: the same with one
+  child process for generation, envs and reward (not run by default); ``alpha0-batch-mp``: α = 0 with
   ``rollout.mode: batch`` (each turn of a step's trajectories in lock step), not run by default;
 - ``alpha0`` / ``alpha1``: every actor in one process on the in-process bus
   (``--nats memory``); ``alpha1-nats``: one process on an embedded ``nats-server``.
@@ -79,6 +80,9 @@ VARIANTS = {
                   "nats": "embedded", "single": False},
     "alpha1-mp": {"label": "rollart α = 1, 3 processes (default run)", "alpha": 1,
                   "nats": "embedded", "single": False},
+    "alpha1-mp1": {"label": "rollart α = 1, 2 processes (generation, envs, reward in one child)",
+                   "alpha": 1, "nats": "embedded", "single": False,
+                   "node": {"local_processes": [["generate", "env", "reward"]]}},
     "alpha0-batch-mp": {"label": "rollart α = 0, rollout.mode batch, 3 processes", "alpha": 0,
                         "nats": "embedded", "single": False, "rollout": {"mode": "batch"}},
     "alpha0": {"label": "rollart α = 0, MemoryBus, 1 process", "alpha": 0, "nats": "memory"},
@@ -248,6 +252,8 @@ def child(variant: str, config: str, workdir: str, steps: int | None, tag: str,
         run = f"learn-{tag}-{uuid.uuid4().hex[:6]}"
         cfg = with_overrides(cfg, run=run, nats=None, rollout={"alpha": spec["alpha"],
                                                              **spec.get("rollout", {})})
+        if "node" in spec:
+            cfg = with_overrides(cfg, node=spec["node"])
         run_path = Path(cfg.run_dir) / run
         run_path.mkdir(parents=True, exist_ok=True)
         (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
