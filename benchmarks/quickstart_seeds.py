@@ -43,6 +43,7 @@ RESULTS = HERE / "results" / "quickstart_seeds.json"
 README = HERE / "README.md"
 BEGIN, END = "<!-- quickstart_seeds:begin -->", "<!-- quickstart_seeds:end -->"
 
+LORA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 VARIANTS: dict[str, dict] = {
     "default": {},
     "constant-lr": {"trainer": {"schedule": "constant"}},
@@ -56,6 +57,14 @@ VARIANTS: dict[str, dict] = {
     "skip-16-lr-0.005": {"trainer": {"skip_uniform": 16, "lr": 0.005}},
     "skip-failed-16": {"trainer": {"skip_uniform": 16, "skip_which": "failed"}},
     "skip-failed-16-lr-0.005": {"trainer": {"skip_uniform": 16, "skip_which": "failed", "lr": 0.005}},
+    # trainer.lora on the quickstart (tests/e2e/test_learning_scale.py): adapters on the 7
+    # projections and the head, rank = the model's width
+    "lora-r64": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL}}},
+    "lora-r64-lr-0.01": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL}, "lr": 0.01}},
+    "lora-r64-lr-0.0015": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL}, "lr": 0.0015}},
+    "lora-r64-lr-0.001": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL}, "lr": 0.001}},
+    "lora-r64-lr-0.001-constant": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL},
+                                               "lr": 0.001, "schedule": "constant"}},
 }
 
 
