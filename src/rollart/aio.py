@@ -120,3 +120,7 @@ async def _settle(futs: list[asyncio.Future]) -> None:
             f.cancel()
     if cancelled_outside:
         raise asyncio.CancelledError
+
+
+settle = _settle
+"""Wait until cancelled futures have ended (what :func:`first_of` does with the rest)."""

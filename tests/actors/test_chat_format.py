@@ -42,3 +42,49 @@ def test_without_a_backend_the_tokenizer_is_used(tiny_model):
     assert not chat.fast
     assert chat.encode("Action: Left") == ids
     assert chat.decode(ids) == chat.tok.decode(ids, skip_special_tokens=True)
+
+
+def _conversation(chat: ChatFormat, rng, turns: int) -> tuple[list[int], list[dict]]:
+    """A multi-turn conversation the way the EnvManager builds it: the ids, and its messages."""
+    maps = ["SFFF\nFHFH\nFFFH\nHFFG", "PFFF\nFHFH\nFFFH\nHFFG", "SFFF\nFHPH\nFFFH\nHFFG"]
+    system = rng.choice(["FrozenLake", "Move with L, D, R or U."])
+    user = rng.choice(maps) + "\nturn 1"
+    ids = chat.first_prompt(system, user)
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    for turn in range(2, turns + 1):
+        text = rng.choice(["L", "D", " R", "U\n", "Action: <answer>Left</answer>"])
+        response = chat.encode(text)
+        if rng.random() < 0.5 and chat.tok.eos_token_id is not None:
+            response = response + [chat.tok.eos_token_id]  # a response that ended itself
+        ids = ids + response
+        msgs.append({"role": "assistant", "content": text})
+        user = rng.choice(maps) + f"\nturn {turn}"
+        ids = ids + chat.next_prompt(response, user)
+        msgs.append({"role": "user", "content": user})
+    return ids, msgs
+
+
+def test_cached_prompts_are_token_identical_to_encoding_each_time(tiny_model, monkeypatch):
+    """The prompt cache (first and next turns, keyed by their text) gives exactly the ids of
+    encoding every prompt afresh, over many multi-turn conversations that repeat observations;
+    a caller changing the list it got does not change what the cache gives next."""
+    import random
+
+    import rollart.actors.chat as chat_mod
+
+    cached = ChatFormat.load(tiny_model)
+    for seed in range(40):
+        ids, msgs = _conversation(cached, random.Random(seed), turns=1 + seed % 8)
+        with monkeypatch.context() as mp:
+            mp.setattr(chat_mod, "CACHE_MAX_CHARS", -1)  # never cached: every prompt encoded
+            fresh = ChatFormat.load(tiny_model)
+            again, _ = _conversation(fresh, random.Random(seed), turns=1 + seed % 8)
+            assert not fresh._cache
+        assert ids == again, seed
+        # the whole conversation, rendered at once, is the same text
+        full = cached.render(msgs, generation_prompt=True)
+        assert cached.decode(ids, skip_special=False) == full, seed
+    assert cached._cache  # it did cache
+    first = cached.first_prompt("FrozenLake", "SFFF\nFHFH\nFFFH\nHFFG\nturn 1")
+    first.append(-1)
+    assert cached.first_prompt("FrozenLake", "SFFF\nFHFH\nFFFH\nHFFG\nturn 1") == first[:-1]

@@ -164,3 +164,37 @@ async def test_misuse():
     with pytest.raises(RuntimeError, match="instruction"):
         runner.instruction
     await runner.close()
+
+
+async def test_a_closed_env_thread_serves_the_next_env_and_a_hung_one_does_not():
+    """A healthy env's thread, once closed, is kept idle (renamed) and runs the next env; the
+    thread of a timed-out call is abandoned, never handed to another env."""
+    from rollart.envs.thread_backend import IDLE_NAME
+
+    first = EnvRunner(f"{FAKE}:EchoEnv", timeout=5)
+    _, info = await first.reset(0)
+    used = info["thread"]
+    await first.close()
+    idle = [t for t in threading.enumerate() if t.ident == used]
+    assert idle and idle[0].name == IDLE_NAME and idle[0].is_alive()
+    second = EnvRunner(f"{FAKE}:EchoEnv", timeout=5)
+    _, info = await second.reset(1)
+    assert info["thread"] == used and idle[0].name == f"env-{FAKE}:EchoEnv"
+    assert (await second.step("a"))[0] == "a"
+    await second.close()
+
+    release = threading.Event()
+    hung = EnvRunner.from_env(HangEnv(release=release), timeout=0.1)
+    try:
+        await hung.reset(0)
+        hung_thread = [t for t in threading.enumerate() if t.name == "env-HangEnv"]
+        assert hung_thread
+        with pytest.raises(EnvTimeout):
+            await hung.step("a")
+        await hung.close()
+        third = EnvRunner(f"{FAKE}:EchoEnv", timeout=5)
+        _, info = await third.reset(2)
+        assert info["thread"] not in {t.ident for t in hung_thread}
+        await third.close()
+    finally:
+        release.set()

@@ -6,6 +6,11 @@ from pathlib import Path
 
 _A, _U = "\x00ASSISTANT\x00", "\x00USER\x00"
 
+CACHE_ENTRIES = 4096
+"""Prompts (their ids) a :class:`ChatFormat` keeps, oldest dropped first."""
+CACHE_MAX_CHARS = 4096
+"""Longer texts are encoded every time (a cache of them would mostly hold misses)."""
+
 
 class ChatFormat:
     """Renders turns with the tokenizer's chat template, one delta at a time.
@@ -33,6 +38,10 @@ class ChatFormat:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         if getattr(tokenizer, "split_special_tokens", False):
             self._backend = None  # transformers toggles the backend for that: keep its path
+        # The ids of recent prompts, by their text (next turns) or (system, user) (first
+        # turns): envs repeat observations (a fixed map has a few states), and the encoding of
+        # a text never changes, so a hit gives the ids the tokenizer would.
+        self._cache: dict[object, tuple[int, ...]] = {}
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ChatFormat":
@@ -63,12 +72,26 @@ class ChatFormat:
             return self._backend.decode(ids, skip_special_tokens=skip_special)
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
+    def _cached(self, key: object, size: int, make) -> list[int]:
+        if size > CACHE_MAX_CHARS:
+            return make()
+        ids = self._cache.get(key)
+        if ids is None:
+            if len(self._cache) >= CACHE_ENTRIES:
+                del self._cache[next(iter(self._cache))]
+            ids = self._cache[key] = tuple(make())
+        return list(ids)  # the caller's own list: the cached ids never change
+
     def first_prompt(self, system: str, user: str) -> list[int]:
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return self.encode(self.render(msgs, generation_prompt=True))
+        def make() -> list[int]:
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            return self.encode(self.render(msgs, generation_prompt=True))
+
+        return self._cached(("first", system, user), len(system) + len(user), make)
 
     def next_prompt(self, response_ids: list[int], user: str) -> list[int]:
         before = self._before_user
         if response_ids and response_ids[-1] in self._eos_ids and before.startswith(self._eos_text):
             before = before[len(self._eos_text):]
-        return self.encode(before + user + self._after_user)
+        text = before + user + self._after_user
+        return self._cached(text, len(text), lambda: self.encode(text))

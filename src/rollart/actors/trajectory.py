@@ -23,7 +23,7 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.base import Reject
-from rollart.aio import first_of, retry
+from rollart.aio import first_of, retry, settle
 from rollart.envs import EnvError, EnvRunner, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
 
@@ -73,18 +73,35 @@ class Trace:
             group_index=req.group_index, admitted_version=req.admitted_version)
 
 
+class CancelEvent(asyncio.Event):
+    """A trajectory's cancel event. Besides waking its waiters, :meth:`set` resolves the
+    futures :func:`unless_cancelled` registered, so a turn waits on one future instead of a
+    task running ``wait()`` raced against the call (a task, a wait and a settle per turn)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watchers: set[asyncio.Future] = set()
+
+    def set(self) -> None:
+        super().set()
+        watchers, self.watchers = self.watchers, set()
+        for fut in watchers:
+            if not fut.done():
+                fut.set_result(None)
+
+
 class RunningTrajectories:
     """The trajectories running on one EnvManager: traj_id -> its group and the event that
     tells it its group was cancelled."""
 
     def __init__(self) -> None:
-        self._cancel: dict[str, asyncio.Event] = {}
+        self._cancel: dict[str, CancelEvent] = {}
         self._group_of: dict[str, str] = {}
 
-    def start(self, traj_id: str, group_id: str, *, cancelled: bool = False) -> asyncio.Event:
+    def start(self, traj_id: str, group_id: str, *, cancelled: bool = False) -> CancelEvent:
         """Count ``traj_id`` as running; returns its cancel event (set at once when its
         group is already ``cancelled``)."""
-        cancel = asyncio.Event()
+        cancel = CancelEvent()
         if cancelled:
             cancel.set()
         self._cancel[traj_id] = cancel
@@ -116,9 +133,33 @@ async def unless_cancelled(coro: Any, cancel: asyncio.Event) -> Any:
     """Await ``coro`` (a service call, which may wait minutes for a replica), but raise
     :class:`Cancelled` as soon as the group no longer needs this trajectory."""
     task = asyncio.ensure_future(coro)
-    done, _ = await first_of(task, cancel.wait())
-    if task in done:
-        return task.result()
+    if not isinstance(cancel, CancelEvent):
+        done, _ = await first_of(task, cancel.wait())
+        if task in done:
+            return task.result()
+        raise Cancelled()
+    if not cancel.is_set():
+        waiter = task.get_loop().create_future()
+
+        def wake(_: asyncio.Future) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        task.add_done_callback(wake)
+        cancel.watchers.add(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:  # the caller is: so is the call, ended before it goes on
+            task.remove_done_callback(wake)
+            task.cancel()
+            await settle([task])
+            raise
+        finally:
+            cancel.watchers.discard(waiter)
+        if task.done():  # first, as first_of: a call that ended as the cancel came counts
+            return task.result()
+    task.cancel()
+    await settle([task])
     raise Cancelled()
 
 

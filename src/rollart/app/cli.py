@@ -27,6 +27,7 @@ from rollart.app.secure import register as register_secure
 from rollart.app.tap import register as register_tap
 from rollart.bus.connect import bus_from_config
 from rollart.config import ConfigError, RunConfig, load
+from rollart.node import own_process_gc
 
 async def top_main(args) -> int:
     cfg = load(resolve_config(args.config), RunConfig) if args.config else None
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()
+    if args.cmd == "run":
+        own_process_gc()  # the collector tuned once the nodes are set up (freeze_setup_objects)
     runner = event_loop_runner()
     try:
         return runner(args.fn(args))

@@ -32,7 +32,7 @@ from rollart.bus.server import EmbeddedServer
 from rollart.bus.server_config import check_listen
 from rollart.config import ConfigError, RunConfig, load
 from rollart.envs.check import check_envs_async
-from rollart.node import BUILTIN_ROLES, Node, build_actors
+from rollart.node import BUILTIN_ROLES, Node, build_actors, own_process_gc
 from rollart.telemetry.otel_metrics import setup_metrics
 from rollart.telemetry.tracing import setup_tracing
 
@@ -274,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()  # no third-party progress bars in node logs
+    own_process_gc()  # the collector tuned once the node is set up (freeze_setup_objects)
     if args.rank is not None:
         return _rank_main(args)
     run = event_loop_runner()
