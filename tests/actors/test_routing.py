@@ -136,13 +136,18 @@ def test_one_process_run_starts_a_generator_per_pool(tiny_model):
 
 
 async def spy(bus, run: str) -> collections.Counter:
-    """Count generate requests by the pool token of their subject."""
+    """Count generate requests by the pool token of their subject (the queue group's, or a
+    replica's own: ``generate.direct.<pool>.<replica>``, rollout.affinity)."""
     seen: collections.Counter = collections.Counter()
 
     async def on(req) -> None:
         seen[req.subject.rsplit(".", 1)[-1]] += 1
 
+    async def on_direct(req) -> None:
+        seen[req.subject.rsplit(".", 2)[-2]] += 1
+
     await bus.subscribe(m.subject(run, "generate.request", ">"), on)
+    await bus.subscribe(m.subject(run, "generate.direct", ">"), on_direct)
     return seen
 
 

@@ -41,6 +41,8 @@ EXAMPLES: dict[str, m.Message] = {
     "rollout.cancel": m.CancelGroup(group_id="fuzz-g", keep=["fuzz-t"]),
     "generate.request": m.GenerateRequest(traj_id="fuzz-t", prompt_ids=[1, 2, 3],
                                           sampling=m.SamplingParams(max_new_tokens=2)),
+    "generate.direct": m.GenerateRequest(traj_id="fuzz-t", prompt_ids=[1, 2, 3],
+                                         sampling=m.SamplingParams(max_new_tokens=2)),
     "reward.request": m.RewardRequest(traj_id="fuzz-t", scorer="answer_match", response="1",
                                       answer="1"),
     "service.progress": m.ServiceProgress(service="generate.request", replica="fuzz@x",
@@ -296,7 +298,8 @@ async def test_junk_on_every_subject_during_a_training_run(bus, tiny_model, tmp_
     async def send(batch) -> None:
         for name, payload, says in batch:
             d = m.SUBJECTS[name]
-            subj = m.subject(run, name, "default" if d.pooled else None)
+            subj = m.subject(run, name, "default" if d.pooled else None,
+                             direct if d.per_replica else None)
             if d.stream is not None:
                 await bus.publish(subj, payload)
                 stream_sent[(subj, payload)] = says
@@ -311,6 +314,7 @@ async def test_junk_on_every_subject_during_a_training_run(bus, tiny_model, tmp_
 
     t0 = time.monotonic()
     async with Node(bus, actors, heartbeat_every=0.5) as node:
+        direct = next(a.progress.direct for a in actors if a.role == "generate")  # its own subject
         await send(cases[::2])  # half at the start, half once the first step is taken
         while trainer.version < 1 and not trainer.finished.is_set():
             await asyncio.sleep(0.05)

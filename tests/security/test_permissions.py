@@ -214,7 +214,8 @@ def test_least_privilege_by_construction(run):
         assert not any(allows(p, "subscribe", f"{inbox_prefix(u)}.abc") for u in others), role
         # every subject the role sends, per the table, is allowed; nothing else of the run is
         for name, d in m.SUBJECTS.items():
-            s = f"rollart.{r}.{name}" + (".default" if d.pooled else "")
+            s = (f"rollart.{r}.{name}" + (".default" if d.pooled else "")
+                 + (".gen-0-ab12cd" if d.per_replica else ""))
             assert pub(s) == bool(P.verbs(name, P.expand(role)) & {"publish", "request"}), (role, s)
     mon = perms["monitor"]
     assert all(a.startswith("$JS.") for a in mon["publish"]["allow"]), mon["publish"]["allow"]

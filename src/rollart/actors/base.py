@@ -75,6 +75,10 @@ class HandlerSettings:
     queue: str | None = None
     pool: str | None = None
     """Pool token of pooled subjects; None means the actor's pool."""
+    direct: str | None = None
+    """``serve`` only: a per-replica subject (:data:`rollart.messages.DIRECT_SUBJECTS`) the
+    handler answers too, on the replica's own token and without a queue group, for an actor
+    whose ``progress`` reporter is for this subject (it announces the token); None: none."""
     inactive_threshold: float | None = None
     """Seconds without a fetch after which the server deletes the durable (one-off
     consumers such as an evaluation's scheduler); None: kept for the run's lifetime."""

@@ -226,6 +226,7 @@ class EnvManager(Actor):
             otel_metrics.trajectory(outcome, req.env)
             heads = self._trace_heads.pop(req.traj_id, None)
             self._running.finish(req.traj_id)
+            self.services.forget(req.traj_id)  # its turns' replica (rollout.affinity)
             if req.traj_id in self._in_wave:
                 self._in_wave.discard(req.traj_id)
                 self.lockstep.leave(req.wave_id)
@@ -400,8 +401,9 @@ class EnvManager(Actor):
         try:
             with tracing.span("generate", {"turn": turn, "pool": pool, "route": route,
                                            "prompt_tokens": len(tr.token_ids)}) as sp:
-                res = await self.services.call("generate.request", gen, pool=pool,
-                                               what=f" for {req.traj_id}")
+                res = await self.services.call(
+                    "generate.request", gen, pool=pool, what=f" for {req.traj_id}",
+                    affinity=req.traj_id if self.rollout.affinity else None)
                 if sp is not None:
                     sp.set_attribute("version", res.version)
             return res, choices, pool, route

@@ -10,6 +10,11 @@ weights (its reply's ``token_versions`` say which version produced each token). 
 carries the version that produced it, and a request whose ``min_version`` is newer than the
 loaded weights waits for the load instead of being served stale. A cancelled group
 (``rollout.cancel``) aborts its trajectories' requests in flight.
+
+Each replica answers its pool's queue group ``generate.request.<pool>`` and its own subject
+``generate.direct.<pool>.<token>`` (announced in its progress reports), where requesters
+send the later turns of the trajectories it served, so that the engine's per-trajectory KV
+cache is hit (``rollout.affinity``; :mod:`rollart.actors.service_client`).
 """
 
 from __future__ import annotations
@@ -231,7 +236,7 @@ class LLMProxy(PolicyLoading, Actor):
             if self._owns_engine:
                 await self.async_engine.close()
 
-    @serve("generate.request", max_inflight=1024)
+    @serve("generate.request", max_inflight=1024, direct="generate.direct")
     async def generate(self, req: m.GenerateRequest) -> m.GenerateResult:
         rid = f"{req.request_id or req.traj_id}#{next(self._seq)}"  # unique in the engine
         if tracing.enabled():

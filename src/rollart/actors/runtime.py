@@ -290,6 +290,10 @@ async def _quiet(aw) -> None:
 
 ERROR_KIND_HEADER = "Rollart-Error-Kind"
 """On an error reply: ``unavailable`` means "this replica cannot take it now, ask another"."""
+REPLICA_HEADER = "Rollart-Replica"
+"""On the replies of a service with a per-replica subject: the replica's id in its progress
+reports (:class:`rollart.actors.service_client.ProgressReporter`), so that the requester
+can send the next request of the same trajectory to it."""
 
 
 class ServiceUnavailable(Exception):
@@ -299,6 +303,12 @@ class ServiceUnavailable(Exception):
 
 class Service:
     """A request/reply handler subscribed in a queue group.
+
+    With ``direct`` in its settings (and a progress reporter for its subject) it also
+    answers the per-replica subject ``<direct>.<pool>.<token>`` with no queue group,
+    announces the token in its progress reports and names itself in the
+    ``Rollart-Replica`` header of its replies: a requester may then send the next turn of a
+    trajectory to this replica (:class:`rollart.actors.service_client.ServiceClient`).
 
     Stopping (drain) answers every request that has not started yet (waiting for a slot)
     with an ``unavailable`` error, so its requester retries elsewhere at once; requests
@@ -310,20 +320,33 @@ class Service:
         self.stats = Stats()
         self._slots = asyncio.Semaphore(h.settings.max_inflight)
         self._sub = None
+        self._direct_sub = None
+        self._reply_headers: dict[str, str] | None = None
         self._inflight: set[asyncio.Task] = set()
         self._draining = asyncio.Event()
 
     async def bind(self) -> None:
         queue = self.h.settings.queue or f"{self.actor.role}-{self.h.name}"
         self._sub = await self.bus.subscribe(self.h.subject, self._on_request, queue=queue)
+        rep, direct = self.actor.progress, self.h.settings.direct
+        if direct and rep is not None and rep.service == self.h.settings.subject:
+            pool = self.h.settings.pool or self.actor.pool
+            self._direct_sub = await self.bus.subscribe(
+                m.subject(self.actor.run, direct, pool, rep.token), self._on_request)
+            rep.direct = rep.token  # announced from the next report on
+            self._reply_headers = {REPLICA_HEADER: rep.replica}
 
     async def stop(self, grace: float) -> None:
         self._draining.set()  # before unsubscribing, which may wait for running handlers
         end = time.monotonic() + grace
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
+        if self._direct_sub is not None and self.actor.progress is not None:
+            self.actor.progress.direct = ""  # no longer announced
+        subs = [sub for sub in (self._direct_sub, self._sub) if sub is not None]
+        self._sub = self._direct_sub = None
+        if subs:
             try:  # a bus may wait here for running handlers: within the grace period only
-                await asyncio.wait_for(sub.unsubscribe(), max(0.1, grace))
+                await asyncio.wait_for(asyncio.gather(*(sub.unsubscribe() for sub in subs)),
+                                       max(0.1, grace))
             except TimeoutError:
                 log.warning("%s: requests on %s still running after %.1fs of grace",
                             self.actor.name, self.h.subject, grace)
@@ -413,7 +436,7 @@ class Service:
             await _respond_error(req, f"{type(e).__name__}: {e}")
             return
         if req.reply:
-            await req.respond(encode(reply))
+            await req.respond(encode(reply), self._reply_headers)
         self.stats.acked += 1
         log.debug("%s answered in %.1f ms", self.h.subject, 1e3 * (time.perf_counter() - t0))
 

@@ -16,14 +16,28 @@ Requester side, :class:`ServiceClient` (one per EnvManager):
   ``service.progress`` about once a second (:class:`ProgressReporter`); a request held by a
   replica that went silent for ``replica_timeout`` seconds, or claimed by no replica while
   the pool's replicas report, is sent again at once instead of waiting out its timeout.
+- Affinity (``call(..., affinity=traj_id)``, generate only): the turns of one trajectory go
+  to the replica that answered its last turn (named in the reply's ``Rollart-Replica``
+  header), on that replica's own subject ``generate.direct.<pool>.<token>`` (its progress
+  reports announce the token), so that its engine's per-trajectory KV cache is hit. That
+  holds while the replica reports (not silent) and holds at most ``AFFINITY_RATIO`` x the
+  mean of the pool's live replicas + ``AFFINITY_SLACK`` requests (its load: this client's
+  requests on its own subject now, plus the other clients' at its last report);
+  otherwise, and for a trajectory's first turn, the live replica with the fewest
+  trajectories pinned by this client (then the least load) is picked. An attempt on a replica's own subject
+  that gets no answer (no responders, a timeout, ``unavailable``, the replica went silent)
+  or an error forgets the pin and goes to the pool's queue group at once, with the usual
+  retries from there. No replica known (no progress reports yet, or ``replica_timeout``
+  0): the queue group. :meth:`ServiceClient.forget` drops a trajectory's pin when it ends;
+  at most ``AFFINITY_MAX`` pins are kept (least recently used go first).
 
 Replica side, :class:`ProgressReporter`: an actor that keeps one as its ``progress``
 attribute (for the subject it serves) and runs ``await self.progress.run()`` in its
 ``main`` has every request listed by the runtime's ``Service`` from arrival (queued
 included) until the reply. One small message per replica per second.
 
-One module (~410 lines) on purpose: the request's attempts, the replica table and the
-progress reports are one state machine, read request by request.
+One module (~575 lines) on purpose: the request's attempts, the replica table, the pins
+and the progress reports are one state machine, read request by request.
 """
 
 from __future__ import annotations
@@ -32,8 +46,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import random
+import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +59,7 @@ import msgspec
 
 from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, Reject
-from rollart.actors.runtime import ERROR_KIND_HEADER, decode_core
+from rollart.actors.runtime import ERROR_KIND_HEADER, REPLICA_HEADER, decode_core
 from rollart.aio import backoff, first_of
 from rollart.bus import BusError, BusTimeout, NoResponders
 from rollart.bus.codec import DecodeError, decode, encode
@@ -56,6 +73,12 @@ REMIND_EVERY = 30.0
 """Seconds between reminders while they still wait."""
 FORGET_AFTER = 120.0
 """Seconds after which a silent replica is forgotten."""
+AFFINITY_MAX = 65536
+"""Trajectories whose replica one client remembers at most (least recently used go first)."""
+AFFINITY_RATIO = 1.25
+AFFINITY_SLACK = 2.0
+"""A pinned replica is passed over while it holds more than ``AFFINITY_RATIO`` x the mean
+held requests of its pool's live replicas + ``AFFINITY_SLACK`` (saturated)."""
 
 
 def _svc(name: str) -> str:
@@ -83,6 +106,14 @@ class _Replica:
     last: float
     every: float
     silent: bool = False
+    name: str = ""
+    """Its id in progress reports (``<actor name>@<suffix>``)."""
+    held: int = 0
+    """Requests it held at its last report."""
+    others: int = 0
+    """Of those, the requests of other clients."""
+    direct: str = ""
+    """Its token on the service's per-replica subject; empty: none."""
 
 
 @dataclass(eq=False)
@@ -123,6 +154,13 @@ class ServiceClient:
         self._appeared: dict[tuple[str, str], asyncio.Event] = {}
         self._unclaimed_logged = 0.0
         self._sub: Any = None
+        self.affinity_max = AFFINITY_MAX
+        self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()
+        """(service, affinity key) -> id of the replica that answered its last request."""
+        self._pinned: dict[tuple[str, str], int] = {}
+        """(service, replica id) -> keys pinned to it."""
+        self._direct: dict[tuple[str, str], int] = {}
+        """(service, replica id) -> this client's requests on its own subject now."""
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -157,19 +195,109 @@ class ServiceClient:
         now = time.monotonic()
         return {k: (o.waiting, now - o.since) for k, o in self._outages.items()}
 
+    # -- affinity --------------------------------------------------------------------
+    def pinned(self, key: str, name: str = "generate.request") -> str | None:
+        """The replica id ``key``'s next request of ``name`` goes to first, or None."""
+        return self._pins.get((name, key))
+
+    def pins(self) -> int:
+        """Keys pinned to a replica now."""
+        return len(self._pins)
+
+    def forget(self, key: str) -> None:
+        """Drop the pin of ``key`` (its trajectory ended)."""
+        for name in m.DIRECT_SUBJECTS:
+            self._unpin(name, key)
+
+    def _pin(self, name: str, key: str, replica: str) -> None:
+        k = (name, key)
+        if self._pins.get(k) == replica:
+            self._pins.move_to_end(k)
+            return
+        self._unpin(name, key)
+        self._pins[k] = replica
+        self._pinned[(name, replica)] = self._pinned.get((name, replica), 0) + 1
+        while len(self._pins) > self.affinity_max:
+            (n, _), old = self._pins.popitem(last=False)
+            self._unpinned(n, old)
+
+    def _unpin(self, name: str, key: str) -> None:
+        old = self._pins.pop((name, key), None)
+        if old is not None:
+            self._unpinned(name, old)
+
+    def _unpinned(self, name: str, replica: str) -> None:
+        n = self._pinned.get((name, replica), 0) - 1
+        if n > 0:
+            self._pinned[(name, replica)] = n
+        else:
+            self._pinned.pop((name, replica), None)
+
+    def _load(self, r: _Replica) -> int:
+        """Requests ``r`` holds: this client's on its own subject now, plus the other
+        clients' at its last report."""
+        return r.others + self._direct.get((r.service, r.name), 0)
+
+    def _target(self, name: str, pool: str, key: str) -> _Replica | None:
+        """The replica to send ``key``'s request to on its own subject: the pinned one while
+        it is live and not saturated, else the live one with the fewest pins (then the
+        least load); None when no live replica of the pool has its own subject."""
+        now = time.monotonic()
+        live = [r for r in self._replicas.values()
+                if r.service == name and r.pool == pool and r.direct and not r.silent
+                and now - r.last <= self._limit(r.every)]
+        if not live:
+            return None
+        load = {r.name: self._load(r) for r in live}
+        cap = AFFINITY_RATIO * sum(load.values()) / len(live) + AFFINITY_SLACK
+        rid = self._pins.get((name, key))
+        if rid is not None:
+            r = self._replicas.get((name, rid))
+            if r is not None and r in live and load[r.name] <= cap:
+                self._pins.move_to_end((name, key))
+                return r
+            self._unpin(name, key)  # gone, drained or saturated: placed again
+            self._count("affinity_moves")
+        r = min((r for r in live if load[r.name] <= cap),  # never empty: the least loaded
+                key=lambda r: (self._pinned.get((name, r.name), 0), load[r.name],
+                               random.random()))
+        self._pin(name, key, r.name)  # at once: the next placement counts it
+        return r
+
+    def _sent(self, name: str, replica: str, attempt: asyncio.Future) -> None:
+        """Count ``attempt`` on ``replica``'s own subject until it ends."""
+        k = (name, replica)
+        self._direct[k] = self._direct.get(k, 0) + 1
+
+        def done(_: asyncio.Future) -> None:
+            n = self._direct.get(k, 0) - 1
+            if n > 0:
+                self._direct[k] = n
+            else:
+                self._direct.pop(k, None)
+
+        attempt.add_done_callback(done)
+
     # -- requests ----------------------------------------------------------------------
-    async def call(self, name: str, msg: Any, *, pool: str | None = None, what: str = "") -> Any:
+    async def call(self, name: str, msg: Any, *, pool: str | None = None, what: str = "",
+                   affinity: str | None = None) -> Any:
         """Send ``msg`` (a request with a ``request_id`` field) to service ``name``; return the
         decoded reply. Raises :class:`Reject` with a ``service_unavailable``,
         ``service_error`` or ``decode`` reason when it gives up.
 
         One attempt is active at a time. An attempt given up as lost keeps listening for its
         reply until its own timeout (a stalled replica may still answer); the first good
-        reply of any attempt wins.
+        reply of any attempt wins. ``affinity`` (a trajectory id; a service with a
+        per-replica subject): the first attempt goes to the replica that answered this
+        key's last request, within the pool (see the module's docstring).
         """
         pool = pool or self.actor.pool
         key = (name, pool)
         subject = self.actor.subject(name, pool)
+        direct = m.DIRECT_SUBJECTS.get(name) if self._sub is not None else None
+        if not affinity:
+            direct = None
+        target = self._target(name, pool, affinity) if direct else None
         lingering: dict[asyncio.Future, _Pending] = {}
         active: asyncio.Future | None = None
         started = 0.0
@@ -182,7 +310,8 @@ class ServiceClient:
             while True:
                 if delay > 0:
                     await self._pause(key, delay, lingering, wake)
-                    if (out := self._harvest(name, lingering, what)) is not None:
+                    if (rep := self._harvest(lingering)) is not None:
+                        out = self._reply(name, rep, what, affinity if direct else None)
                         ok = True
                         return out
                 rid = f"{self._prefix}-{next(self._ids)}"
@@ -190,13 +319,18 @@ class ServiceClient:
                              lost=asyncio.get_running_loop().create_future())
                 self._pending[rid] = p
                 assert self.actor.bus is not None
+                to = subject if target is None else m.subject(self.actor.run, direct, pool,
+                                                               target.direct)
                 active = asyncio.ensure_future(self.actor.bus.request(
-                    subject, encode(msgspec.structs.replace(msg, request_id=rid)),
+                    to, encode(msgspec.structs.replace(msg, request_id=rid)),
                     timeout=self.timeout, **kw))
+                if target is not None:
+                    self._sent(name, target.name, active)
                 while not (active.done() or p.lost.done()):
                     # shielded: the first to end wakes this loop, none of them is cancelled
                     await first_of(*map(asyncio.shield, (active, p.lost, *lingering)))
-                    if (out := self._harvest(name, lingering, what)) is not None:
+                    if (rep := self._harvest(lingering)) is not None:
+                        out = self._reply(name, rep, what, affinity if direct else None)
                         ok = True
                         return out
                 del self._pending[rid]
@@ -219,10 +353,13 @@ class ServiceClient:
                     else:
                         err = rep.headers.get(ERROR_HEADER)
                         if err is None:
-                            out = self._decode(name, rep, what)
+                            out = self._reply(name, rep, what, affinity if direct else None)
                             ok = True
                             return out
                         if rep.headers.get(ERROR_KIND_HEADER) != "unavailable":
+                            if target is not None:  # retried in the pool's queue group
+                                self._unpin(name, affinity)
+                                target = None
                             errors += 1
                             self._count("service_errors")
                             if errors > self.retries:
@@ -233,6 +370,13 @@ class ServiceClient:
                             delay, wake = backoff(errors), False
                             continue
                         why, at_once = f"replica unavailable ({err})", True
+                if target is not None:  # its replica did not answer: the pool's queue group
+                    log.debug("%s: %s replica %s did not answer%s (%s); asking pool %r",
+                              self.actor.name, _svc(name), target.name, what, why, pool)
+                    self._count("affinity_fallbacks")
+                    self._unpin(name, affinity)
+                    target, delay = None, 0.0
+                    continue
                 now = time.monotonic()
                 if not started:
                     started = now
@@ -264,15 +408,24 @@ class ServiceClient:
         except (DecodeError, m.Invalid) as e:
             raise Reject(f"decode: reply to {name}{what}: {e}") from e
 
-    def _harvest(self, name: str, lingering: dict[asyncio.Future, _Pending], what: str) -> Any:
-        """The decoded good reply of a lost attempt that answered after all, or None."""
+    def _reply(self, name: str, rep: Any, what: str, affinity: str | None) -> Any:
+        """The decoded good reply ``rep``; with ``affinity``, pins the key to the replica
+        that answered."""
+        out = self._decode(name, rep, what)
+        replica = rep.headers.get(REPLICA_HEADER) if affinity else None
+        if replica:
+            self._pin(name, affinity, replica)
+        return out
+
+    def _harvest(self, lingering: dict[asyncio.Future, _Pending]) -> Any:
+        """The good reply of a lost attempt that answered after all, or None."""
         for fut in [f for f in lingering if f.done()]:
             del lingering[fut]
             if fut.cancelled() or fut.exception() is not None:
                 continue
             rep = fut.result()
             if ERROR_HEADER not in rep.headers:
-                return self._decode(name, rep, what)
+                return rep
         return None
 
     async def _pause(self, key: tuple[str, str], delay: float,
@@ -311,15 +464,19 @@ class ServiceClient:
         r = self._replicas.get((pr.service, pr.replica))
         if r is None:
             r = self._replicas[(pr.service, pr.replica)] = _Replica(
-                service=pr.service, pool=pr.pool, last=now, every=pr.every)
+                service=pr.service, pool=pr.pool, last=now, every=pr.every, name=pr.replica)
         elif r.silent:
             log.info("%s: %s replica %s reports again", self.actor.name, _svc(pr.service),
                      pr.replica)
         r.last, r.every, r.pool, r.silent = now, pr.every, pr.pool, False
+        mine, own = 0, f"{self._prefix}-"
         for rid in pr.request_ids:
-            p = self._pending.get(rid)
-            if p is not None:
-                p.claimed_by = pr.replica
+            if rid.startswith(own):  # this client's (its request ids carry its prefix)
+                mine += 1
+                p = self._pending.get(rid)
+                if p is not None:
+                    p.claimed_by = pr.replica
+        r.held, r.others, r.direct = len(pr.request_ids), len(pr.request_ids) - mine, pr.direct
         ev = self._appeared.pop((pr.service, pr.pool), None)
         if ev is not None:
             ev.set()
@@ -379,14 +536,20 @@ class ProgressReporter:
     """Replica side: publish the request ids this replica holds, every ``every`` seconds.
 
     The replica's id in reports is its actor name plus a random suffix, so that two
-    processes with the same actor name are told apart.
+    processes with the same actor name are told apart; ``token`` is the same as a subject
+    token (its per-replica subject's), announced as ``direct`` once the runtime's
+    ``Service`` answers there.
     """
 
     def __init__(self, actor: Actor, service: str, *, pool: str | None = None,
                  every: float = 1.0) -> None:
         self.actor, self.service, self.every = actor, service, every
         self.pool = pool or actor.pool
-        self.replica = f"{actor.name}@{uuid.uuid4().hex[:6]}"
+        suffix = uuid.uuid4().hex[:6]
+        self.replica = f"{actor.name}@{suffix}"
+        self.token = f"{re.sub(r'[^A-Za-z0-9_-]', '_', actor.name)[:100]}-{suffix}"
+        self.direct = ""
+        """The token announced in reports (set by the runtime's ``Service``); empty: none."""
         self.held: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -410,7 +573,8 @@ class ProgressReporter:
 
     async def report(self) -> None:
         msg = m.ServiceProgress(service=self.service, replica=self.replica, pool=self.pool,
-                                request_ids=list(self.held), every=self.every)
+                                request_ids=list(self.held), every=self.every,
+                                direct=self.direct)
         try:
             await self.actor.publish("service.progress", msg)
         except BusError as e:

@@ -102,7 +102,7 @@ def full_pattern(pattern: str, run: str | None) -> tuple[str, str | None]:
                          f"or '>' before the last token)")
     d = m.SUBJECTS.get(".".join(parts[2:]))
     if d is not None and d.pooled:
-        parts.append("*")
+        parts += ["*", "*"] if d.per_replica else ["*"]
     return ".".join(parts), run
 
 

@@ -15,6 +15,7 @@ Import the package, not its modules (``from rollart import messages as m``; ``m.
 from rollart.messages.checks import Invalid, dead_request, validate
 from rollart.messages.fields import MAX_NEW_TOKENS, MAX_TOKENS, PREFIX
 from rollart.messages.subjects import (
+    DIRECT_SUBJECTS,
     LEDGER_KEY,
     PAYLOAD_HEADER,
     POLICY_KEY,
@@ -56,6 +57,7 @@ from rollart.messages.types import (
 )
 
 __all__ = [
+    "DIRECT_SUBJECTS",
     "LEDGER_KEY",
     "MAX_NEW_TOKENS",
     "MAX_TOKENS",

@@ -1,7 +1,9 @@
 """The subject table, stream and bucket names: where each wire type travels.
 
-Subjects are ``rollart.<run>.<noun>.<verb>[.<pool>]``. Each subject carries exactly one
-message type, declared in :data:`SUBJECTS`; the monitor decodes by this table.
+Subjects are ``rollart.<run>.<noun>.<verb>[.<pool>]``; a per-replica subject
+(``generate.direct``) has one more token, the replica's: ``...<pool>.<replica>``. Each subject
+carries exactly one message type, declared in :data:`SUBJECTS`; the monitor decodes by this
+table.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class SubjectDef:
     stream: str | None = None
     """``work`` (work-queue stream), ``events`` (limits stream) or None (core only)."""
     doc: str = ""
+    per_replica: bool = False
+    """A pooled subject with one more token after the pool: one replica's own token
+    (:data:`DIRECT_SUBJECTS`)."""
 
 
 SUBJECTS: dict[str, SubjectDef] = {
@@ -64,6 +69,9 @@ SUBJECTS: dict[str, SubjectDef] = {
                    doc="command: stop the unfinished trajectories of a group"),
         SubjectDef("generate.request", GenerateRequest, pooled=True,
                    doc="request/reply to an LLMProxy queue group"),
+        SubjectDef("generate.direct", GenerateRequest, pooled=True, per_replica=True,
+                   doc="request/reply to one LLMProxy replica (no queue group): the next "
+                       "turn of a trajectory it served"),
         SubjectDef("reward.request", RewardRequest, pooled=True,
                    doc="request/reply to a RewardService queue group"),
         SubjectDef("service.progress", ServiceProgress,
@@ -80,16 +88,30 @@ SUBJECTS: dict[str, SubjectDef] = {
 
 REPLY_TYPES: dict[str, type[Message]] = {
     "generate.request": GenerateResult,
+    "generate.direct": GenerateResult,
     "reward.request": RewardResult,
 }
 
+DIRECT_SUBJECTS: dict[str, str] = {"generate.request": "generate.direct"}
+"""A service's per-replica subject: each replica also answers it on its own token, with no
+queue group, so that a requester can send the next turn of a trajectory to the replica that
+holds its KV cache (:class:`rollart.actors.service_client.ServiceClient`, ``affinity``)."""
 
-def subject(run: str, name: str, pool: str | None = None) -> str:
-    """Full subject for ``name`` (a key of :data:`SUBJECTS`) in ``run``."""
+
+def subject(run: str, name: str, pool: str | None = None, replica: str | None = None) -> str:
+    """Full subject for ``name`` (a key of :data:`SUBJECTS`) in ``run``. A per-replica
+    subject takes the ``replica`` token after the pool (None or ``*``: any replica)."""
     d = SUBJECTS[name]
     s = f"{PREFIX}.{check_token('run', run)}.{name}"
+    if replica is not None and not d.per_replica:
+        raise ValueError(f"subject {name!r} takes no replica")
     if d.pooled:
-        return f"{s}.{check_token('pool', pool)}" if pool not in (None, "*", ">") else f"{s}.{pool or '*'}"
+        if pool == ">":
+            return f"{s}.>"
+        s = f"{s}.{check_token('pool', pool)}" if pool not in (None, "*") else f"{s}.*"
+        if d.per_replica:
+            s += f".{check_token('replica', replica)}" if replica not in (None, "*") else ".*"
+        return s
     if pool is not None:
         raise ValueError(f"subject {name!r} takes no pool")
     return s
@@ -120,7 +142,7 @@ def lookup(full_subject: str) -> SubjectDef | None:
     rest = parts[2:]
     for n in (2, 1):
         d = SUBJECTS.get(".".join(rest[:n]))
-        if d is not None and len(rest) == n + (1 if d.pooled else 0):
+        if d is not None and len(rest) == n + (1 if d.pooled else 0) + (1 if d.per_replica else 0):
             return d
     return None
 

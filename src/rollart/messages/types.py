@@ -35,7 +35,7 @@ from rollart.messages.fields import (
     Tokens,
 )
 
-ServiceName = Literal["generate.request", "reward.request"]
+ServiceName = Literal["generate.request", "generate.direct", "reward.request"]
 """Subjects of the request/reply services (the keys of ``REPLY_TYPES``)."""
 
 
@@ -249,6 +249,10 @@ class ServiceProgress(Message, frozen=True, kw_only=True):
     """``request_id`` of every request received and not yet answered."""
     every: Annotated[float, Meta(gt=0.0, le=3600.0)] = 1.0
     """Seconds until the next report (at most an hour)."""
+    direct: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,128}$")] = ""
+    """The replica's token on its service's per-replica subject (``generate.direct.<pool>.
+    <direct>``: it answers there too, with no queue group); empty: it serves the pool's
+    queue group only."""
 
 
 # -- policy --------------------------------------------------------------------

@@ -71,6 +71,7 @@ USES: dict[str, dict[str, str]] = {
     "rollout.cancelled": {"env": "publish", "trainer": "consume", "scheduler": "consume"},
     "rollout.cancel": {"scheduler": "publish", "env": "subscribe", "generate": "subscribe"},
     "generate.request": {"env": "request", "generate": "serve"},
+    "generate.direct": {"env": "request", "generate": "serve"},  # one replica, by its token
     "reward.request": {"env": "request", "reward": "serve"},
     "service.progress": {"generate": "publish", "reward": "publish", "env": "subscribe"},
     # holders follow the KV record and cross-check it against the announcements (PolicyGate 3c)
@@ -158,7 +159,9 @@ class _Names:
         self.traj = "*" if star else f"OBJ_{self.traj_bucket}"
 
     def subject(self, name: str) -> str:
-        return f"{m.PREFIX}.{self.run}.{name}" + (".*" if m.SUBJECTS[name].pooled else "")
+        d = m.SUBJECTS[name]
+        return (f"{m.PREFIX}.{self.run}.{name}" + (".*" if d.pooled else "")
+                + (".*" if d.per_replica else ""))
 
     def stream(self, kind: str) -> str:
         return self.events if kind == "events" else self.work

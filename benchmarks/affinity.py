@@ -1,0 +1,248 @@
+"""Replica-affine turns: the KV-cache hit share and the load balance with 1, 2 and 4 replicas.
+
+::
+
+    python benchmarks/affinity.py            # full run (~2-3 minutes); rewrites its README section
+    python benchmarks/affinity.py --quick    # smoke run; prints JSON, writes nothing
+
+The quickstart env (``configs/quickstart.yaml``: FrozenLake 4x4, the classic map, up to 16
+turns, the tiny model, constrained decoding, sampled) rolled out in one process on the
+MemoryBus by a scheduler, one EnvManager and 1, 2 or 4 LLMProxy replicas, each with its own
+tiny torch engine and so its own per-trajectory KV cache, with ``rollout.affinity`` on and
+off. More trajectories than ``rollout.concurrency``, so that new ones are placed all along
+as others end. Reported per run:
+
+- **cache share**: the prompt tokens the replicas' KV caches served, over all prompt tokens
+  (sum over replicas of ``kv_reused_tokens / (kv_reused_tokens + kv_prefilled_tokens)``);
+  one replica holds every trajectory's cache, so its share is the ceiling;
+- **load**: generate requests each replica served, max / min over the replicas;
+- the turns, the wall time and the EnvManager's ``affinity_moves`` (a pin left a saturated,
+  silent or unknown replica) and ``affinity_fallbacks`` (a replica's own subject did not
+  answer).
+
+Target (issue 25): with 2 and 4 replicas and affinity on, a cache share of at least 90% of
+the one-replica share and a load max / min of at most 1.2. With affinity off the MemoryBus
+hands a pool's requests round robin (nats-server: at random), which balances requests
+perfectly and scatters each trajectory's turns.
+
+The JSON goes to stdout; the full run writes ``benchmarks/results/affinity.json`` and the
+section of ``benchmarks/README.md`` between ``<!-- affinity:begin -->`` and
+``<!-- affinity:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_section import replace_section  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+from rollart.bus.memory import MemoryBus  # noqa: E402
+from rollart.config import RunConfig, convert  # noqa: E402
+from rollart.config.loader import load_yaml  # noqa: E402
+from rollart.node import Node  # noqa: E402
+from rollart.node.build import rollout_actors  # noqa: E402
+
+RESULTS = HERE / "results" / "affinity.json"
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+SHARE_TARGET = 0.9
+LOAD_TARGET = 1.2
+
+
+def say(text: str) -> None:
+    print(f"[affinity] {text}", file=sys.stderr, flush=True)
+
+
+def make_cfg(args, replicas: int, affinity: bool, run_dir: Path) -> RunConfig:
+    data = load_yaml(QUICKSTART)
+    data.update(run=f"af{uuid.uuid4().hex[:8]}", run_dir=str(run_dir))
+    data["model"] = {**data.get("model", {}), "threads": args.threads}
+    data["rollout"] = {**data.get("rollout", {}), "batch_groups": args.groups,
+                       "concurrency": args.concurrency, "affinity": affinity}
+    data["actors"] = {"generate": {"replicas": replicas}, "reward": {"replicas": 0}}
+    return convert(data, RunConfig)
+
+
+async def measure(args, replicas: int, affinity: bool, run_dir: Path) -> dict:
+    cfg = make_cfg(args, replicas, affinity, run_dir)
+    bus = MemoryBus()
+    await bus.connect()
+    try:
+        sched, actors = rollout_actors(cfg, groups=args.groups, bounded=False, keep_results=True)
+        proxies = [a for a in actors if a.role == "generate"]
+        env = next(a for a in actors if a.role == "env")
+        assert len(proxies) == replicas
+        async with Node(bus, actors, heartbeat_every=0):
+            t0 = time.perf_counter()
+            await asyncio.wait_for(sched.all_done.wait(), args.timeout)
+            wall = time.perf_counter() - t0
+            stats = [p.batcher.stats() for p in proxies]
+    finally:
+        await bus.close()
+    reused = sum(s["kv_reused_tokens"] for s in stats)
+    prefilled = sum(s["kv_prefilled_tokens"] for s in stats)
+    served = [int(s["rows"]) for s in stats]
+    res = sched.results
+    turns = sum(len(r.turns) for r in res)
+    return {"replicas": replicas, "affinity": affinity, "wall_s": round(wall, 3),
+            "trajectories": len(res), "turns": turns, "served": served,
+            "load_max_min": round(max(served) / max(1, min(served)), 4),
+            "reused_tokens": int(reused), "prefilled_tokens": int(prefilled),
+            "cache_share": round(reused / max(1.0, reused + prefilled), 4),
+            "affinity_moves": env.stats.get("affinity_moves", 0),
+            "affinity_fallbacks": env.stats.get("affinity_fallbacks", 0)}
+
+
+async def suite(args, run_dir: Path) -> list[dict]:
+    runs = []
+    for rep in range(args.reps):
+        for n in args.replicas:
+            for aff in ((True, False) if rep % 2 == 0 else (False, True)):
+                if n == 1 and not aff:
+                    continue  # one replica: nothing to be affine to
+                r = await measure(args, n, aff, run_dir)
+                r["rep"] = rep
+                say(f"rep {rep + 1}/{args.reps} replicas {n} affinity {'on ' if aff else 'off'}: "
+                    f"cache share {r['cache_share']:.3f}, served {r['served']} "
+                    f"(max/min {r['load_max_min']:.3f}), {r['turns']} turns in {r['wall_s']:.1f} s, "
+                    f"moves {r['affinity_moves']}, fallbacks {r['affinity_fallbacks']}")
+                runs.append(r)
+    return runs
+
+
+def summarize(args, runs: list[dict]) -> dict:
+    def med(n: int, aff: bool, key: str) -> float:
+        xs = [r[key] for r in runs if r["replicas"] == n and r["affinity"] == aff]
+        return round(statistics.median(xs), 4)
+
+    base = med(1, True, "cache_share") if 1 in args.replicas else None
+    out: dict = {"one_replica_share": base, "by_replicas": {}}
+    ok = True
+    for n in args.replicas:
+        row: dict = {}
+        for aff, name in ((True, "on"), (False, "off")):
+            if n == 1 and not aff:
+                continue
+            row[name] = {"cache_share": med(n, aff, "cache_share"),
+                         "load_max_min": med(n, aff, "load_max_min"),
+                         "wall_s": med(n, aff, "wall_s"), "turns": med(n, aff, "turns")}
+            if base:
+                row[name]["share_of_one"] = round(row[name]["cache_share"] / base, 4)
+        if n > 1 and base:
+            on = row["on"]
+            on["meets_target"] = (on["share_of_one"] >= SHARE_TARGET
+                                  and on["load_max_min"] <= LOAD_TARGET)
+            ok = ok and on["meets_target"]
+        out["by_replicas"][str(n)] = row
+    out["meets_target"] = ok
+    return out
+
+
+def readme_section(res: dict) -> str:
+    c, s, mi = res["config"], res["summary"], res["machine"]
+    lines = [
+        "<!-- affinity:begin -->",
+        "## Replica-affine turns: KV-cache hits and load with 1, 2 and 4 replicas (`affinity.py`)",
+        "",
+        "`python benchmarks/affinity.py [--quick] [--reps R]` rolls out the quickstart env "
+        "(`configs/quickstart.yaml`: FrozenLake 4x4, up to 16 turns, the tiny model, sampled) in "
+        "one process on the MemoryBus with 1, 2 and 4 generate replicas, each with its own tiny "
+        "torch engine and per-trajectory KV cache, `rollout.affinity` on and off. "
+        f"{c['groups']} groups of 8 trajectories, {c['concurrency']} at once "
+        "(so new trajectories are placed all along as others end).",
+        "",
+        "- **cache share**: prompt tokens served from the replicas' KV caches / all prompt "
+        "tokens (summed over replicas); one replica holds every trajectory's cache: the ceiling.",
+        "- **load**: generate requests served per replica, max / min.",
+        "- Affinity off: the MemoryBus hands a pool's requests round robin (nats-server: at "
+        "random), so requests are balanced by construction and a trajectory's turns scatter.",
+        "",
+        f"Last run {res['timestamp']}: {mi['cpu_count']} CPUs, load {mi['loadavg_start'][0]} at "
+        f"start, Python {mi['python']}, {c['reps']} repetition(s), {c['threads']} torch thread "
+        f"per engine, total {res['total_s']:.0f} s. Medians over repetitions.",
+        "",
+        "| replicas | affinity | cache share | of 1 replica | load max/min | turns | wall (s) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for n, row in s["by_replicas"].items():
+        for name, v in row.items():
+            of1 = f"{v['share_of_one'] * 100:.1f}%" if "share_of_one" in v else "-"
+            lines.append(f"| {n} | {name} | {v['cache_share']:.3f} | {of1} | "
+                         f"{v['load_max_min']:.3f} | {v['turns']:.0f} | {v['wall_s']:.1f} |")
+    moves = sum(r["affinity_moves"] for r in res["runs"] if r["affinity"])
+    falls = sum(r["affinity_fallbacks"] for r in res["runs"] if r["affinity"])
+    verdict = "**met**" if s["meets_target"] else "**not met**"
+    lines += [
+        "",
+        f"Target (issue 25: with 2 and 4 replicas, a cache share >= {SHARE_TARGET:.0%} of the "
+        f"one-replica share and load max/min <= {LOAD_TARGET}): {verdict}. Over all runs with "
+        f"affinity on: {moves} pin move(s) (a saturated or unknown replica) and {falls} "
+        "fallback(s) to the queue group. Raw numbers: `benchmarks/results/affinity.json`.",
+        "<!-- affinity:end -->",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 repetition, fewer groups, writes nothing")
+    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --quick 1)")
+    p.add_argument("--groups", type=int, default=None,
+                   help="groups of 8 per run (default 48; --quick 6)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="trajectories at once (default 64; --quick 16)")
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
+    args = p.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.groups = args.groups or (6 if args.quick else 48)
+    args.concurrency = args.concurrency or (16 if args.quick else 64)
+    write = not args.no_write and (args.write or not args.quick)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    t_start = time.perf_counter()
+    res: dict = {"benchmark": "affinity", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "quick": args.quick,
+                 "config": {k: getattr(args, k) for k in ("reps", "groups", "concurrency",
+                                                          "replicas", "threads")},
+                 "machine": {"cpu_count": os.cpu_count(),
+                             "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+                             "python": platform.python_version()}}
+    with tempfile.TemporaryDirectory(prefix="rollart-affinity-") as tmp:
+        runs = asyncio.run(suite(args, Path(tmp)))
+    res["summary"] = summarize(args, runs)
+    res["runs"] = runs
+    res["total_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(res, indent=2))
+    if write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(res, indent=2) + "\n")
+        replace_section("affinity", readme_section(res))
+        say(f"wrote {RESULTS} and the README section")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
