@@ -5,6 +5,8 @@
 #   make test-fast   the same without the tests marked slow (learning runs, kills, restarts)
 #   make test-scale  the tests marked scale (learning runs of the scale-out trainer: ranks,
 #                    LoRA), left out of `make test`; CI runs both
+#   make bench-smoke every benchmark's --quick mode (tests/benchmarks: it runs, prints its
+#                    JSON, writes nothing), left out of `make test`; CI runs it
 # Set-up is redone only when pyproject.toml changes (a stamp file in the venv), so the
 # second call starts at once. Extra arguments: make run ARGS="--steps 20 --nats memory",
 # make test ARGS=tests/cli.
@@ -32,7 +34,7 @@ TEST_WORKERS ?= 2
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.rollart-setup
 
-.PHONY: run test test-fast test-scale setup test-vllm setup-vllm
+.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
@@ -45,6 +47,9 @@ test-fast: $(STAMP)
 
 test-scale: $(STAMP)
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m scale $(ARGS)
+
+bench-smoke: $(STAMP)
+	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m bench $(ARGS)
 
 setup: $(STAMP)
 

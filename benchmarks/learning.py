@@ -176,9 +176,10 @@ def _record_cpu_time() -> None:
     seconds from the trainer loop's start to the end of the step's ``train_step`` (the point
     where ``wall_s`` is taken). A few clock reads per step; nothing else changes."""
     from rollart.actors.trainer import Trainer
+    from rollart.actors.trainer_files import RunFiles
     from rollart.engines.torch_trainer import TorchTrainBackend
 
-    main, write, step = Trainer.main, Trainer._write_metrics, TorchTrainBackend.train_step
+    main, write, step = Trainer.main, RunFiles.write_metrics, TorchTrainBackend.train_step
 
     async def timed_main(self) -> None:
         TRAINERS.append(self)
@@ -191,11 +192,14 @@ def _record_cpu_time() -> None:
         self._bench_cpu_end = time.process_time()
         return out
 
-    def timed_write(self, metrics: dict) -> None:
-        metrics["cpu_s"] = self.backend._bench_cpu_end - self._bench_cpu0
+    def timed_write(self, metrics: dict) -> None:  # self: the trainer's RunFiles
+        tr = TRAINERS[0] if TRAINERS else None
+        end = getattr(getattr(tr, "backend", None), "_bench_cpu_end", None)
+        if end is not None:
+            metrics["cpu_s"] = end - tr._bench_cpu0
         write(self, metrics)
 
-    Trainer.main, Trainer._write_metrics = timed_main, timed_write
+    Trainer.main, RunFiles.write_metrics = timed_main, timed_write
     TorchTrainBackend.train_step = timed_step
 
 

@@ -142,8 +142,8 @@ def make_cfg(args, *, mode: str, sigma: float, model_dir: Path, run_dir: Path) -
         "rollout": {"mode": mode, "group_size": args.group_size, "batch_groups": args.batch_groups,
                     "concurrency": args.concurrency, "same_seed_per_group": False,
                     "seed": args.seed, "generate_timeout": 120.0, "ack_wait": 120.0},
-        "proxy": {"gather_ms": args.gather_ms, "max_batch": args.max_batch, "replicas": 1},
-        "reward": {"replicas": 0},
+        "proxy": {"gather_ms": args.gather_ms, "max_batch": args.max_batch},
+        "actors": {"generate": {"replicas": 1}, "reward": {"replicas": 0}},
     }, RunConfig)
 
 

@@ -87,8 +87,7 @@ def make_cfg(args, mode: str, model_dir: Path) -> RunConfig:
                           "instruction": "FrozenLake", "max_turns": args.max_turns}},
         "rollout": {"group_size": args.group_size, "batch_groups": args.groups,
                     "concurrency": args.groups * args.group_size, "same_seed_per_group": False},
-        "proxy": {"replicas": 1},
-        "reward": {"replicas": 0},
+        "actors": {"generate": {"replicas": 1}, "reward": {"replicas": 0}},
     }
     if mode == "routed":
         data.update(ROUTED)
