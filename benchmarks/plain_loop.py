@@ -9,7 +9,10 @@ of the same config, but no bus, no actors, no asyncio and no weight files: each 
 
 1. rolls out ``batch_groups x group_size`` trajectories in lock step: one batched
    ``TorchGenerationEngine.generate`` call per turn over every live trajectory, then one
-   environment step per trajectory (in this thread);
+   environment step per trajectory (in this thread); with ``trainer.skip_uniform``, groups
+   whose rewards are all equal (``skip_which``) are replaced by fresh ones, rolled out in
+   lock step again, up to that many a step, as rollart's trainer and admission do (DAPO's
+   dynamic sampling: the same work per step on both sides);
 2. turns them into samples with :func:`rollart.actors.train_batch.build_samples` (token
    ids, masks and behaviour log-probs exactly as an EnvManager records them, built with
    :class:`rollart.actors.chat.ChatFormat`);
@@ -166,6 +169,15 @@ def build(cfg: RunConfig, *, model_dir: str | None = None, kv_cache: bool = True
     return engine, backend, ChatFormat.load(md)
 
 
+def _uniform(group: list, which: str) -> bool:
+    """As :meth:`rollart.actors.ledger.Ledger.uniform`: every reward the same (all advantages
+    0); with ``which="failed"``, and no member succeeded."""
+    rewards = [t.reward for t in group]
+    if max(rewards) - min(rewards) > 1e-9:
+        return False
+    return which == "all" or not any(t.success for t in group)
+
+
 def run_plain(cfg: RunConfig, steps: int | None = None,
               on_step: Callable[[dict], None] | None = None, *,
               snapshot_dir: str | Path | None = None, model_dir: str | None = None,
@@ -194,17 +206,36 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
     t_start = time.perf_counter()
     cpu0 = time.process_time()
     sync_s = 0.0
+    next_group = 0
+    skipped_total = 0
     for k in range(steps):
         v = backend.version
         t0 = time.perf_counter()
-        tasks = []
-        for gi in range(k * r.batch_groups, (k + 1) * r.batch_groups):
-            seed = r.seed + gi  # RolloutScheduler's task seed of group gi
-            for i in range(r.group_size):
-                tasks.append((f"g{gi:06d}-{i}", gi,
-                              seed if r.same_seed_per_group else r.seed + gi * r.group_size + i))
         counts: dict = {}
-        trajs = rollout_lockstep(engine, chat, env_cfg, tasks, counts=counts)
+        trajs: list = []  # the step's trained groups
+        rolled: list = []  # every trajectory rolled out this step (skipped groups too)
+        skipped, want = 0, r.batch_groups
+        while want:  # dynamic sampling as the trainer's: uniform groups replaced, up to the budget
+            tasks = []
+            for gi in range(next_group, next_group + want):
+                seed = r.seed + gi  # RolloutScheduler's task seed of group gi
+                for i in range(r.group_size):
+                    tasks.append((f"g{gi:06d}-{i}", gi,
+                                  seed if r.same_seed_per_group else r.seed + gi * r.group_size + i))
+            next_group += want
+            got = rollout_lockstep(engine, chat, env_cfg, tasks, counts=counts)
+            rolled += got
+            want = 0
+            for gi in sorted({t.group_index for t in got}):
+                group = [t for t in got if t.group_index == gi]
+                if skipped < cfg.trainer.skip_uniform and _uniform(group, cfg.trainer.skip_which):
+                    skipped += 1
+                    want += 1
+                else:
+                    trajs += group
+        skipped_total += skipped
+        counts.update(groups_skipped=skipped, count_uniform_skipped=skipped_total,
+                      rolled_trajectories=len(rolled))
         t1 = time.perf_counter()
         samples = build_samples(trajs, [t.group_index for t in trajs], cfg.trainer.advantage)
         tm = backend.train_step(samples, loss_cfg=lcfg)
@@ -213,7 +244,7 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
         rec = {"step": backend.version, "version": backend.version, "wall_s": t2 - t_start - paused,
                "cpu_s": cpu - paused_cpu,
                "gen_s": t1 - t0, "train_s": t2 - t1, "sync_s_before": sync_s, **counts,
-               **trajectory_stats(trajs, v),
+               **trajectory_stats(rolled, v),
                **{f"train_{k2}": float(x) for k2, x in tm.items() if isinstance(x, (int, float))}}
         history.append(rec)
         if snap is not None:
