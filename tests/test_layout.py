@@ -27,6 +27,7 @@ LAYERS = [
     {"rollart.telemetry"},  # instrumentation
     {"rollart.engines"},
     {"rollart.actors"},
+    {"rollart.emulate"},  # latency models behind the actors' extension points (benchmarks)
     {"rollart.node"},
     {"rollart.security", "rollart.deploy"},
     {"rollart.app"},  # commands and entry points; nothing imports it

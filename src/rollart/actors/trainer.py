@@ -117,11 +117,8 @@ class Trainer(StepLoop, Actor):
 
     # -- state -------------------------------------------------------------------
     async def setup(self) -> None:
-        # optional dependency: the backend imports torch (a trainer process has it)
-        from rollart.engines.train_backends import make_backend
-
         t, r = self.cfg.trainer, self.cfg.rollout
-        self.backend = await asyncio.to_thread(make_backend, self.cfg, self.model_dir)
+        self.backend = await asyncio.to_thread(self.build_backend)
         if self.cfg.telemetry.loggers:  # TensorBoard, wandb, MLflow: metrics.jsonl's rows too
             from rollart.telemetry.loggers import open_loggers
 
@@ -148,6 +145,15 @@ class Trainer(StepLoop, Actor):
             if prev is not None:
                 self.lost_max = max(self.lost_max, prev.lost)
         self._hb_sub = await self.bus.subscribe(self.subject("node.heartbeat"), self._on_heartbeat)
+
+    def build_backend(self) -> Any:
+        """The training backend (blocking, run in a thread): ``trainer.backend`` of the config.
+        A subclass (``actors.trainer.type``) may build another, e.g. the emulated one of
+        :mod:`rollart.emulate.trainer`."""
+        # optional dependency: the backend imports torch (a trainer process has it)
+        from rollart.engines.train_backends import make_backend
+
+        return make_backend(self.cfg, self.model_dir)
 
     async def teardown(self) -> None:
         await self._hb_sub.unsubscribe()
