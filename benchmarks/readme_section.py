@@ -24,3 +24,13 @@ def replace_section(name: str, section: str, path: Path = README) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def store(path: Path, results: dict, name: str, section: str) -> None:
+    """A full run's end: ``results`` as JSON in ``path`` (under ``results/``) and ``section``
+    as the README's section ``name``."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    replace_section(name, section)

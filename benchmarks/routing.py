@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import replace_section  # noqa: E402
+from readme_section import store  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -246,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     res["total_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(res, indent=2))
     if write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(res, indent=2) + "\n")
-        replace_section("routing", readme_section(res))
+        store(RESULTS, res, "routing", readme_section(res))
         say(f"wrote {RESULTS} and the README section")
     return 0
 
