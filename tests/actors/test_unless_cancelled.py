@@ -13,6 +13,7 @@ from rollart.actors.trajectory import (
     RunningTrajectories,
     unless_cancelled,
 )
+from tests.waiting import until
 
 
 class Call:
@@ -60,7 +61,7 @@ async def test_cancelling_the_caller_cancels_the_call_first():
     ev = CancelEvent()
     call = Call(30)
     task = asyncio.ensure_future(unless_cancelled(call(), ev))
-    await asyncio.sleep(0.02)
+    await until(lambda: call.started, deadline=30, what="the call to start")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -72,7 +73,7 @@ async def test_group_cancel_reaches_the_waiting_turn():
     keep, stop = running.start("g-0", "g"), running.start("g-1", "g")
     calls = [Call(0.3, result=i) for i in range(2)]
     tasks = [asyncio.ensure_future(unless_cancelled(c(), ev)) for c, ev in zip(calls, (keep, stop))]
-    await asyncio.sleep(0.02)
+    await until(lambda: all(c.started for c in calls), deadline=30, what="both calls to start")
     running.cancel_group("g", keep={"g-0"})
     assert await tasks[0] == 0
     with pytest.raises(Cancelled):

@@ -24,7 +24,12 @@ async def test_monitor_counts_a_rollout(bus, tiny_model):
     await sub.unsubscribe()
     assert mon.outcomes["completed"] == 4
     assert mon.subjects[f"rollart.{cfg.run}.rollout.requested.default"].count == 4
-    assert mon.subjects[f"rollart.{cfg.run}.generate.request.default"].count >= 4
+    # each turn on the pool's queue group or, after a trajectory's first, on the replica's own
+    # subject (rollout.affinity), which the monitor counts as one row per pool
+    assert not [s for s in mon.subjects if ".generate.direct.default." in s and not s.endswith(".*")]
+    assert (mon.subjects[f"rollart.{cfg.run}.generate.request.default"].count
+            + mon.subjects[f"rollart.{cfg.run}.generate.direct.default.*"].count) >= 4
+    assert mon.subjects[f"rollart.{cfg.run}.generate.direct.default.*"].count > 0, "affinity on"
     assert mon.stage_s["generate"] > 0
     mon.observe(f"rollart.{cfg.run}.rollout.completed", b"junk")
     assert mon.undecodable == 1

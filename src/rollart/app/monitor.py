@@ -134,11 +134,13 @@ class RunMonitor:
 
     def observe(self, subject: str, data: bytes, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        st = self.subjects[subject]
+        d = m.lookup(subject)
+        # a per-replica subject (generate.direct.<pool>.<replica>): one row per pool, not per replica
+        key = f"{subject.rsplit('.', 1)[0]}.*" if d is not None and d.per_replica else subject
+        st = self.subjects[key]
         st.count += 1
         st.bytes += len(data)
         st.recent.append(now)
-        d = m.lookup(subject)
         if d is None:
             return
         try:
