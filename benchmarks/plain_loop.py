@@ -169,15 +169,6 @@ def build(cfg: RunConfig, *, model_dir: str | None = None, kv_cache: bool = True
     return engine, backend, ChatFormat.load(md)
 
 
-def _uniform(group: list, which: str) -> bool:
-    """As :meth:`rollart.actors.ledger.Ledger.uniform`: every reward the same (all advantages
-    0); with ``which="failed"``, and no member succeeded."""
-    rewards = [t.reward for t in group]
-    if max(rewards) - min(rewards) > 1e-9:
-        return False
-    return which == "all" or not any(t.success for t in group)
-
-
 def run_plain(cfg: RunConfig, steps: int | None = None,
               on_step: Callable[[dict], None] | None = None, *,
               snapshot_dir: str | Path | None = None, model_dir: str | None = None,
@@ -190,6 +181,7 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
     success, token counts and the train metrics. With ``snapshot_dir`` each version's
     weights are written to ``vNNNNNN.safetensors`` there with the clock stopped.
     """
+    from rollart.actors.ledger import uniform
     from rollart.actors.train_batch import build_samples, loss_config, trajectory_stats
     from rollart.engines.base import save_weights
 
@@ -228,7 +220,7 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
             want = 0
             for gi in sorted({t.group_index for t in got}):
                 group = [t for t in got if t.group_index == gi]
-                if skipped < cfg.trainer.skip_uniform and _uniform(group, cfg.trainer.skip_which):
+                if skipped < cfg.trainer.skip_uniform and uniform(group, cfg.trainer.skip_which):
                     skipped += 1
                     want += 1
                 else:

@@ -61,6 +61,15 @@ def admissible(admitted: int, lost: int, version: int, alpha: int | None,
     return (admitted - lost) + 1 <= (version + alpha + 1) * batch_groups
 
 
+def uniform(members: list[m.RolloutCompleted], which: str = "all") -> bool:
+    """Every reward of ``members`` is the same (all advantages 0); with ``which="failed"``,
+    and no member succeeded (``trainer.skip_uniform`` / ``skip_which``)."""
+    rewards = [t.reward for t in members]
+    if max(rewards) - min(rewards) > 1e-9:
+        return False
+    return which == "all" or not any(t.success for t in members)
+
+
 class IndexSet:
     """A set of non-negative ints kept small: everything below ``low`` plus ``above``."""
 
@@ -277,13 +286,8 @@ class GroupLedger:
         return self._ready(g) and len(g.members) < min(2, self.need)
 
     def uniform(self, g: Group, which: str = "all") -> bool:
-        """Every reward of the group's trained members is the same (all advantages 0); with
-        ``which="failed"``, and no member succeeded."""
-        members = [t for t, _ in g.members[: self.need]]
-        rewards = [t.reward for t in members]
-        if max(rewards) - min(rewards) > 1e-9:
-            return False
-        return which == "all" or not any(t.success for t in members)
+        """:func:`uniform` over the group's trained members."""
+        return uniform([t for t, _ in g.members[: self.need]], which)
 
     def select(self, version: int, skip: int = 0, which: str = "all") -> Selection:
         """The groups of the next step (empty batch: not ready), plus stale, failed and
