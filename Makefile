@@ -26,7 +26,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 CPU_INDEX := https://download.pytorch.org/whl/cpu
-EXTRAS ?= dev,envs,megatron,loggers
+EXTRAS ?= dev,envs,megatron,loggers,agent,openenv
 CONFIG ?= quickstart
 ARGS ?=
 TEST_WORKERS ?= 2

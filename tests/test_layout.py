@@ -26,7 +26,7 @@ LAYERS = [
     {"rollart.bus"},  # connections read the nats section of a config
     {"rollart.telemetry"},  # instrumentation
     {"rollart.engines"},
-    {"rollart.actors"},
+    {"rollart.actors", "rollart.agents"},  # the agents' endpoint serves EnvManagers
     {"rollart.emulate"},  # latency models behind the actors' extension points (benchmarks)
     {"rollart.node"},
     {"rollart.security", "rollart.deploy"},

@@ -55,7 +55,9 @@ def test_two_ranks_take_the_step_of_one(ranks, model_dir, agg):
         assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
     p1 = dict(single.model.named_parameters())
     for name, p in ranked.model.named_parameters():
-        torch.testing.assert_close(p, p1[name], rtol=1e-5, atol=1e-6, msg=name)
+        # a step moves weights by ~lr (1e-3); two ranks sum the gradient in another order,
+        # which moved one weight of 4096 by 2.4e-6 (measured)
+        torch.testing.assert_close(p, p1[name], rtol=1e-5, atol=1e-5, msg=name)
     assert ranked.weights_digest() == ranked.weights_digest()
 
 

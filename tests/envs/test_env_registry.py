@@ -46,3 +46,46 @@ def test_bad_value_names_the_arg():
 def test_not_an_env():
     with pytest.raises(ValueError, match="reset"):
         make_env("tests.envs.fake_envs:NotAnEnv", {})
+
+
+# -- openenv:<url> ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url, says", [
+    ("", "needs the server's URL"),
+    ("127.0.0.1:8000", "must start with http://"),
+    ("ftp://host", "must start with http://"),
+    ("http://", "names no host"),
+    ("http://host:port", "not a URL"),
+    ("http://host:8000/?a=1", "without ?query"),
+    ("http://user:secret@host", "no credentials"),
+])
+def test_openenv_bad_url_is_a_value_error_naming_it(url, says):
+    from rollart.envs.registry import resolve_env_class
+
+    with pytest.raises(ValueError, match=r"^env type 'openenv:") as ei:
+        resolve_env_class(f"openenv:{url}")
+    assert says in str(ei.value)
+
+
+def test_openenv_type_resolves_without_contacting_the_server():
+    """Resolving (what the static check does) only parses the URL; the args are the
+    adapter's keyword arguments."""
+    import inspect
+
+    from rollart.envs.openenv import base_url
+    from rollart.envs.registry import resolve_env_class
+
+    make = resolve_env_class("openenv:http://127.0.0.1:9/")  # port 9: nothing listens
+    assert make.__name__ == "openenv:http://127.0.0.1:9/"
+    params = inspect.signature(make).parameters
+    assert {"transport", "action_field", "observation_field", "timeout"} <= set(params)
+    assert base_url("ws://h:1/a/") == "http://h:1/a" and base_url("wss://h") == "https://h"
+    assert base_url("http://[::1]:80") == "http://[::1]:80"
+
+
+def test_openenv_bad_arg_is_named():
+    with pytest.raises(ValueError, match="'transport' must be 'ws' or 'http'"):
+        make_env("openenv:http://127.0.0.1:9", {"transport": "grpc"})
+    with pytest.raises(ValueError, match="unknown arg 'action'"):
+        make_env("openenv:http://127.0.0.1:9", {"action": "move"})

@@ -38,11 +38,13 @@ from rollart.actors.runtime import decode_core
 from rollart.actors.service_client import ServiceClient
 from rollart.actors.trajectory import (Cancelled, RunningTrajectories, Trace, reset_runner,
                                        reward_request, unless_cancelled)
+from rollart.agents.trajectory import run_agent_trajectory
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
 from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvTimeout, parse_action
+from rollart.envs.agent_type import is_agent
 from rollart.engines.capacity import check_context
 from rollart.engines.provision import model_dir
 from rollart.envs.runner import EnvContractError, EnvSetupError
@@ -101,6 +103,10 @@ class EnvManager(Actor):
         default_factory=dict, init=False, repr=False)
     """Token ids of each set of legal actions seen (:meth:`_encode_actions`)."""
     _cancel_sub: Subscription | None = field(default=None, init=False, repr=False)
+    _agents: Any = field(default=None, init=False, repr=False)
+    """The OpenAI-compatible endpoint of agent envs (:mod:`rollart.agents`), started when
+    the first agent trajectory runs here."""
+    _agents_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
 
     @property
     def running(self) -> RunningTrajectories:
@@ -143,7 +149,21 @@ class EnvManager(Actor):
 
     async def teardown(self) -> None:
         await self._cancel_sub.unsubscribe()
+        if self._agents is not None:
+            await self._agents.stop()
         await self.services.stop()
+
+    async def agent_endpoint(self) -> Any:
+        """The agents' endpoint (:class:`rollart.agents.endpoint.AgentEndpoint`), started on
+        first use; ``rollout.agent_host`` is where it listens."""
+        async with self._agents_lock:
+            if self._agents is None:
+                from rollart.agents.endpoint import AgentEndpoint
+
+                endpoint = AgentEndpoint(host=self.rollout.agent_host)
+                await endpoint.start()
+                self._agents = endpoint
+        return self._agents
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -284,6 +304,8 @@ class EnvManager(Actor):
 
     async def _trajectory(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
                           delivery) -> m.RolloutCompleted:
+        if is_agent(cfg.type):  # the user's agent drives it, through the endpoint
+            return await run_agent_trajectory(self, req, cfg, cancel, delivery)
         tr = Trace()
         if req.wave >= 0 and req.wave_size > 0:
             if req.wave_size > self._max_inflight:
@@ -381,18 +403,21 @@ class EnvManager(Actor):
         tr.timings["wait"] += time.perf_counter() - t0
 
     async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
-                        legal: list[str] | None, turn: int = 1,
+                        legal: list[str] | None, turn: int = 1, *,
+                        max_new_tokens: int | None = None,
                         ) -> tuple[m.GenerateResult, list[list[int]], str, int]:
         """One turn's generation: ``(result, choices, pool it was sent to, route index)``;
-        the router (if any) picks the pool from the prompt so far, the turn and the env."""
+        the router (if any) picks the pool from the prompt so far, the turn and the env.
+        ``max_new_tokens`` (at most the env's) is an agent's own limit."""
         s = cfg.sampling
+        cap = s.max_new_tokens if max_new_tokens is None else min(max_new_tokens, s.max_new_tokens)
         pool, route = self.pool, -1
         if self.router is not None:
             pool, route = self.router.pick(prompt_tokens=len(tr.token_ids), turn=turn, env=req.env)
         choices = self._encode_actions(tuple(legal)) if legal else []
         gen = m.GenerateRequest(
             traj_id=req.traj_id, prompt_ids=tr.token_ids,
-            sampling=m.SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+            sampling=m.SamplingParams(max_new_tokens=cap, temperature=s.temperature,
                                       top_p=s.top_p),
             choices=choices,
             min_version=max(req.min_version, self.version - self.rollout.alpha),

@@ -80,7 +80,10 @@ class EnvConfig(Base):
 
     type: str = "frozenlake"
     """Built-in name (frozenlake, sokoban, reasoning_gym), ``gym:<id>`` (any registered
-    gymnasium environment) or ``pkg.module:Class``."""
+    gymnasium environment), ``openenv:<url>`` (a running OpenEnv server, e.g.
+    ``openenv:http://127.0.0.1:8000``; :mod:`rollart.envs.openenv`), ``pkg.module:Class``, or ``agent:pkg.module:function``: a user's
+    agent that plays the trajectory through an OpenAI-compatible endpoint
+    (:mod:`rollart.agents`; ``args`` go to it in its ``task``)."""
     args: dict[str, Any] = {}
     """Keyword arguments of the env class."""
     executor: Literal["thread", "process"] = "thread"
@@ -189,6 +192,10 @@ class RolloutConfig(Base):
     A replica that went silent, drains, stops answering or holds more than 1.25 x its
     pool's mean requests + 2 is passed over. Needs ``replica_timeout`` > 0 (the replicas'
     progress reports); false: every turn goes to the pool's queue group."""
+    agent_host: str = "127.0.0.1"
+    """Address the OpenAI-compatible endpoint of agent envs (``type: agent:pkg.module:fn``)
+    listens on, one per EnvManager on a free port (the agents run in the EnvManager's
+    process, so loopback serves them)."""
     ack_wait: float = 30.0
     """Seconds before an abandoned trajectory is redelivered (heartbeats hold live ones)."""
     max_trajectory_s: float | None = None

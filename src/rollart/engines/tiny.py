@@ -34,7 +34,7 @@ from pathlib import Path
 __all__ = ["build_tiny_model", "ACTION_LETTERS", "CHAT_TEMPLATE", "SPECIAL_TOKENS"]
 
 MANIFEST = "rollart_tiny.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the chat template renders tools
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -42,10 +42,31 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 ACTION_LETTERS = ("L", "D", "R", "U")
 
-# ChatML, as Qwen uses it (without tools / thinking).
+# ChatML, as Qwen uses it (without thinking). Tools as Qwen renders them: the schemas in the
+# system turn, a call as <tool_call>{"name": ..., "arguments": ...}</tool_call> in the
+# assistant's text, a tool's result as a turn of role "tool". Without tools the text is the
+# plain ChatML of format 1.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set f = call['function'] if call.get('function') else call %}"
+    "{{- '<tool_call>{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' }}"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -41,6 +41,7 @@ from typing import Any, Iterable
 from rollart.aio import retry
 from rollart.envs.actions import compile_pattern
 from rollart.envs.registry import BUILTIN_ENVS, resolve_env_class
+from rollart.envs.agent_type import is_agent, resolve_agent
 from rollart.envs.errors import describe
 from rollart.envs.runner import EnvError, EnvRunner, EnvTimeout
 from rollart.errors import ConfigError
@@ -161,6 +162,12 @@ def static_problems(name: str, ec: Any) -> list[str]:
         _check_template(ec.turn_template)
     except _Fail as e:
         out.append(f"{where}.turn_template: {e}")
+    if is_agent(ec.type):  # a user's agent: it needs the run's endpoint to play
+        try:
+            resolve_agent(ec.type)
+        except ValueError as e:
+            out.append(f"{where}.type: {e}")
+        return out
     try:
         cls = import_env_class(ec.type)
     except _Fail as e:
@@ -327,7 +334,7 @@ async def _check_all(cfg: Any, names: list[str]) -> tuple[list[str], list[str]]:
     for n in names:
         found = static_problems(n, cfg.envs[n])
         problems += found
-        if not found and cfg.envs[n].check:
+        if not found and cfg.envs[n].check and not is_agent(cfg.envs[n].type):
             dynamic.append(n)
 
     async def one(n: str) -> str | None:

@@ -1,4 +1,5 @@
-"""Build environments by name: a built-in short name or a ``"pkg.module:ClassName"`` path."""
+"""Build environments by name: a built-in short name, ``"gym:<id>"``, ``"openenv:<url>"`` or a
+``"pkg.module:ClassName"`` path."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from rollart.envs.agent_type import AGENT_PREFIX
 from rollart.envs.base import Env
 from rollart.envs.gym import factory
 
@@ -20,6 +22,9 @@ BUILTIN_ENVS: dict[str, str] = {
 GYM_PREFIX = "gym:"
 """``"gym:<id>"``: any registered gymnasium environment, through :mod:`rollart.envs.gym`."""
 
+OPENENV_PREFIX = "openenv:"
+"""``"openenv:<url>"``: a running OpenEnv server, through :mod:`rollart.envs.openenv`."""
+
 
 def resolve_env_class(type: str) -> Callable[..., Env]:
     """The class behind a built-in name or a ``"pkg.module:ClassName"`` import path.
@@ -27,15 +32,24 @@ def resolve_env_class(type: str) -> Callable[..., Env]:
     Raises ``ValueError`` naming ``type`` (and listing the built-ins) when it is neither.
     ``ImportError`` from the module itself (e.g. a missing optional dependency) propagates.
     ``"gym:<id>"`` is the gymnasium adapter bound to that id (``ValueError`` for an id that
-    gymnasium does not know).
+    gymnasium does not know). ``"openenv:<url>"`` is the OpenEnv adapter bound to that server
+    (``ValueError`` for a malformed URL; nothing is contacted here).
     """
     if type.startswith(GYM_PREFIX):
         return factory(type[len(GYM_PREFIX):])
+    if type.startswith(OPENENV_PREFIX):
+        from rollart.envs.openenv import factory as openenv_factory  # httpx only when used
+
+        return openenv_factory(type[len(OPENENV_PREFIX):])
+    if type.startswith(AGENT_PREFIX):
+        raise ValueError(f"{type!r} is an agent (rollart.agents), not an env class: an "
+                         f"EnvManager runs it through its endpoint")
     path = BUILTIN_ENVS.get(type, type)
     mod_name, sep, attr = path.partition(":")
     if not sep or not mod_name or not attr:
         raise ValueError(f"unknown env type {type!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), "
-                         f"a gymnasium id 'gym:<id>' or an import path 'pkg.module:ClassName'")
+                         f"a gymnasium id 'gym:<id>', an OpenEnv server 'openenv:<url>' or an "
+                         f"import path 'pkg.module:ClassName'")
     try:
         module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
@@ -57,8 +71,8 @@ def make_env(type: str, args: dict[str, Any] | None = None) -> Env:
     """Construct an environment.
 
     Args:
-        type: ``"frozenlake"``, ``"sokoban"``, ``"reasoning_gym"``, ``"gym:<gymnasium id>"`` or
-            ``"pkg.module:ClassName"``.
+        type: ``"frozenlake"``, ``"sokoban"``, ``"reasoning_gym"``, ``"gym:<gymnasium id>"``,
+            ``"openenv:<server url>"`` or ``"pkg.module:ClassName"``.
         args: keyword arguments for the env class (from config).
 
     Raises ``ValueError`` naming the type when it is unknown, and naming the argument when

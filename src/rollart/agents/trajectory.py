@@ -1,0 +1,241 @@
+"""One trajectory driven by a user's agent instead of the EnvManager's turn loop.
+
+An env of type ``agent:pkg.module:function`` names an agent::
+
+    async def run_agent(base_url: str, task: dict) -> float | dict | None
+
+``base_url`` is the trajectory's OpenAI-compatible endpoint (:mod:`rollart.agents.endpoint`;
+give it to ``openai.AsyncOpenAI(base_url=..., api_key="-")`` or any OpenAI client);
+``task`` is the env's ``args`` plus ``seed``, ``traj_id`` and ``env`` (the env's name). The
+agent returns its reward (a number), or ``{"reward": r, "success": bool}``, or None when the
+env's ``scorer`` scores the last reply. A plain (not async) function runs in a thread.
+
+The trajectory is everything the agent asked its endpoint for (one turn per request, see
+:class:`~rollart.agents.conversation.Conversation`), trained like any other. Limits of the
+env config apply: ``max_turns`` requests, ``max_context_tokens``, and a deadline of
+``max_trajectory_s`` (else ``rollout.max_trajectory_s``, else ``max_turns * step_timeout``):
+the agent is stopped (its task cancelled) and the trajectory completes with its turns so far,
+reward 0 (or the scorer's), stop reason ``max_turns``, ``max_context`` or ``max_time``.
+
+Failures, as for env trajectories:
+
+- the agent raises ``ConnectionError``/``TimeoutError`` (its tools' network): *transient*,
+  the request is redelivered;
+- it raises anything else: *permanent*, dead-lettered at once as ``agent_error:``;
+- it sends a request that breaks the endpoint's contract, returns something that is not a
+  reward, or asks nothing: ``agent_contract:``;
+- a generation fails (no replica, ``service_unavailable:``...): the agent gets HTTP 503 and
+  the trajectory is dead-lettered with the service's reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from typing import Any
+
+from rollart import messages as m
+from rollart.actors.base import Reject
+from rollart.actors.trajectory import Cancelled, Trace, unless_cancelled
+from rollart.agents.conversation import ContractError, Conversation
+from rollart.agents.endpoint import MODEL_NAME, EndpointError
+from rollart.aio import settle
+from rollart.envs.agent_type import resolve_agent
+
+log = logging.getLogger("rollart.actors.env_manager")
+
+class AgentTrajectory:
+    """One agent trajectory: the endpoint's session (:meth:`complete`) and its record."""
+
+    def __init__(self, mgr: Any, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event) -> None:
+        self.mgr, self.req, self.cfg, self.cancel = mgr, req, cfg, cancel
+        self.tr = Trace()
+        self.conv = Conversation(mgr.chat)
+        self.over = asyncio.Event()
+        """Set when the trajectory ended inside the endpoint (``stop`` or ``failure``)."""
+        self.stop: str | None = None
+        self.failure: str | None = None
+        self.last_text = ""
+        self._lock = asyncio.Lock()
+
+    def _end(self, *, stop: str | None = None, failure: str | None = None) -> None:
+        if not self.over.is_set():
+            self.stop, self.failure = stop, failure
+            self.over.set()
+
+    def refuse(self, reason: str) -> None:
+        self._end(failure=f"agent_contract: request {self.conv.turns + 1}: {reason}")
+
+    async def complete(self, body: dict) -> dict:
+        if self.over.is_set():
+            raise EndpointError(400, f"this trajectory is over ({self.stop or self.failure})")
+        async with self._lock:
+            try:
+                return await self._complete(body)
+            except ContractError as e:
+                self._end(failure=f"agent_contract: request {self.conv.turns + 1}: {e}")
+                raise EndpointError(400, str(e)) from None
+
+    async def _complete(self, body: dict) -> dict:
+        cfg, tr = self.cfg, self.tr
+        if body.get("n", 1) != 1:
+            raise ContractError("n must be 1 (one reply per request)")
+        cap = body.get("max_completion_tokens", body.get("max_tokens"))
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ContractError(f"max_tokens must be a positive integer, got {cap!r}")
+        choice = body.get("guided_choice")
+        if choice is None and isinstance(body.get("structured_outputs"), dict):
+            choice = body["structured_outputs"].get("choice")
+        if choice is not None and not (isinstance(choice, list) and choice
+                                       and all(isinstance(c, str) and c for c in choice)):
+            raise ContractError("guided_choice must be a non-empty list of non-empty strings")
+        messages, tools = body.get("messages"), body.get("tools")
+        turn = self.conv.turns + 1
+        if turn > cfg.max_turns:
+            self._end(stop="max_turns")
+            raise EndpointError(400, f"max_turns ({cfg.max_turns}) reached: this trajectory is over")
+        ids = self.conv.prompt(messages, tools)
+        if len(tr.token_ids) + len(ids) >= cfg.max_context_tokens:
+            self._end(stop="max_context")
+            raise EndpointError(400, f"the conversation reached max_context_tokens "
+                                     f"({cfg.max_context_tokens}): this trajectory is over",
+                                "context_length_exceeded")
+        tr.add_prompt(ids)
+        try:
+            res, choices, pool, route = await unless_cancelled(
+                self.mgr._generate(self.req, cfg, tr, choice, turn, max_new_tokens=cap), self.cancel)
+        except Cancelled:
+            self._end(stop="cancelled")
+            raise EndpointError(503, "the trajectory was cancelled (its group no longer needs it)",
+                                "service_unavailable") from None
+        except Reject as e:
+            self._end(failure=e.reason)
+            raise EndpointError(503, f"generation failed: {e.reason}", "service_unavailable") from None
+        start = len(tr.token_ids)
+        tr.add_response(res.token_ids, res.logprobs, res.version)
+        if len(res.token_versions) == len(res.token_ids) > 0:
+            tr.versions[start:] = res.token_versions
+        text = self.mgr.chat.decode(res.token_ids)
+        self.last_text = text
+        reply = self.conv.replied(messages, res.token_ids, text, tools=bool(tools))
+        tr.turns.append(m.TurnRecord(start=start, response_len=len(res.token_ids),
+                                     version=res.version, action=text[:64], reward=0.0,
+                                     format_ok=True, choices=choices, pool=pool, route=route))
+        finish = ("tool_calls" if reply.get("tool_calls") else
+                  "length" if res.finish_reason == "length" else "stop")
+        out: dict[str, Any] = {"index": 0, "message": reply, "finish_reason": finish,
+                               "logprobs": None}
+        if body.get("logprobs"):
+            chat = self.mgr.chat
+            out["logprobs"] = {"content": [
+                {"token": (t := chat.decode([i], skip_special=False)), "logprob": lp,
+                 "bytes": list(t.encode()), "top_logprobs": []}
+                for i, lp in zip(res.token_ids, res.logprobs)]}
+        resp: dict[str, Any] = {
+            "id": f"chatcmpl-{self.req.traj_id}-{turn}", "object": "chat.completion",
+            "created": int(time.time()), "model": body.get("model") or MODEL_NAME,
+            "choices": [out],
+            "usage": {"prompt_tokens": start, "completion_tokens": len(res.token_ids),
+                      "total_tokens": start + len(res.token_ids)}}
+        if body.get("return_token_ids"):
+            out["token_ids"] = list(res.token_ids)
+            resp["prompt_token_ids"] = tr.token_ids[:start]
+        return resp
+
+
+def _reward_of(result: Any) -> tuple[float | None, bool | None]:
+    """``(reward, success)`` of what an agent returned (None: not given)."""
+    if result is None:
+        return None, None
+    if isinstance(result, bool):
+        raise Reject(f"agent_contract: the agent returned {result!r}; return a number, "
+                     f"{{'reward': ..., 'success': ...}} or None")
+    if isinstance(result, (int, float)):
+        return float(result), None
+    if isinstance(result, dict) and "reward" in result:
+        try:
+            r = float(result["reward"])
+        except (TypeError, ValueError):
+            raise Reject(f"agent_contract: the agent's reward {result['reward']!r} is not a "
+                         f"number") from None
+        s = result.get("success")
+        return r, None if s is None else bool(s)
+    raise Reject(f"agent_contract: the agent returned {result!r:.100}; return a number, "
+                 f"{{'reward': ..., 'success': ...}} or None (the env's scorer scores it)")
+
+
+async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
+                               cancel: asyncio.Event, delivery: Any) -> m.RolloutCompleted:
+    """Run ``cfg``'s agent for ``req`` against a fresh base URL of ``mgr``'s endpoint."""
+    if req.wave >= 0 and req.wave_size > 0:
+        raise Reject("config: batch mode (lock-step waves) cannot drive an agent env")
+    try:
+        fn = resolve_agent(cfg.type)
+    except ValueError as e:
+        raise Reject(f"env_setup: {e}") from None
+    endpoint = await mgr.agent_endpoint()
+    traj = AgentTrajectory(mgr, req, cfg, cancel)
+    base_url = endpoint.open(req.traj_id, traj)
+    task = {**cfg.args, "seed": req.seed, "traj_id": req.traj_id, "env": req.env}
+    cap = cfg.max_trajectory_s if cfg.max_trajectory_s is not None else mgr.rollout.max_trajectory_s
+    if cap is None:
+        cap = cfg.max_turns * cfg.step_timeout
+    t0 = time.perf_counter()
+    if inspect.iscoroutinefunction(fn):
+        agent = asyncio.ensure_future(fn(base_url, task))
+    else:
+        agent = asyncio.ensure_future(asyncio.to_thread(fn, base_url, task))
+    over = asyncio.ensure_future(traj.over.wait())
+    stopped = asyncio.ensure_future(cancel.wait())
+    timed_out = False
+    try:
+        done, _ = await asyncio.wait({agent, over, stopped}, timeout=cap,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not done
+    finally:
+        endpoint.close(req.traj_id)
+        pending = [f for f in (agent, over, stopped) if not f.done()]
+        for f in pending:
+            f.cancel()
+        await settle(pending)
+    if agent.done() and not agent.cancelled():
+        agent.exception()  # retrieved: what it means is decided below
+    tr = traj.tr
+    tr.timings["step"] = max(0.0, time.perf_counter() - t0 - tr.timings["generate"])
+    if cancel.is_set() and not agent.done() or traj.stop == "cancelled":
+        raise Cancelled()
+    if traj.failure:
+        raise Reject(traj.failure)
+    reward: float | None = None
+    success: bool | None = None
+    stop = traj.stop or ("max_time" if timed_out else "terminated")
+    if stop == "terminated":
+        if agent.cancelled():
+            raise Cancelled()
+        exc = agent.exception()
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.warning("%s: agent of %s failed (transient, retried): %r", mgr.name, req.traj_id, exc)
+            raise exc
+        if exc is not None:
+            raise Reject(f"agent_error: {type(exc).__name__}: {exc}"[:1000]) from exc
+        reward, success = _reward_of(agent.result())
+    if not tr.turns:
+        raise Reject("agent_contract: the agent made no request to its endpoint")
+    if cfg.scorer:
+        from rollart.actors.trajectory import reward_request
+
+        t1 = time.perf_counter()
+        request = reward_request(req, cfg, {}, traj.last_text)
+        res = await unless_cancelled(mgr.services.call(
+            "reward.request", request, pool=mgr.reward_pool, what=f" for {req.traj_id}"), cancel)
+        tr.timings["reward"] += time.perf_counter() - t1
+        reward, success = res.score, res.score >= 0.99
+    elif reward is None and stop == "terminated":
+        raise Reject("agent_contract: the agent returned None and the env has no scorer")
+    if stop != "terminated":
+        mgr._count(stop)
+    reward = reward or 0.0
+    return tr.completed(req, reward=reward, success=bool(success if success is not None else reward >= 0.99),
+                        stop=stop, attempt=delivery.num_delivered, version=mgr.version)
