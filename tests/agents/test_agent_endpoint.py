@@ -44,6 +44,7 @@ async def test_an_openai_client_agent_gives_the_env_path_s_trajectory(bus, tiny_
         assert d.logprobs == pytest.approx(e.logprobs, abs=1e-5)
         assert d.token_versions == e.token_versions
         assert (d.reward, d.success, len(d.turns)) == (e.reward, e.success, len(e.turns))
+        assert sum(t.reward for t in d.turns) == d.reward, "what the trainer's admission checks"
         assert [t.action for t in d.turns] == [t.action for t in e.turns]
     mgr = next(a for a in actors if a.role == "env")
     assert mgr._agents is not None and len(mgr._agents) == 0, "every trajectory's URL closed"
@@ -107,6 +108,7 @@ async def test_max_turns_ends_an_agent_that_never_stops(memory_bus_only, tiny_mo
     sched, _ = await run_groups(memory_bus_only, cfg, groups=1, timeout=60)
     assert len(sched.results) == 2
     assert all(d.stop_reason == "max_turns" and len(d.turns) == 3 for d in sched.results)
+    assert all(sum(t.reward for t in d.turns) == d.reward == 0.0 for d in sched.results)
 
 
 async def test_a_plain_function_agent_runs_in_a_thread(memory_bus_only, tiny_model):

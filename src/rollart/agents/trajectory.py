@@ -36,6 +36,8 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from rollart import messages as m
 from rollart.actors.base import Reject
 from rollart.actors.trajectory import Cancelled, Trace, unless_cancelled
@@ -237,5 +239,7 @@ async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
     if stop != "terminated":
         mgr._count(stop)
     reward = reward or 0.0
+    if not cfg.scorer:  # the trainer checks a reward against its turns': the last one holds it
+        tr.turns[-1] = msgspec.structs.replace(tr.turns[-1], reward=reward)
     return tr.completed(req, reward=reward, success=bool(success if success is not None else reward >= 0.99),
                         stop=stop, attempt=delivery.num_delivered, version=mgr.version)
