@@ -89,9 +89,14 @@ class ChatFormat:
 
         return self._cached(("first", system, user), len(system) + len(user), make)
 
+    def after_reply(self, response_ids: list[int], text: str) -> str:
+        """``text`` (what the template renders after an assistant turn's content) without
+        the end-of-turn token when the generated ``response_ids`` already end with it."""
+        if response_ids and response_ids[-1] in self._eos_ids and self._eos_text \
+                and text.startswith(self._eos_text):
+            return text[len(self._eos_text):]
+        return text
+
     def next_prompt(self, response_ids: list[int], user: str) -> list[int]:
-        before = self._before_user
-        if response_ids and response_ids[-1] in self._eos_ids and before.startswith(self._eos_text):
-            before = before[len(self._eos_text):]
-        text = before + user + self._after_user
+        text = self.after_reply(response_ids, self._before_user) + user + self._after_user
         return self._cached(text, len(text), lambda: self.encode(text))

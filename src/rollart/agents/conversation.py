@@ -166,10 +166,7 @@ class Conversation:
                                 f"no message after the assistant's reply")
         head = [self._plain(m) for m in self._sent] + [{"role": "assistant", "content": _MARK}]
         text = self._render(head + [self._plain(m) for m in messages[k:]], tools)
-        tail = text[text.index(_MARK) + len(_MARK):]
-        eos = self.chat._eos_text
-        if self._last_ids and self._last_ids[-1] in self.chat._eos_ids and eos and tail.startswith(eos):
-            tail = tail[len(eos):]  # the reply's own end-of-turn token was generated
+        tail = self.chat.after_reply(self._last_ids, text[text.index(_MARK) + len(_MARK):])
         return self.chat.encode(tail)
 
     @staticmethod

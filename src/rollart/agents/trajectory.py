@@ -226,14 +226,7 @@ async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
     if not tr.turns:
         raise Reject("agent_contract: the agent made no request to its endpoint")
     if cfg.scorer:
-        from rollart.actors.trajectory import reward_request
-
-        t1 = time.perf_counter()
-        request = reward_request(req, cfg, {}, traj.last_text)
-        res = await unless_cancelled(mgr.services.call(
-            "reward.request", request, pool=mgr.reward_pool, what=f" for {req.traj_id}"), cancel)
-        tr.timings["reward"] += time.perf_counter() - t1
-        reward, success = res.score, res.score >= 0.99
+        reward, success = await unless_cancelled(mgr._score(req, cfg, tr, {}, traj.last_text), cancel)
     elif reward is None and stop == "terminated":
         raise Reject("agent_contract: the agent returned None and the env has no scorer")
     if stop != "terminated":
