@@ -3,8 +3,9 @@
 #   make test    set up .venv (once) and run the tests: python -m pytest -q -n 2 (pytest-xdist:
 #                two worker processes; TEST_WORKERS=N for another number, 0 for none)
 #   make test-fast   the same without the tests marked slow (learning runs, kills, restarts)
-#   make test-scale  the tests marked scale (learning runs of the scale-out trainer: ranks,
-#                    LoRA), left out of `make test`; CI runs both
+#   make test-scale  the tests marked scale (learning runs: the scale-out trainer's ranks,
+#                    LoRA, streamed deltas; the README agent), left out of `make test`; CI runs both
+#   make test-verifiers  the verifiers adapter's tests in their own venv, $(VENV_VF)
 #   make bench-smoke every benchmark's --quick mode (tests/benchmarks: it runs, prints its
 #                    JSON, writes nothing), left out of `make test`; CI runs it
 # Set-up is redone only when pyproject.toml changes (a stamp file in the venv), so the
@@ -34,7 +35,21 @@ TEST_WORKERS ?= 2
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.rollart-setup
 
-.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm
+# $(call install_torch,PIP): the torch pin into a venv (the rule the README describes)
+define install_torch
+	@if [ -n "$(TORCH_INDEX)" ]; then \
+	  echo "installing $(TORCH) from $(TORCH_INDEX)"; \
+	  $(1) install -q "$(TORCH)" --index-url "$(TORCH_INDEX)"; \
+	elif $(1) install -q --dry-run --no-deps --no-index "$(TORCH)" >/dev/null 2>&1; then \
+	  echo "installing $(TORCH) (a wheel is already here: no download)"; \
+	  $(1) install -q "$(TORCH)"; \
+	else \
+	  echo "installing $(TORCH), the CPU build, from $(CPU_INDEX)"; \
+	  $(1) install -q "$(TORCH)" --index-url $(CPU_INDEX); \
+	fi
+endef
+
+.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm test-verifiers setup-verifiers
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
@@ -55,16 +70,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || { echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
-	@if [ -n "$(TORCH_INDEX)" ]; then \
-	  echo "installing $(TORCH) from $(TORCH_INDEX)"; \
-	  $(PIP) install -q "$(TORCH)" --index-url "$(TORCH_INDEX)"; \
-	elif $(PIP) install -q --dry-run --no-deps --no-index "$(TORCH)" >/dev/null 2>&1; then \
-	  echo "installing $(TORCH) (a wheel is already here: no download)"; \
-	  $(PIP) install -q "$(TORCH)"; \
-	else \
-	  echo "installing $(TORCH), the CPU build, from $(CPU_INDEX)"; \
-	  $(PIP) install -q "$(TORCH)" --index-url $(CPU_INDEX); \
-	fi
+	$(call install_torch,$(PIP))
 	@echo "installing rollart[$(EXTRAS)] (editable)"
 	@$(PIP) install -q -e '.[$(EXTRAS)]'
 	@touch $@
@@ -83,19 +89,30 @@ setup-vllm: $(STAMP_VLLM)
 
 $(STAMP_VLLM): pyproject.toml
 	@test -x $(VENV_VLLM)/bin/python || { echo "creating $(VENV_VLLM)"; $(PYTHON) -m venv $(VENV_VLLM); }
-	@if [ -n "$(TORCH_INDEX)" ]; then \
-	  echo "installing $(TORCH) from $(TORCH_INDEX)"; \
-	  $(PIP_VLLM) install -q "$(TORCH)" --index-url "$(TORCH_INDEX)"; \
-	elif $(PIP_VLLM) install -q --dry-run --no-deps --no-index "$(TORCH)" >/dev/null 2>&1; then \
-	  echo "installing $(TORCH) (a wheel is already here: no download)"; \
-	  $(PIP_VLLM) install -q "$(TORCH)"; \
-	else \
-	  echo "installing $(TORCH), the CPU build, from $(CPU_INDEX)"; \
-	  $(PIP_VLLM) install -q "$(TORCH)" --index-url $(CPU_INDEX); \
-	fi
+	$(call install_torch,$(PIP_VLLM))
 	@echo "installing rollart[dev,$(VLLM_EXTRA)] (editable; vLLM takes a few minutes)"
 	@$(PIP_VLLM) install -q -e '.[dev,$(VLLM_EXTRA)]'
 	@echo "removing torchvision, torchaudio, torchcodec (vLLM's builds do not load beside this torch)"
 	@$(PIP_VLLM) uninstall -q -y torchvision torchaudio torchcodec
 	@$(VENV_VLLM)/bin/python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	@touch $@
+
+# ---- verifiers (`type: verifiers:<taskset-id>`): its own venv, as vLLM (verifiers 0.4 pins
+# openai<3, older than the default install's); its first episode installs uv (--user) when
+# missing, which it prepares each harness program with
+VENV_VF ?= .venv-verifiers
+PIP_VF := $(VENV_VF)/bin/python -m pip
+STAMP_VF := $(VENV_VF)/.rollart-setup
+
+test-verifiers: $(STAMP_VF)
+	. $(VENV_VF)/bin/activate && python -m pytest -q tests/agents/test_verifiers.py $(ARGS)
+
+setup-verifiers: $(STAMP_VF)
+
+$(STAMP_VF): pyproject.toml
+	@test -x $(VENV_VF)/bin/python || { echo "creating $(VENV_VF)"; $(PYTHON) -m venv $(VENV_VF); }
+	$(call install_torch,$(PIP_VF))
+	@echo "installing rollart[dev,verifiers] (editable)"
+	@$(PIP_VF) install -q -e '.[dev,verifiers]'
+	@$(VENV_VF)/bin/python -c "import verifiers, openai; print('verifiers', verifiers.__version__, 'openai', openai.__version__)"
 	@touch $@

@@ -71,6 +71,11 @@ async def hangs(base_url: str, task: dict) -> float:
     return 0.0
 
 
+async def hangs_at_once(base_url: str, task: dict) -> float:
+    await asyncio.Event().wait()  # never asks anything
+    return 0.0
+
+
 async def junk(base_url: str, task: dict) -> float:
     import httpx
 

@@ -103,6 +103,18 @@ async def test_a_hung_agent_stops_at_its_deadline(memory_bus_only, tiny_model):
                for d in sched.results)
 
 
+async def test_an_agent_hung_before_its_first_request_is_dead_lettered_at_its_deadline(
+        memory_bus_only, tiny_model):
+    """Nothing to train: a permanent failure that says it was the deadline."""
+    cfg = make_cfg(tiny_model, {"type": agent("hangs_at_once"), "max_trajectory_s": 1.5})
+    sched, _ = await run_groups(memory_bus_only, cfg, groups=1, timeout=60)
+    dead = await collect(memory_bus_only, cfg.run, "dead", 2, deadline=5)
+    assert len(dead) == 2 and not sched.results
+    assert all(d.kind == "permanent" and d.reason.startswith(
+        "agent_error: TimeoutError: no request to its endpoint within the trajectory's "
+        "deadline (1.5 s") for d in dead), [d.reason for d in dead]
+
+
 async def test_max_turns_ends_an_agent_that_never_stops(memory_bus_only, tiny_model):
     cfg = make_cfg(tiny_model, {"type": agent("talks_forever"), "max_turns": 3})
     sched, _ = await run_groups(memory_bus_only, cfg, groups=1, timeout=60)

@@ -167,6 +167,10 @@ class AgentEndpoint:
                                f"'rollart[agent]' ({e})") from None
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it (Linux): uvicorn writes a response's head and body
+        # apart, and with Nagle on, the body waited for the client's delayed ACK, ~40 ms a
+        # turn (benchmarks/agent_endpoint.py: serial round trip 47 -> ~2 ms)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self._app(), lifespan="off", log_level="warning",

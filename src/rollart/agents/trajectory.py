@@ -223,6 +223,9 @@ async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
         if exc is not None:
             raise Reject(f"agent_error: {type(exc).__name__}: {exc}"[:1000]) from exc
         reward, success = _reward_of(agent.result())
+    if not tr.turns and timed_out:
+        raise Reject(f"agent_error: TimeoutError: no request to its endpoint within the "
+                     f"trajectory's deadline ({cap:g} s: max_trajectory_s)")
     if not tr.turns:
         raise Reject("agent_contract: the agent made no request to its endpoint")
     if cfg.scorer:

@@ -8,7 +8,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
-from rollart.envs.agent_type import AGENT_PREFIX
+from rollart.envs.agent_type import is_agent
 from rollart.envs.base import Env
 from rollart.envs.gym import factory
 
@@ -41,7 +41,7 @@ def resolve_env_class(type: str) -> Callable[..., Env]:
         from rollart.envs.openenv import factory as openenv_factory  # httpx only when used
 
         return openenv_factory(type[len(OPENENV_PREFIX):])
-    if type.startswith(AGENT_PREFIX):
+    if is_agent(type):
         raise ValueError(f"{type!r} is an agent (rollart.agents), not an env class: an "
                          f"EnvManager runs it through its endpoint")
     path = BUILTIN_ENVS.get(type, type)

@@ -42,6 +42,9 @@ __all__ = ["BUILTIN_ROLES", "CLUSTER_WAIT_S", "Node", "build_actors", "ensure_ru
 
 CLUSTER_WAIT_S = 120.0
 """Seconds :func:`ensure_run_streams` waits for a cluster's JetStream (replicas > 1)."""
+BUSY_SERVER_WAIT_S = 30.0
+"""Seconds :func:`ensure_run_streams` asks a single server again whose JetStream API timed
+out (a busy host)."""
 
 
 async def ensure_run_streams(bus: Bus, run: str, *, events_max_age: float | None = None,
@@ -61,7 +64,8 @@ async def ensure_run_streams(bus: Bus, run: str, *, events_max_age: float | None
 
     With replicas > 1 (a cluster) a JetStream API that does not answer yet (the cluster has no
     leader until a majority of its servers is up) is asked again for up to
-    ``CLUSTER_WAIT_S`` seconds: the nodes that host the servers may start one by one."""
+    ``CLUSTER_WAIT_S`` seconds: the nodes that host the servers may start one by one. A
+    single server that times out is asked again for ``BUSY_SERVER_WAIT_S``."""
     if events_max_age is None or events_max_bytes is None:
         d = NodeConfig()
         events_max_age = d.events_max_age if events_max_age is None else events_max_age
@@ -72,17 +76,26 @@ async def ensure_run_streams(bus: Bus, run: str, *, events_max_age: float | None
         limits = {"max_age": events_max_age, "max_bytes": events_max_bytes} if kind == "events" else {}
         spec = StreamSpec(name=m.stream_name(run, kind), subjects=m.stream_subjects(run, kind),
                           retention=m.STREAM_RETENTION[kind], replicas=replicas, **limits)
-        cluster = replicas > 1  # a single server answers or not: no retry
+        cluster = replicas > 1
+        # a cluster may have no leader yet; a single server may be too busy to answer
+        # within the API's timeout (seen on a loaded 2-core host): both are asked again
+        # (creating a stream that exists with the same settings is a no-op)
         same = await retry(lambda: bus.ensure_stream(spec, update=update), retry_on=BusTimeout,
                            what=f"creating stream {spec.name}",
-                           deadline=CLUSTER_WAIT_S if cluster else None,
-                           attempts=None if cluster else 1, base=0.5, cap=0.5, quiet=True,
-                           on_error=_waiting_for_leader if cluster else None)
+                           deadline=CLUSTER_WAIT_S if cluster else BUSY_SERVER_WAIT_S,
+                           base=0.5, cap=0.5 if cluster else 2.0, quiet=True,
+                           on_error=_waiting_for_leader if cluster else _waiting_for_server)
         if not same:
             log.warning("stream %s exists with settings other than this host's config "
                         "(node.events_max_age / events_max_bytes / stream_replicas, or another "
                         "rollart version): "
                         "left as it is; the trainer's host sets them", m.stream_name(run, kind))
+
+
+def _waiting_for_server(e: BaseException, attempt: int) -> None:
+    if attempt == 1:
+        log.warning("%s; the nats-server is slow to answer: asking again for up to %.0f s",
+                    e, BUSY_SERVER_WAIT_S)
 
 
 def _waiting_for_leader(e: BaseException, attempt: int) -> None:
