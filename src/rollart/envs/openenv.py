@@ -422,22 +422,31 @@ class OpenEnvEnv:
     def legal_actions(self) -> list[str] | None:
         return None if self._legal is None else list(self._legal)
 
+    async def _request(self, kind: str, data: dict) -> tuple[Any, str | None]:
+        """One ``reset`` or ``step`` on the server, by either transport: ``(payload, None)``,
+        or ``(None, why)`` for a step the server rejected as invalid (its validation error);
+        RuntimeError naming the server for any other refusal."""
+        if self.transport == "ws":
+            reply = await self._ws_call(kind, data)
+            if reply["type"] != "error":
+                return reply.get("data"), None
+            err = reply.get("data") or {}
+            msg = f"{err.get('message', err)} (code {err.get('code', '?')})"
+            if kind == "step" and err.get("code") == "VALIDATION_ERROR":
+                errors = err.get("errors")
+                return None, f"{msg}: {json.dumps(errors)[:_BODY]}" if errors else msg
+            raise RuntimeError(f"OpenEnv server {self.url}: {kind} failed: {msg}")
+        resp = await self._post(f"/{kind}", data if kind == "reset" else {"action": data})
+        if kind == "step" and resp.status_code == 422:
+            return None, f"HTTP 422: {_body(resp)}"
+        if resp.status_code != 200:
+            raise RuntimeError(f"OpenEnv server {self.url}: POST /{kind} answered HTTP "
+                               f"{resp.status_code}: {_body(resp)}")
+        return resp.json(), None
+
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         self.done = True
-        data = {**self.reset_args, "seed": int(seed)}
-        if self.transport == "ws":
-            reply = await self._ws_call("reset", data)
-            if reply["type"] == "error":
-                err = reply.get("data") or {}
-                raise RuntimeError(f"OpenEnv server {self.url}: reset failed: "
-                                   f"{err.get('message', err)} (code {err.get('code', '?')})")
-            payload = reply.get("data")
-        else:
-            resp = await self._post("/reset", data)
-            if resp.status_code != 200:
-                raise RuntimeError(f"OpenEnv server {self.url}: POST /reset answered HTTP "
-                                   f"{resp.status_code}: {_body(resp)}")
-            payload = resp.json()
+        payload, _ = await self._request("reset", {**self.reset_args, "seed": int(seed)})
         obs, _, done = self._parse("reset", payload)
         self._last = self._text(obs)
         self.done = done
@@ -449,24 +458,9 @@ class OpenEnvEnv:
         act = self._action(action)
         if act is None:
             return self._invalid("the action is not a JSON object (action_field is null)")
-        if self.transport == "ws":
-            reply = await self._ws_call("step", act)
-            if reply["type"] == "error":
-                err = reply.get("data") or {}
-                msg = f"{err.get('message', err)} (code {err.get('code', '?')})"
-                if err.get("code") == "VALIDATION_ERROR":
-                    errors = err.get("errors")
-                    return self._invalid(f"{msg}: {json.dumps(errors)[:_BODY]}" if errors else msg)
-                raise RuntimeError(f"OpenEnv server {self.url}: step failed: {msg}")
-            payload = reply.get("data")
-        else:
-            resp = await self._post("/step", {"action": act})
-            if resp.status_code == 422:
-                return self._invalid(f"HTTP 422: {_body(resp)}")
-            if resp.status_code != 200:
-                raise RuntimeError(f"OpenEnv server {self.url}: POST /step answered HTTP "
-                                   f"{resp.status_code}: {_body(resp)}")
-            payload = resp.json()
+        payload, invalid = await self._request("step", act)
+        if invalid is not None:
+            return self._invalid(invalid)
         obs, reward, done = self._parse("step", payload)
         self._last = self._text(obs)
         self.done = done
