@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -47,7 +44,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import store  # noqa: E402
+from readme_section import machine, quiet_transformers, store  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -217,19 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = args.concurrency or (16 if args.quick else 64)
     write = not args.no_write and (args.write or not args.quick)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    with contextlib.suppress(ImportError):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
+    quiet_transformers()
     t_start = time.perf_counter()
     res: dict = {"benchmark": "affinity", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "quick": args.quick,
                  "config": {k: getattr(args, k) for k in ("reps", "groups", "concurrency",
                                                           "replicas", "threads")},
-                 "machine": {"cpu_count": os.cpu_count(),
-                             "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-                             "python": platform.python_version()}}
+                 "machine": machine()}
     with tempfile.TemporaryDirectory(prefix="rollart-affinity-") as tmp:
         runs = asyncio.run(suite(args, Path(tmp)))
     res["summary"] = summarize(args, runs)

@@ -34,3 +34,23 @@ def store(path: Path, results: dict, name: str, section: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     replace_section(name, section)
+
+
+def quiet_transformers() -> None:
+    """No download progress bars or info lines from transformers (when it is installed)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def machine() -> dict:
+    """What a result was measured on: CPUs, the load at the start, Python."""
+    import os
+    import platform
+
+    return {"cpu_count": os.cpu_count(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version()}
