@@ -1,5 +1,5 @@
 """``rollart``: the command and its subcommands (run, rollout, top, tap, nodes, report,
-config, secure, cluster; ``rollart node`` is ``python -m rollart.node``)."""
+config, secure, cluster, demos, sft; ``rollart node`` is ``python -m rollart.node``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from rollart.app import node as node_cmd
 from rollart.app.args import add_nats_args, event_loop_runner, nats_overrides, quiet_libraries
 from rollart.app.cluster import register as register_cluster
 from rollart.app.configs import config_main, packaged_configs, resolve_config
+from rollart.app.demos import register as register_demos
 from rollart.app.monitor import top
 from rollart.app.nodes import register as register_nodes
 from rollart.app.queues import snapshot
@@ -24,6 +25,7 @@ from rollart.app.report import report
 from rollart.app.rollout import rollout_main
 from rollart.app.run import run_main
 from rollart.app.secure import register as register_secure
+from rollart.app.sft import register as register_sft
 from rollart.app.tap import register as register_tap
 from rollart.bus.connect import bus_from_config
 from rollart.config import ConfigError, RunConfig, load
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "processes for generation and envs (node.local_processes; "
                         "--nats memory implies it): simpler to debug, but generation and "
                         "training share one core")
+    t.add_argument("--init-from", default=None, metavar="SFT_RUN",
+                   help="start from the model of an SFT run (`rollart sft`): sets "
+                        "trainer.init_from, the model folder of trainer and generators")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=run_main)
 
@@ -170,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_cluster(sub)
     register_nodes(sub)
     register_tap(sub)
+    register_demos(sub)
+    register_sft(sub)
     return p
 
 

@@ -63,7 +63,7 @@ async def check_run_config(cfg: RunConfig, names: list[str] | None = None, *,
                 raise ConfigError(f"telemetry.loggers: {name!r} needs the {mod} package, which "
                                   f"is not installed here: pip install 'rollart[loggers]'")
     check_engine_args(cfg)
-    if cfg.model.path:  # a tiny model is built later: EnvManager.from_config checks it then
+    if cfg.model.path or cfg.trainer.init_from:  # a tiny model is built later: EnvManager.from_config checks it then
         try:
             check_context(cfg, model_dir(cfg))
         except ValueError as e:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from rollart.app import trace_report as tr
-from rollart.app.trace_report import LABELS, STEP_PARTS
+from rollart.app.trace_report import LABELS, STEP_PARTS, save_png
 
 
 def read_summary(run_path: str | Path) -> dict:
@@ -95,15 +95,7 @@ def plot(run_path: str | Path, out: str | Path | None = None, *,
         title += "   final greedy: " + ", ".join(f"{k} {v:.2f}" for k, v in g.items())
     fig.suptitle(title)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, dpi=90, format="png")
-        os.replace(tmp, out)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return out
+    return save_png(fig, out, dpi=90)
 
 
 def _greedy(summary: dict | None) -> dict[str, float]:

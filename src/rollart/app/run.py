@@ -126,6 +126,9 @@ def _set_config_steps(path: Path, steps: int) -> None:
 
 async def run_main(args) -> int:
     if args.resume:
+        if getattr(args, "init_from", None):
+            raise ConfigError("--init-from starts a new run; a resumed run keeps its config's "
+                              "trainer.init_from")
         run_path = Path(args.resume)
         if not (run_path / "config.yaml").exists():
             raise ConfigError(f"{run_path} is not a run folder (it has no config.yaml): start a "
@@ -149,6 +152,9 @@ async def run_main(args) -> int:
             cfg = msgspec.structs.replace(cfg, run=m.check_token("run", args.run))
         if args.steps:
             cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, steps=args.steps))
+        if getattr(args, "init_from", None):  # the SFT model: recorded in config.yaml for --resume
+            cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(
+                cfg.trainer, init_from=args.init_from))
         await check_run_config(cfg)  # before the run folder exists: a broken env fails in seconds
         cfg, run_path = _claim_run_folder(cfg)  # a name that is taken gets a fresh suffix
         (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))

@@ -370,6 +370,12 @@ class TrainerConfig(Base):
 
     steps: int = 20
     """Optimizer steps (policy versions) to train."""
+    init_from: str | None = None
+    """Start from a supervised fine-tuned model: the run folder ``rollart sft`` wrote
+    (``runs/<sft-run>``, whose ``model/`` is used) or any local HF model folder. It is the
+    model folder of the whole run: the trainer's initial weights (and the KL reference), the
+    generators' weights and the tokenizer; ``model.path`` and ``model.tiny`` are then not used
+    (``model.threads`` still is). None: the model of ``model:``."""
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
     """Advantage estimator (drgrpo: group mean baseline without std normalisation)."""
     lr: float = 1e-3
@@ -480,6 +486,9 @@ class TrainerConfig(Base):
     127.0.0.1 on a free port, every rank on the trainer's host."""
 
     def __post_init__(self) -> None:
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError("trainer.init_from must be a folder (runs/<sft-run> or a model "
+                             "folder), or null for the model of model:")
         if self.stall_after <= 0:
             raise ValueError("trainer.stall_after must be > 0 seconds")
         if self.weights in ("shm", "tcp") and self.sync.format != "stream":

@@ -1,4 +1,5 @@
-"""Where a run's model lives: a local folder, or a tiny model built once and cached."""
+"""Where a run's model lives: the SFT model it starts from (``trainer.init_from``), a local
+folder (``model.path``), or a tiny model built once and cached (``model.tiny``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,31 @@ from pathlib import Path
 import msgspec
 
 from rollart.config import RunConfig
+from rollart.errors import ConfigError
+
+SFT_MODEL = "model"
+"""The model folder inside an SFT run folder (``rollart sft`` writes ``runs/<run>/model``)."""
+
+
+def init_from_dir(path: str) -> Path:
+    """The model folder ``trainer.init_from`` names: ``<path>/model`` (an SFT run folder) or
+    ``<path>`` itself (a model folder); a :class:`ConfigError` naming the key otherwise."""
+    p = Path(path).expanduser()
+    for folder in (p / SFT_MODEL, p):
+        if (folder / "config.json").is_file():
+            return folder
+    what = "does not exist" if not p.exists() else "holds no model"
+    raise ConfigError(f"trainer.init_from: {str(p)!r} {what}: expected an SFT run folder with "
+                      f"{SFT_MODEL}/config.json (`rollart sft CONFIG --data FILE --out "
+                      f"{p}` writes one) or a Hugging Face model folder with config.json")
 
 
 def model_dir(run_cfg: RunConfig) -> Path:
-    """The model folder of ``run_cfg``; builds the configured tiny model if no path is set."""
+    """The model folder of ``run_cfg``, the same for every role: ``trainer.init_from``'s when
+    set, else ``model.path``, else the configured tiny model (built on first use)."""
+    init = getattr(run_cfg.trainer, "init_from", None)
+    if init:
+        return init_from_dir(init)
     mc = run_cfg.model
     if mc.path:
         p = Path(mc.path).expanduser()
