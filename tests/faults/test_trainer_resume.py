@@ -68,7 +68,11 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9)), "one record per step, none repeated"
     ids = [t for r in rows for t in r["traj_ids"]]
-    assert len(ids) == len(set(ids)) == 8 * 2 * 4, "no trajectory trained twice"
+    why = (f"per step: {[len(r['traj_ids']) for r in rows]}; last row's counts: "
+           f"{ {k: v for k, v in rows[-1].items() if k.startswith(('count_', 'groups_'))} }; "
+           f"resumed run's output:\n{out}")
+    assert len(ids) == len(set(ids)), f"no trajectory trained twice; {why}"
+    assert len(ids) == 8 * 2 * 4, f"none missing; {why}"
     groups = sorted({t.rsplit("-", 1)[0] for t in ids})
     assert groups == [f"g{i:06d}" for i in range(16)], "groups trained in order, none skipped"
     for r in rows:  # the α rule on recorded data: step v+1 uses min_version >= v - alpha
