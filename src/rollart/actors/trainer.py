@@ -80,6 +80,8 @@ class Trainer(StepLoop, Actor):
     """Futures of the deliveries of closed groups: resolved (acked) by the next checkpoint."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
     """Notified when a delivery is held (the step loop looks at the ledger again)."""
+    stepped: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
+    """Notified after each step (:attr:`version` is the new one)."""
     finished: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     """Set when the trainer is done: its steps taken, or stopped by :attr:`failure`."""
     failure: str | None = field(default=None, init=False)

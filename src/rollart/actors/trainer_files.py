@@ -33,6 +33,27 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+EVAL_FILE = "eval.jsonl"
+"""The held-out evaluations of ``trainer.eval_every`` (:mod:`rollart.app.periodic_eval`)."""
+
+
+def read_evals(run_path: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``<run>/eval.jsonl`` by version (a half-written last line is skipped; a
+    version evaluated twice keeps its latest row); [] when there is none."""
+    p = Path(run_path) / EVAL_FILE
+    if not p.exists():
+        return []
+    last: dict[int, dict] = {}
+    for line in p.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("version"), int):
+            last[row["version"]] = row
+    return [last[k] for k in sorted(last)]
+
+
 class RunFiles:
     """``<run_dir>/<run>``: ``weights/v<version>*.safetensors``, ``metrics.jsonl`` (one row
     per step; a resume keeps exactly the rows of the steps its checkpoint holds) and the
@@ -58,6 +79,7 @@ class RunFiles:
         self.state = self.path / "checkpoints" / "state.json"
         self.journal = self.path / "checkpoints" / "journal"
         self.metrics = self.path / "metrics.jsonl"
+        self.evals = self.path / EVAL_FILE
 
     def make(self) -> None:
         """Create the weights, checkpoints and journal folders."""
@@ -154,7 +176,12 @@ class RunFiles:
     # -- the metrics record ----------------------------------------------------------
     def rewrite_metrics(self, version: int) -> None:
         """After a resume: the record is the steps up to ``version`` (what the checkpoint
-        holds), nothing after."""
+        holds), nothing after; so is ``eval.jsonl`` (``trainer.eval_every``)."""
+        evals = [json.dumps(r) + "\n" for r in read_evals(self.path) if r["version"] <= version]
+        if self.evals.exists():
+            tmp = self.evals.with_suffix(".tmp")
+            tmp.write_text("".join(evals))
+            tmp.replace(self.evals)
         p = self.metrics
         if not p.exists():
             return

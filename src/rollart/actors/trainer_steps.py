@@ -48,6 +48,7 @@ class StepLoop:
     counts: dict[str, int]
     unacked: list[asyncio.Future]
     changed: asyncio.Condition
+    stepped: asyncio.Condition
     failure: str | None
     waiting: str
     history: deque[dict]
@@ -90,6 +91,8 @@ class StepLoop:
             otel_metrics.trainer_step(time.perf_counter() - t0)
             if self.on_step is not None:
                 self.on_step(metrics)
+            async with self.stepped:  # trainer.eval_every's evaluator waits on it
+                self.stepped.notify_all()
 
     def _staleness_counts(self, batch: list[Group]) -> list[int]:
         """``counts[k]``: the samples of ``batch`` that are ``k`` versions stale now."""

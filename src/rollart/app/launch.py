@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from pathlib import Path
 
 import msgspec
@@ -19,10 +18,10 @@ from rollart.actors.base import Retry
 from rollart.actors.run_end import put_run_end
 from rollart.actors.runtime import decode_core
 from rollart.aio import first_of
+from rollart.app.periodic_eval import evaluate, periodic_evals, stop_evals
 from rollart.app.report import plot
 from rollart.config import RunConfig
 from rollart.config.schema import nats_settings
-from rollart.node import Node, rollout_actors
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +59,6 @@ def write_config(cfg: RunConfig, *, overwrite: bool = True) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
     return path
-
-
-async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
-                   pool: str = "default") -> dict:
-    """Greedy success of the policy ``version`` on ``groups`` fresh groups, on whatever
-    env, generate and reward replicas serve the run (in this process or others)."""
-    deadline = time.monotonic() + 60
-    while any(p.version < version for p in proxies) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if cfg.pools:  # only the scheduler is used: its requests go to mapping.env whatever this
-        pool = "default"  # node's pool (which need not serve env or generate)
-    sched, _ = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True, greedy=True,
-                              eval=True, pool=pool,
-                              prefix=f"eval{version}-{uuid.uuid4().hex[:6]}-")  # unique:
-    # the prefix names trajectories and their msg ids; a repeated evaluation of the same
-    # version (a resumed run) would otherwise be dropped as duplicates and never finish
-    sched.min_policy = version  # a replica elsewhere that has not loaded it yet waits for it
-    async with Node(bus, [sched], heartbeat_every=0, events_max_age=cfg.node.events_max_age,
-                    events_max_bytes=cfg.node.events_max_bytes):
-        await sched.all_done.wait()
-    res = sched.results
-    return {"version": version, "greedy_success": sum(r.success for r in res) / max(1, len(res)),
-            "greedy_reward": sum(r.reward for r in res) / max(1, len(res)), "trajectories": len(res)}
 
 
 class _QuietHandBacks(logging.Filter):
@@ -123,7 +99,16 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
     quiet_hand_backs()
     t0 = time.perf_counter() if t0 is None else t0
     done = asyncio.ensure_future(trainer.finished.wait())
-    won, _ = await first_of(done, node.wait())
+    evals, no_more = None, asyncio.Event()
+    if cfg.trainer.eval_every:  # trainer.eval_every: beside training, ended with it
+        evals = asyncio.ensure_future(periodic_evals(
+            bus, cfg, trainer, Path(cfg.run_dir) / cfg.run, no_more, proxies=proxies, pool=pool))
+    won: set = set()
+    try:
+        won, _ = await first_of(done, node.wait())
+    finally:
+        if evals is not None:
+            await _end_evals(cfg, trainer, evals, no_more, finish=done in won)
     interrupted = done not in won
     _stop_consuming(node, trainer)
     final: dict = {}
@@ -159,6 +144,19 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
             result={k: float(v) for k, v in final.items() if isinstance(v, (int, float))},
             ts=time.time()))
     return summary
+
+
+async def _end_evals(cfg: RunConfig, trainer, evals: asyncio.Future, no_more: asyncio.Event, *,
+                     finish: bool) -> None:
+    """The end of ``trainer.eval_every``'s task: one evaluation under way is finished when
+    training ended (within ``trainer.eval_timeout``), cut short when it was interrupted."""
+    if finish:
+        await stop_evals(trainer, no_more)
+        await asyncio.wait([evals], timeout=cfg.trainer.eval_timeout)
+    evals.cancel()
+    (err,) = await asyncio.gather(evals, return_exceptions=True)
+    if isinstance(err, Exception):
+        log.error("run %s: the evaluations of trainer.eval_every stopped: %r", cfg.run, err)
 
 
 async def write_summary(cfg: RunConfig, trainer, *, wall: float, interrupted: bool,

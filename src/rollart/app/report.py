@@ -16,6 +16,7 @@ import math
 import os
 from pathlib import Path
 
+from rollart.actors.trainer_files import read_evals
 from rollart.app import trace_report as tr
 from rollart.app.trace_report import LABELS, STEP_PARTS, save_png
 
@@ -63,6 +64,7 @@ def plot(run_path: str | Path, out: str | Path | None = None, *,
     rows = read_metrics(run_path)
     out = Path(out or Path(run_path) / "learning.png")
     summary = read_summary(run_path) if summary is None else summary
+    evals = [e for e in read_evals(run_path) if "greedy_success" in e]
     steps = [r["step"] for r in rows]
     wall = [r.get("wall_s", 0.0) for r in rows]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4))
@@ -75,6 +77,7 @@ def plot(run_path: str | Path, out: str | Path | None = None, *,
         ax.plot(x, [r.get("success", 0.0) for r in rows], label="success (sampled)",
                 color="tab:orange", linestyle="--", linewidth=1.6, marker="x", markersize=6,
                 markevery=(every // 2, every), zorder=3)  # markers between the reward's
+        _plot_evals(ax, evals, "step" if label == "step" else "wall_s")
         _mark_greedy(ax, (x[-1] if x else 0), summary)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
@@ -96,6 +99,35 @@ def plot(run_path: str | Path, out: str | Path | None = None, *,
     fig.suptitle(title)
     fig.tight_layout()
     return save_png(fig, out, dpi=90)
+
+
+def _plot_evals(ax, evals: list[dict], xkey: str) -> None:
+    """The held-out evaluations of ``trainer.eval_every`` (greedy and sampled success)."""
+    if not evals:
+        return
+    x = [e.get(xkey, 0.0) for e in evals]
+    ax.plot(x, [e["greedy_success"] for e in evals], color="tab:red", linestyle=":",
+            marker="s", markersize=5, zorder=4, label="greedy success (held-out eval)")
+    ax.plot(x, [e["sampled_success"] for e in evals], color="tab:purple", linestyle=":",
+            marker="^", markersize=5, zorder=4, label="sampled success (held-out eval)")
+
+
+def evals_table(run_path: str | Path) -> list[str]:
+    """Lines of the held-out evaluations (``trainer.eval_every``), [] when the run has none."""
+    evals = read_evals(run_path)
+    if not evals:
+        return []
+    lines = [f"held-out evaluations (trainer.eval_every), {len(evals)}:",
+             f"{'version':>7} {'greedy':>7} {'sampled':>7} {'served':>9} {'eval_s':>7} {'wall_s':>7}"]
+    for e in evals:
+        if "eval_error" in e:
+            lines.append(f"{e['version']:>7}  failed: {e['eval_error']}")
+            continue
+        lo, hi = (e.get("served") or [e["version"]] * 2)[:2]
+        served = f"v{lo}" if lo == hi else f"v{lo}-{hi}"
+        lines.append(f"{e['version']:>7} {e['greedy_success']:>7.3f} {e['sampled_success']:>7.3f} "
+                     f"{served:>9} {e.get('eval_s', 0.0):>7.1f} {e.get('wall_s', 0.0):>7.1f}")
+    return lines
 
 
 def _greedy(summary: dict | None) -> dict[str, float]:
@@ -182,6 +214,7 @@ def table(run_path: str | Path, every: int | None = None, *, summary: dict | Non
         at = f" of v{int(summary['version'])}" if isinstance(summary.get("version"), (int, float)) else ""
         lines.append(f"final greedy evaluation{at}: " + ", ".join(f"{k} {v:.3f}" for k, v in g.items())
                      + extra)
+    lines += evals_table(run_path)
     if summary.get("failed"):
         lines.append(f"run stopped: {summary['failed']}")
     elif summary.get("interrupted"):

@@ -461,7 +461,13 @@ class TrainerConfig(Base):
     seed: int = 0
     """Seed of the trainer."""
     eval_groups: int = 4
-    """Groups of the greedy evaluation at the end of ``rollart run`` (held-out seeds)."""
+    """Groups of the greedy evaluation at the end of ``rollart run`` (held-out seeds), and of
+    each evaluation ``eval_every`` asks for."""
+    eval_every: int = 0
+    """Every this many steps, the version just trained is evaluated on ``eval_groups``
+    held-out groups, greedy and sampled, beside training (the trainer does not wait for it,
+    and its time is in no step's): a row of ``eval.jsonl``, the plot, ``rollart report`` and
+    the loggers (``eval/``). 0: only the final evaluation."""
     expect_success: float | None = None
     """The final greedy success a run of this config should reach (None: no expectation).
     Below it the run says it did not learn: one line with the last sampled success values and
@@ -502,7 +508,8 @@ class TrainerConfig(Base):
                           "keep_weights eval_groups", ge=1)
         in_range(self, k, "full_checkpoint_s", gt=0)
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
-        in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform", ge=0)
+        in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform "
+                          "eval_every", ge=0)
         in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
         in_range(self, k, "expect_success", ge=0, le=1)
         in_range(self, k, "world_size", ge=1)

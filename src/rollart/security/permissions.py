@@ -84,7 +84,7 @@ USES: dict[str, dict[str, str]] = {
 """subject name -> role -> space-separated verbs (the monitor reads every subject)."""
 
 INCLUDES: dict[str, tuple[str, ...]] = {"trainer": ("scheduler",)}
-"""The trainer's node also runs a scheduler: the final evaluation (``launch.evaluate``);
+"""The trainer's node also runs a scheduler: the final evaluation (``periodic_eval.evaluate``);
 the head node of a multi-host run is ``--roles trainer,scheduler`` on one credential."""
 
 KV_WRITES: dict[str, tuple[str, ...]] = {
