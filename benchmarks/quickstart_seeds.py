@@ -5,17 +5,20 @@
     python benchmarks/quickstart_seeds.py --seeds 20                  # the promise: 20 seeds
     python benchmarks/quickstart_seeds.py --seeds 6 --variants default,constant-lr
     python benchmarks/quickstart_seeds.py --seeds 20 --nats memory --alpha 0
+    python benchmarks/quickstart_seeds.py --seeds 3 --steps 150 --parallel 2   # after learning, under load
 
 Each run is the packaged config (``--config``, default ``quickstart``) through
 ``python -m rollart run`` in a fresh process (child node processes and an embedded
-nats-server unless ``--nats memory``), one run at a time, with seed ``s`` as both the
+nats-server unless ``--nats memory``), one run at a time (``--parallel N``: N at once), with seed ``s`` as both the
 sampling seed (``actors.generate.args.seed``) and the task seed (``rollout.seed = 1000 s``),
 and a variant's overrides on top. Runs are interleaved: seed 0 of every variant, then
 seed 1, ..., so a busy spell of the machine does not fall on one variant.
 
 Per run it reads ``summary.json`` (the final greedy success, ``wall_s``) and
 ``metrics.jsonl`` (sampled success per step): the first step whose sampled success is
->= 0.5, and the mean of the last 10 steps. A run *learned* when its final greedy success
+>= 0.5, the mean of the last 10 steps, and after the first step with sampled success >= 0.9
+the lowest sampled success and the largest gradient norm (a late collapse and the spike
+before it). A run *learned* when its final greedy success
 is >= ``--threshold`` (0.9). It prints JSON; ``--write`` also stores it in
 ``benchmarks/results/quickstart_seeds_<label>.json`` and the section of ``benchmarks/README.md``
 between ``<!-- quickstart_seeds:<label>:begin -->`` and ``<!-- quickstart_seeds:<label>:end -->``
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -55,6 +59,8 @@ VARIANTS: dict[str, dict] = {
     "skip-8": {"trainer": {"skip_uniform": 8}},
     "skip-16": {"trainer": {"skip_uniform": 16}},
     "skip-16-lr-0.005": {"trainer": {"skip_uniform": 16, "lr": 0.005}},
+    "clip-0.3": {"trainer": {"grad_clip": 0.3}},
+    "kl-0.01": {"trainer": {"kl_coef": 0.01}},
     "skip-failed-16": {"trainer": {"skip_uniform": 16, "skip_which": "failed"}},
     "skip-failed-16-lr-0.005": {"trainer": {"skip_uniform": 16, "skip_which": "failed", "lr": 0.005}},
     # trainer.lora on the quickstart (tests/e2e/test_learning_scale.py): adapters on the 7
@@ -80,12 +86,14 @@ def merged(base: dict, over: dict) -> dict:
 
 
 def run_one(config: Path, variant: str, seed: int, *, nats: str | None, alpha: int | None,
-            work: Path, timeout: float) -> dict:
+            work: Path, timeout: float, steps: int | None = None) -> dict:
     raw = yaml.safe_load(config.read_text())
     over = merged(VARIANTS[variant], {"actors": {"generate": {"args": {"seed": seed}}},
                                       "rollout": {"seed": 1000 * seed}})
     if alpha is not None:
         over = merged(over, {"rollout": {"alpha": alpha}})
+    if steps is not None:
+        over = merged(over, {"trainer": {"steps": steps}})
     name = f"qs-{variant.replace('.', '_')}-s{seed}-{uuid.uuid4().hex[:4]}"
     cfg = merged(raw, over) | {"run": name, "run_dir": str(work / "runs")}
     path = work / f"{name}.yaml"
@@ -113,18 +121,35 @@ def run_one(config: Path, variant: str, seed: int, *, nats: str | None, alpha: i
                   "first_sampled_0_9": most,
                   "last10_sampled": round(statistics.fmean(sampled[-10:]), 3) if sampled else None,
                   "sampled": [round(x, 2) for x in sampled],
+                  **after_learning(rows, most),
                   "entropy": [round(float(x.get("entropy", 0.0)), 2) for x in rows]}
+
+
+def after_learning(rows: list[dict], learned_at: int | None) -> dict:
+    """What happened once sampled success first reached 0.9 (step ``learned_at``): the lowest
+    sampled success after it, whether it *collapsed* (a later step below 0.5), and the largest
+    gradient norm after it (before clipping): the spike that precedes a collapse."""
+    if learned_at is None:
+        return {"min_sampled_after_0_9": None, "collapsed": None, "max_grad_norm_after_0_9": None}
+    later = [x for x in rows if int(x["step"]) > learned_at]
+    low = min((float(x.get("success", 0.0)) for x in later), default=None)
+    norm = max((float(x.get("grad_norm", 0.0)) for x in later), default=None)
+    return {"min_sampled_after_0_9": low, "collapsed": low is not None and low < 0.5,
+            "max_grad_norm_after_0_9": None if norm is None else round(norm, 3)}
 
 
 def per_seed(results: list[dict], variant: str) -> str:
     """One row per seed of ``variant``: final greedy success, the first steps whose sampled
     success reached 0.5 and 0.9, wall time."""
-    lines = ["| seed | final greedy success | first step sampled >= 0.5 | first step sampled >= 0.9 | wall s |",
-             "|---|---|---|---|---|"]
+    lines = ["| seed | final greedy success | first step sampled >= 0.5 | first step sampled >= 0.9 | "
+             "lowest sampled after it | largest grad norm after it | wall s |",
+             "|---|---|---|---|---|---|---|"]
     for r in (r for r in results if r["variant"] == variant):
+        low = r.get("min_sampled_after_0_9")
         lines.append(f"| {r['seed']} | {r.get('greedy_success', 'error')} | "
                      f"{r.get('first_sampled_0_5') or '-'} | {r.get('first_sampled_0_9') or '-'} | "
-                     f"{r.get('wall_s', '-')} |")
+                     f"{'-' if low is None else round(low, 2)} | "
+                     f"{r.get('max_grad_norm_after_0_9') or '-'} | {r.get('wall_s', '-')} |")
     return "\n".join(lines)
 
 
@@ -151,6 +176,10 @@ def main() -> int:
     p.add_argument("--variants", default="default", help=f"comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--nats", default=None, help="memory: the in-process bus (default: embedded server)")
     p.add_argument("--alpha", type=int, default=None, help="override rollout.alpha")
+    p.add_argument("--steps", type=int, default=None, help="override trainer.steps (longer runs "
+                   "test what happens after the policy has learned)")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (2: the load of a CI "
+                   "host running two learning tests; default 1)")
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--write", action="store_true", help="store results and the README section")
@@ -163,15 +192,19 @@ def main() -> int:
     if unknown:
         p.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    results: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="rollart-qs-seeds-") as tmp:
-        for k, seed in enumerate(seeds):
-            for v in (variants if k % 2 == 0 else variants[::-1]):  # interleaved, order flipped
-                r = run_one(Path(args.config), v, seed, nats=args.nats, alpha=args.alpha,
-                            work=Path(tmp), timeout=args.timeout)
-                results.append(r)
-                say(f"{v} seed {seed}: greedy {r.get('greedy_success')} first sampled 0.5 at "
-                    f"{r.get('first_sampled_0_5')} wall {r.get('wall_s')} s {r.get('error', '')}")
+    order = [(v, seed) for k, seed in enumerate(seeds)
+             for v in (variants if k % 2 == 0 else variants[::-1])]  # interleaved, order flipped
+    with tempfile.TemporaryDirectory(prefix="rollart-qs-seeds-") as tmp, \
+            ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        def one(job: tuple[str, int]) -> dict:
+            v, seed = job
+            r = run_one(Path(args.config), v, seed, nats=args.nats, alpha=args.alpha,
+                        work=Path(tmp), timeout=args.timeout, steps=args.steps)
+            say(f"{v} seed {seed}: greedy {r.get('greedy_success')} first sampled 0.5 at "
+                f"{r.get('first_sampled_0_5')} collapsed {r.get('collapsed')} wall "
+                f"{r.get('wall_s')} s {r.get('error', '')}")
+            return r
+        results = list(pool.map(one, order))
     label = args.label or f"{args.nats or 'embedded'}-a{'cfg' if args.alpha is None else args.alpha}"
     out = {"label": label, "config": args.config, "nats": args.nats or "embedded", "alpha": args.alpha,
            "threshold": args.threshold, "seeds": seeds, "variants": variants,
@@ -190,7 +223,8 @@ def main() -> int:
                    f"`python benchmarks/quickstart_seeds.py {' '.join(sys.argv[1:])}` on "
                    f"{out['date']}, {os.cpu_count()} cores, bus {out['nats']}, alpha "
                    f"{'of the config' if args.alpha is None else args.alpha}; seed s is the "
-                   f"sampling seed and the task seed (x1000); one run at a time"
+                   f"sampling seed and the task seed (x1000); "
+                   f"{'one run at a time' if args.parallel <= 1 else f'{args.parallel} runs at once'}"
                    f"{f', wall median {statistics.median(walls):.0f} s' if walls else ''}.\n\n"
                    f"{out['table']}\n\n{rows}\n{end}")
         if begin in text:
