@@ -46,6 +46,22 @@ async def test_hosts_talk_and_leave_nothing_behind(hosts):
     assert h.leftovers() == []
 
 
+async def publish_within(js, subject: str, data: bytes, seconds: float, cluster, what: str) -> None:
+    """Publish once the stream answers: a stream without a leader yet (just made, or its leader
+    killed) has no responders, or times out, until one is elected. A message id keeps a try that
+    timed out after it was stored from storing it twice."""
+    end = time.monotonic() + seconds
+    msg_id = f"{what}-{time.monotonic_ns()}"
+    while True:
+        try:
+            await js.publish(subject, data, timeout=1, headers={"Nats-Msg-Id": msg_id})
+            return
+        except Exception:  # noqa: BLE001 - not yet: no leader answers
+            if time.monotonic() > end:
+                raise AssertionError(f"no answer to {what} in {seconds} s:\n{cluster.logs()}") from None
+            await asyncio.sleep(0.1)
+
+
 async def test_three_server_cluster_survives_kill9(hosts, nats_cluster):
     import nats
     from nats.js.api import StreamConfig
@@ -57,21 +73,17 @@ async def test_three_server_cluster_survives_kill9(hosts, nats_cluster):
     try:
         js = nc.jetstream(timeout=3)
         await js.add_stream(StreamConfig(name="R3", subjects=["r3.>"], num_replicas=3))
-        for i in range(5):
+        # add_stream returns before the new stream's leader answers on every server: the first
+        # publish may find no responders (CI saw it once), so it waits for one, with a deadline
+        await publish_within(js, "r3.x", b"0", 20, cluster, "the stream's first publish")
+        for i in range(1, 5):
             await js.publish("r3.x", str(i).encode())
         info = await js.stream_info("R3")
         assert info.config.num_replicas == 3 and info.state.messages == 5
         leader = info.cluster.leader
         victim = next(k for k in range(3) if cluster.procs[k] and leader.endswith(f"-n{k + 1}"))
         cluster.kill(victim)  # the stream's leader: a new one is elected among the two left
-        end = time.monotonic() + 20
-        while True:
-            try:
-                await js.publish("r3.x", b"after", timeout=1)
-                break
-            except Exception:  # noqa: BLE001 - not yet: a new leader is being elected
-                if time.monotonic() > end:
-                    raise AssertionError(f"no publish after the kill:\n{cluster.logs()}")
+        await publish_within(js, "r3.x", b"after", 20, cluster, "a publish after the kill")
         info = await js.stream_info("R3")
         assert info.state.messages == 6 and info.cluster.leader != leader
     finally:
