@@ -64,3 +64,26 @@ def test_a_demonstrator_answers_a_legal_move_and_a_bad_name_lists_what_exists():
         make_demonstrator("frozenlake", "oracle", env, random.Random(0))
     with pytest.raises(ValueError, match="cannot import it"):
         make_demonstrator("frozenlake", "no_such_pkg:factory", env, random.Random(0))
+
+
+def test_cell_sep_draws_one_token_per_cell_and_the_demonstrators_read_it(tmp_path):
+    plain, spaced = make_env("frozenlake", RANDOM), make_env("frozenlake", RANDOM | {"cell_sep": "|"})
+    obs, _ = plain.reset(7)
+    sep_obs, _ = spaced.reset(7)
+    assert sep_obs == "\n".join("|".join(row) for row in obs.splitlines()) and sep_obs.startswith("P|")
+    # the tiny model's tokenizer: a cell per token (without the separator a row's letters merge)
+    from rollart.engines.tiny import _builtin_corpus, _train_tokenizer
+    tok = _train_tokenizer(512, _builtin_corpus())
+    pieces = [p for p in tok.encode(sep_obs).tokens if p not in ("|", "Ċ")]
+    assert pieces == [ch for ch in obs if ch != "\n"], pieces
+    # the same episodes, move for move, whatever the drawing
+    seeds = list(range(64))
+    a = asyncio.run(write_demos(EnvConfig(type="frozenlake", args=RANDOM), "bfs", seeds,
+                                tmp_path / "a.jsonl", quiet=True))
+    b = asyncio.run(write_demos(EnvConfig(type="frozenlake", args=RANDOM | {"cell_sep": "|"}), "bfs",
+                                seeds, tmp_path / "b.jsonl", quiet=True))
+    moves = [[[m["content"] for m in json.loads(x)["messages"] if m["role"] == "assistant"]
+              for x in (tmp_path / f).read_text().splitlines()] for f in ("a.jsonl", "b.jsonl")]
+    assert a["success_rate"] == b["success_rate"] == 1.0 and moves[0] == moves[1]
+    with pytest.raises(ValueError, match="cell_sep"):
+        make_env("frozenlake", RANDOM | {"cell_sep": "x"})

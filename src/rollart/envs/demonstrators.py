@@ -87,7 +87,8 @@ def make_demonstrator(env_type: str, name: str, env: Any, rng: random.Random) ->
 
 def parse_grid(observation: str) -> tuple[list[str], tuple[int, int], tuple[int, int] | None]:
     """A FrozenLake observation -> (rows, player position, goal position or None)."""
-    rows = [r.strip() for r in observation.strip().splitlines() if r.strip()]
+    rows = ["".join(ch for ch in r if ch.isalpha()) for r in observation.strip().splitlines()]
+    rows = [r for r in rows if r]  # cells drawn with a separator (``cell_sep``) or without
     player = goal = None
     for r, row in enumerate(rows):
         for c, ch in enumerate(row):

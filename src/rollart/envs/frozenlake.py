@@ -88,6 +88,10 @@ class FrozenLakeEnv:
         max_steps: steps before truncation (default rows + columns, i.e. 8 for 4x4).
             Random maps are always solvable within it (when not slippery).
         instruction: override the instruction text.
+        cell_sep: drawn between the cells of a row (default none: ``PFFF``). With ``"|"``
+            (``P|F|F|F``) every cell is a token of its own for a byte-level BPE tokenizer,
+            which otherwise merges a row's letters into pieces of varying length (``P``,
+            ``FFF``), so a cell's column is not a fixed token offset.
 
     Reward 1.0 on reaching G (terminated, success), 0.0 otherwise; a hole terminates. An
     unknown action is a no-op with reward 0 and ``info["valid_action"] = False``; it still
@@ -96,7 +100,11 @@ class FrozenLakeEnv:
 
     def __init__(self, *, size: int = 4, map: list[str] | None = None, random_map: bool = False,
                  p_frozen: float = 0.8, slippery: bool = False, max_steps: int | None = None,
-                 instruction: str | None = None) -> None:
+                 instruction: str | None = None, cell_sep: str = "") -> None:
+        if not isinstance(cell_sep, str) or any(ch.isalnum() or ch in "\r\n" for ch in cell_sep):
+            raise ValueError(f"frozenlake arg 'cell_sep' must be a string without letters, digits "
+                             f"or line breaks, got {cell_sep!r}")
+        self.cell_sep = cell_sep
         if map is not None:
             if random_map:
                 raise ValueError("frozenlake args 'map' and 'random_map' are exclusive")
@@ -167,8 +175,8 @@ class FrozenLakeEnv:
         return list(MOVES)
 
     def render(self) -> str:
-        """The grid with the player as ``P``, rows joined by newlines."""
+        """The grid with the player as ``P``, rows joined by newlines (cells by ``cell_sep``)."""
         rows = list(self.grid)
         r, c = self.pos
         rows[r] = rows[r][:c] + "P" + rows[r][c + 1:]
-        return "\n".join(rows)
+        return "\n".join(self.cell_sep.join(row) for row in rows) if self.cell_sep else "\n".join(rows)

@@ -153,6 +153,10 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     if eval:
         sched_args.update(seed_offset=1_000_000,  # held-out tasks: training seeds start at 0
                           run_cfg=None)
+        if greedy and cfg.rollout.same_seed_per_group:
+            # greedy decoding plays a task one way: one trajectory per held-out task, not a
+            # group of identical ones (the sampled evaluation keeps group_size per task)
+            sched_args["rollout"] = msgspec.structs.replace(cfg.rollout, group_size=1, redundancy=0)
     actors = build_actors(cfg, ["scheduler", "env", "generate", "reward"], pool,
                           args={"scheduler": sched_args}, one_host=True)
     return actors[0], actors

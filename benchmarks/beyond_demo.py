@@ -1,0 +1,270 @@
+"""RL beyond its demonstrator: SFT on a demonstrator's episodes, then RL, against RL alone.
+
+::
+
+    python benchmarks/beyond_demo.py --seeds 3 --write                 # random-map FrozenLake
+    python benchmarks/beyond_demo.py --seeds 1 --rl-steps 60 --no-cold   # a quick look
+
+Per seed ``s``, as a user runs it, each a fresh ``python -m rollart`` process:
+
+1. ``rollart demos CONFIG --policy POLICY`` plays ``--demos`` episodes on training maps (task
+   seeds 5,000,000 + 10,000 s + i: never an evaluation's) and the same demonstrator plays the
+   run's held-out maps (seeds 1,000,000 + 1000 s + i, the ones ``trainer.eval_groups`` uses),
+   which is the bar to beat;
+2. ``rollart sft CONFIG --data demos.jsonl`` (``--sft-steps`` x ``--sft-batch``), with a greedy
+   evaluation on the same held-out maps;
+3. ``rollart run CONFIG --init-from <sft>`` (*warm*) and, unless ``--no-cold``, the same run
+   without it (*cold*), with ``trainer.eval_every`` so that held-out greedy success is known
+   along the way; seed s is the sampling seed and ``rollout.seed = 1000 s``.
+
+A warm run's clock starts with its demonstrations: its wall time is demos + SFT + RL. It
+prints JSON; ``--write`` stores ``benchmarks/results/beyond_demo_<label>.json``, a plot of
+held-out greedy success against wall time (median and min-max band over seeds, the
+demonstrator's line) as ``beyond_demo_<label>.png`` and the README section
+``beyond_demo:<label>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from readme_section import machine, store  # noqa: E402
+
+EVAL_OFFSET = 1_000_000  # the scheduler's held-out seeds (rollart.node.build.rollout_actors)
+DEMO_OFFSET = 5_000_000
+
+
+def say(text: str) -> None:
+    print(f"[beyond-demo {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
+
+
+def rollart(args: list[str], work: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "rollart", *args], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"rollart {' '.join(args)} exited {r.returncode}:\n{r.stderr[-2000:]}")
+    return r
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def play(config: Path, policy: str, episodes: int, first_seed: int, out: Path, work: Path) -> dict:
+    t0 = time.perf_counter()
+    rollart(["demos", str(config), "--policy", policy, "--episodes", str(episodes),
+             "--seed", str(first_seed), "--out", str(out), "--quiet"], work, 900)
+    rows = read_jsonl(out)
+    return {"episodes": len(rows), "success": sum(bool(r.get("success")) for r in rows) / max(1, len(rows)),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def rl_run(config: Path, name: str, seed: int, over: dict, work: Path, timeout: float,
+           init_from: Path | None, nats: str | None) -> dict:
+    raw = yaml.safe_load(config.read_text())
+    cfg = merged(raw, merged(over, {"actors": {"generate": {"args": {"seed": seed}}},
+                                    "rollout": {"seed": 1000 * seed}}))
+    cfg |= {"run": name, "run_dir": str(work / "runs")}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    args = ["run", str(path), "--quiet"] + (["--init-from", str(init_from)] if init_from else [])
+    if nats:
+        args += ["--nats", nats]
+    t0 = time.perf_counter()
+    rollart(args, work, timeout)
+    folder = work / "runs" / name
+    summary = json.loads((folder / "summary.json").read_text())
+    evals = [e for e in read_jsonl(folder / "eval.jsonl") if "eval_error" not in e]
+    metrics = read_jsonl(folder / "metrics.jsonl")
+    return {"greedy_success": summary.get("greedy_success"), "wall_s": round(float(summary["wall_s"]), 1),
+            "process_s": round(time.perf_counter() - t0, 1), "steps": summary.get("steps"),
+            "evals": [{"version": e["version"], "wall_s": round(float(e["wall_s"]), 1),
+                       "greedy_success": e["greedy_success"], "sampled_success": e["sampled_success"]}
+                      for e in evals],
+            "sampled": [round(float(x.get("success", 0.0)), 3) for x in metrics]}
+
+
+def one_seed(args, seed: int, work: Path) -> dict:
+    config = Path(args.config)
+    tag = f"s{seed}-{uuid.uuid4().hex[:4]}"
+    out: dict = {"seed": seed}
+    bar = play(config, args.policy, args.eval_groups, EVAL_OFFSET + 1000 * seed,
+               work / f"heldout-{tag}.jsonl", work)
+    out["demonstrator_heldout"] = bar
+    say(f"seed {seed}: {args.policy} on {bar['episodes']} held-out maps: {bar['success']:.3f}")
+    over = {"trainer": {"eval_every": args.eval_every, "eval_groups": args.eval_groups}}
+    if args.rl_steps:
+        over = merged(over, {"trainer": {"steps": args.rl_steps}})
+    if args.rl_lr:
+        over = merged(over, {"trainer": {"lr": args.rl_lr}})
+    if args.rl_entropy is not None:
+        over = merged(over, {"trainer": {"entropy_coef": args.rl_entropy}})
+    demos = play(config, args.policy, args.demos, DEMO_OFFSET + 10_000 * seed, work / f"demos-{tag}.jsonl", work)
+    out["demos"] = demos
+    sft_dir = work / "runs" / f"sft-{tag}"
+    t0 = time.perf_counter()
+    sft_args = ["sft", str(config), "--data", str(work / f"demos-{tag}.jsonl"), "--steps", str(args.sft_steps),
+                "--batch", str(args.sft_batch), "--eval", str(args.eval_groups), "--out", str(sft_dir), "--quiet"]
+    if args.sft_lr:
+        sft_args += ["--lr", str(args.sft_lr)]
+    if args.success_only:
+        sft_args.append("--success-only")
+    rollart(sft_args, work, 1800)
+    sft = json.loads((sft_dir / "summary.json").read_text())
+    out["sft"] = {"wall_s": round(time.perf_counter() - t0, 1), "final_loss": sft["final_loss"],
+                  "final_token_acc": sft["final_token_acc"],
+                  "heldout_greedy": sft.get("eval", {}).get("greedy_success")}
+    say(f"seed {seed}: SFT {out['sft']['wall_s']} s, held-out greedy {out['sft']['heldout_greedy']}")
+    out["warm"] = rl_run(config, f"warm-{tag}", seed, over, work, args.timeout, sft_dir, args.nats)
+    say(f"seed {seed}: warm RL: held-out greedy {out['warm']['greedy_success']} in {out['warm']['wall_s']} s")
+    if not args.no_cold:
+        out["cold"] = rl_run(config, f"cold-{tag}", seed, over, work, args.timeout, None, args.nats)
+        say(f"seed {seed}: cold RL: held-out greedy {out['cold']['greedy_success']} in {out['cold']['wall_s']} s")
+    return out
+
+
+def curve(r: dict, arm: str) -> list[tuple[float, float]]:
+    """(wall s since the arm's start, held-out greedy success): a warm run's clock includes
+    its demonstrations and SFT, and starts at the SFT model's success."""
+    if arm == "warm":
+        lead = r["demos"]["wall_s"] + r["sft"]["wall_s"]
+        pts = [(lead, r["sft"]["heldout_greedy"] or 0.0)]
+    else:  # from its first evaluation: a random-init model's success is not measured
+        lead, pts = 0.0, []
+    run = r[arm]
+    pts += [(lead + e["wall_s"], e["greedy_success"]) for e in run["evals"]]
+    pts.append((lead + run["wall_s"], run["greedy_success"]))
+    return pts
+
+
+def first_at(pts: list[tuple[float, float]], bar: float) -> float | None:
+    return next((t for t, y in pts if y >= bar), None)
+
+
+def band_plot(results: list[dict], arms: list[str], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for arm, colour in zip(arms, ("tab:blue", "tab:orange")):
+        curves = [curve(r, arm) for r in results if arm in r]
+        end = min(c[-1][0] for c in curves)
+        grid = np.linspace(0.0, end, 200)
+        ys = np.array([np.interp(grid, [t for t, _ in c], [y for _, y in c], left=np.nan) for c in curves])
+        ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=colour, alpha=0.2)
+        ax.plot(grid, np.nanmedian(ys, axis=0), color=colour,
+                label=f"{arm} (median, min-max over {len(curves)} seeds)")
+    bar = statistics.fmean(r["demonstrator_heldout"]["success"] for r in results)
+    ax.axhline(bar, color="grey", linestyle="--", label=f"demonstrator {bar:.2f}")
+    ax.set_xlabel("wall s (warm: demos + SFT + RL)")
+    ax.set_ylabel("held-out greedy success")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(results: list[dict], arms: list[str], target: float) -> str:
+    def band(xs: list[float]) -> str:
+        xs = [x for x in xs if x is not None]
+        return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
+
+    rows = ["| | held-out greedy success: median (min-max) | wall s | seeds at >= "
+            f"{target} | first wall s at >= {target} (per seed) |", "|---|---|---|---|---|"]
+    bar = [r["demonstrator_heldout"]["success"] for r in results]
+    rows.append(f"| demonstrator | {band(bar)} | - | - | - |")
+    sft = [r["sft"]["heldout_greedy"] for r in results]
+    rows.append(f"| SFT on it | {band(sft)} | {band([r['demos']['wall_s'] + r['sft']['wall_s'] for r in results])} | "
+                f"{sum((x or 0) >= target for x in sft)}/{len(sft)} | - |")
+    for arm in arms:
+        got = [r for r in results if arm in r]
+        finals = [r[arm]["greedy_success"] for r in got]
+        walls = [curve(r, arm)[-1][0] for r in got]
+        firsts = [first_at(curve(r, arm), target) for r in got]
+        name = "SFT, then RL" if arm == "warm" else "RL alone (cold start)"
+        rows.append(f"| {name} | {band(finals)} | {band(walls)} | {sum((x or 0) >= target for x in finals)}/"
+                    f"{len(finals)} | {', '.join('-' if f is None else f'{f:.0f}' for f in firsts)} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "frozenlake-random.yaml"))
+    p.add_argument("--policy", default="heuristic", help="the demonstrator (default heuristic)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--demos", type=int, default=512, help="demonstration episodes (default 512)")
+    p.add_argument("--success-only", action="store_true", help="SFT on the successful ones only")
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--sft-batch", type=int, default=32)
+    p.add_argument("--sft-lr", type=float, default=None, help="default: the config's trainer.lr")
+    p.add_argument("--rl-steps", type=int, default=None, help="override trainer.steps")
+    p.add_argument("--rl-lr", type=float, default=None, help="override trainer.lr")
+    p.add_argument("--rl-entropy", type=float, default=None, help="override trainer.entropy_coef")
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-groups", type=int, default=256, help="held-out maps (default 256)")
+    p.add_argument("--target", type=float, default=0.85)
+    p.add_argument("--no-cold", action="store_true", help="no RL-alone twin")
+    p.add_argument("--nats", default=None, help="memory: the in-process bus (default: embedded)")
+    p.add_argument("--parallel", type=int, default=1, help="seeds at once (default 1)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one RL run may take")
+    p.add_argument("--label", default="frozenlake-random")
+    p.add_argument("--write", action="store_true")
+    args = p.parse_args()
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    host = machine()
+    with tempfile.TemporaryDirectory(prefix="rollart-beyond-") as tmp, \
+            ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        results = list(pool.map(lambda s: one_seed(args, s, Path(tmp)), seeds))
+    arms = ["warm"] + ([] if args.no_cold else ["cold"])
+    out = {"label": args.label, "argv": sys.argv[1:], "config": args.config, "policy": args.policy,
+           "date": time.strftime("%Y-%m-%d"), "host": host, "target": args.target,
+           "results": results, "table": table(results, arms, args.target)}
+    print(json.dumps(out, indent=1))
+    if args.write:
+        name = f"beyond_demo_{args.label}"
+        png = HERE / "results" / f"{name}.png"
+        png.parent.mkdir(parents=True, exist_ok=True)
+        band_plot(results, arms, png, f"{Path(args.config).stem}: {args.policy} demos -> SFT -> RL, "
+                                      f"{args.eval_groups} held-out maps")
+        section = (f"<!-- beyond_demo:{args.label}:begin -->\n"
+                   f"#### RL beyond its demonstrator: {args.label}\n\n"
+                   f"`python benchmarks/beyond_demo.py {' '.join(sys.argv[1:])}` on {out['date']}, "
+                   f"{host['cpu_count']} cores (load {host['loadavg_start'][0]} at the start), "
+                   f"{'one seed at a time' if args.parallel <= 1 else f'{args.parallel} seeds at once'}; "
+                   f"held-out greedy success on {args.eval_groups} maps no run trains on.\n\n"
+                   f"{out['table']}\n\n![held-out success against wall time](results/{name}.png)\n"
+                   f"<!-- beyond_demo:{args.label}:end -->")
+        store(HERE / "results" / f"{name}.json", out, f"beyond_demo:{args.label}", section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
