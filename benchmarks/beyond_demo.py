@@ -4,6 +4,7 @@
 
     python benchmarks/beyond_demo.py --seeds 3 --write                 # random-map FrozenLake
     python benchmarks/beyond_demo.py --seeds 1 --rl-steps 60 --no-cold   # a quick look
+    python benchmarks/beyond_demo.py --seeds 2 --all-demos   # SFT on failed episodes too
 
 Per seed ``s``, as a user runs it, each a fresh ``python -m rollart`` process:
 
@@ -11,10 +12,11 @@ Per seed ``s``, as a user runs it, each a fresh ``python -m rollart`` process:
    seeds 5,000,000 + 10,000 s + i: never an evaluation's) and the same demonstrator plays the
    run's held-out maps (seeds 1,000,000 + 1000 s + i, the ones ``trainer.eval_groups`` uses),
    which is the bar to beat;
-2. ``rollart sft CONFIG --data demos.jsonl`` (``--sft-steps`` x ``--sft-batch``), with a greedy
-   evaluation on the same held-out maps;
-3. ``rollart run CONFIG --init-from <sft>`` (*warm*) and, unless ``--no-cold``, the same run
-   without it (*cold*), with ``trainer.eval_every`` so that held-out greedy success is known
+2. ``rollart sft CONFIG --data demos.jsonl --success-only`` (``--sft-steps`` x ``--sft-batch``;
+   ``--all-demos``: the failed episodes too), with a greedy evaluation on the same held-out maps;
+3. ``rollart run CONFIG --init-from <sft>`` (*warm*, ``configs/frozenlake-warm.yaml``) and,
+   unless ``--no-cold``, RL alone (*cold*, ``--cold-config``: ``configs/frozenlake-random.yaml``,
+   its cold-start recipe), with ``trainer.eval_every`` so that held-out greedy success is known
    along the way; seed s is the sampling seed and ``rollout.seed = 1000 s``.
 
 A warm run's clock starts with its demonstrations: its wall time is demos + SFT + RL. It
@@ -130,7 +132,7 @@ def one_seed(args, seed: int, work: Path) -> dict:
                 "--batch", str(args.sft_batch), "--eval", str(args.eval_groups), "--out", str(sft_dir), "--quiet"]
     if args.sft_lr:
         sft_args += ["--lr", str(args.sft_lr)]
-    if args.success_only:
+    if not args.all_demos:
         sft_args.append("--success-only")
     rollart(sft_args, work, 1800)
     sft = json.loads((sft_dir / "summary.json").read_text())
@@ -141,7 +143,8 @@ def one_seed(args, seed: int, work: Path) -> dict:
     out["warm"] = rl_run(config, f"warm-{tag}", seed, over, work, args.timeout, sft_dir, args.nats)
     say(f"seed {seed}: warm RL: held-out greedy {out['warm']['greedy_success']} in {out['warm']['wall_s']} s")
     if not args.no_cold:
-        out["cold"] = rl_run(config, f"cold-{tag}", seed, over, work, args.timeout, None, args.nats)
+        out["cold"] = rl_run(Path(args.cold_config), f"cold-{tag}", seed, over, work, args.timeout,
+                             None, args.nats)
         say(f"seed {seed}: cold RL: held-out greedy {out['cold']['greedy_success']} in {out['cold']['wall_s']} s")
     return out
 
@@ -216,13 +219,16 @@ def table(results: list[dict], arms: list[str], target: float) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "frozenlake-random.yaml"))
+    p.add_argument("--config", default=str(ROOT / "configs" / "frozenlake-warm.yaml"))
+    p.add_argument("--cold-config", default=str(ROOT / "configs" / "frozenlake-random.yaml"),
+                   help="the RL-alone twin's config (its own recipe; same env and held-out maps)")
     p.add_argument("--policy", default="heuristic", help="the demonstrator (default heuristic)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--demos", type=int, default=512, help="demonstration episodes (default 512)")
-    p.add_argument("--success-only", action="store_true", help="SFT on the successful ones only")
     p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--all-demos", action="store_true",
+                   help="SFT on every demonstration (default: the successful ones only)")
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=None, help="default: the config's trainer.lr")
     p.add_argument("--rl-steps", type=int, default=None, help="override trainer.steps")
