@@ -230,7 +230,8 @@ def main() -> int:
     p.add_argument("--all-demos", action="store_true",
                    help="SFT on every demonstration (default: the successful ones only)")
     p.add_argument("--sft-batch", type=int, default=32)
-    p.add_argument("--sft-lr", type=float, default=None, help="default: the config's trainer.lr")
+    p.add_argument("--sft-lr", type=float, default=0.002,
+                   help="SFT's peak lr (default 0.002; the warm config's RL lr, 0.0002, under-trains SFT)")
     p.add_argument("--rl-steps", type=int, default=None, help="override trainer.steps")
     p.add_argument("--rl-lr", type=float, default=None, help="override trainer.lr")
     p.add_argument("--rl-entropy", type=float, default=None, help="override trainer.entropy_coef")
