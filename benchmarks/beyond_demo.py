@@ -45,6 +45,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from quickstart_seeds import merged  # noqa: E402  (a config with overrides on top)
 from readme_section import machine, store  # noqa: E402
 
 EVAL_OFFSET = 1_000_000  # the scheduler's held-out seeds (rollart.node.build.rollout_actors)
@@ -53,13 +54,6 @@ DEMO_OFFSET = 5_000_000
 
 def say(text: str) -> None:
     print(f"[beyond-demo {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def merged(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merged(out.get(k) or {}, v) if isinstance(v, dict) else v
-    return out
 
 
 def rollart(args: list[str], work: Path, timeout: float) -> subprocess.CompletedProcess:

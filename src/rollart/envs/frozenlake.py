@@ -179,4 +179,4 @@ class FrozenLakeEnv:
         rows = list(self.grid)
         r, c = self.pos
         rows[r] = rows[r][:c] + "P" + rows[r][c + 1:]
-        return "\n".join(self.cell_sep.join(row) for row in rows) if self.cell_sep else "\n".join(rows)
+        return "\n".join(self.cell_sep.join(row) for row in rows)
