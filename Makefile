@@ -4,7 +4,8 @@
 #                two worker processes; TEST_WORKERS=N for another number, 0 for none)
 #   make test-fast   the same without the tests marked slow (learning runs, kills, restarts)
 #   make test-scale  the tests marked scale (learning runs: the scale-out trainer's ranks,
-#                    LoRA, streamed deltas; the README agent), left out of `make test`; CI runs both
+#                    LoRA, streamed deltas; the README agent; the quickstart's α = 1 in
+#                    memory), left out of `make test`; CI runs both
 #   make test-verifiers  the verifiers adapter's tests in their own venv, $(VENV_VF)
 #   make bench-smoke every benchmark's --quick mode (tests/benchmarks: it runs, prints its
 #                    JSON, writes nothing), left out of `make test`; CI runs it
