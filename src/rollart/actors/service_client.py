@@ -36,8 +36,8 @@ attribute (for the subject it serves) and runs ``await self.progress.run()`` in 
 ``main`` has every request listed by the runtime's ``Service`` from arrival (queued
 included) until the reply. One small message per replica per second.
 
-One module (~575 lines) on purpose: the request's attempts, the replica table, the pins
-and the progress reports are one state machine, read request by request.
+The request's attempts, the replica table and the progress reports are one state machine,
+read request by request; the pins' bookkeeping is :mod:`rollart.actors.replica_pins`.
 """
 
 from __future__ import annotations
@@ -46,11 +46,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import random
 import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +57,7 @@ import msgspec
 
 from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, Reject
+from rollart.actors.replica_pins import AFFINITY_MAX, ReplicaPins
 from rollart.actors.runtime import ERROR_KIND_HEADER, REPLICA_HEADER, decode_core
 from rollart.aio import backoff, first_of
 from rollart.bus import BusError, BusTimeout, NoResponders
@@ -73,12 +72,6 @@ REMIND_EVERY = 30.0
 """Seconds between reminders while they still wait."""
 FORGET_AFTER = 120.0
 """Seconds after which a silent replica is forgotten."""
-AFFINITY_MAX = 65536
-"""Trajectories whose replica one client remembers at most (least recently used go first)."""
-AFFINITY_RATIO = 1.25
-AFFINITY_SLACK = 2.0
-"""A pinned replica is passed over while it holds more than ``AFFINITY_RATIO`` x the mean
-held requests of its pool's live replicas + ``AFFINITY_SLACK`` (saturated)."""
 
 
 def _svc(name: str) -> str:
@@ -154,13 +147,7 @@ class ServiceClient:
         self._appeared: dict[tuple[str, str], asyncio.Event] = {}
         self._unclaimed_logged = 0.0
         self._sub: Any = None
-        self.affinity_max = AFFINITY_MAX
-        self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()
-        """(service, affinity key) -> id of the replica that answered its last request."""
-        self._pinned: dict[tuple[str, str], int] = {}
-        """(service, replica id) -> keys pinned to it."""
-        self._direct: dict[tuple[str, str], int] = {}
-        """(service, replica id) -> this client's requests on its own subject now."""
+        self._pins = ReplicaPins(AFFINITY_MAX, self._count)
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -198,85 +185,35 @@ class ServiceClient:
     # -- affinity --------------------------------------------------------------------
     def pinned(self, key: str, name: str = "generate.request") -> str | None:
         """The replica id ``key``'s next request of ``name`` goes to first, or None."""
-        return self._pins.get((name, key))
+        return self._pins.get(name, key)
 
     def pins(self) -> int:
         """Keys pinned to a replica now."""
         return len(self._pins)
 
+    @property
+    def affinity_max(self) -> int:
+        """Keys whose replica this client remembers at most (default ``AFFINITY_MAX``)."""
+        return self._pins.max_keys
+
+    @affinity_max.setter
+    def affinity_max(self, n: int) -> None:
+        self._pins.max_keys = n
+
     def forget(self, key: str) -> None:
         """Drop the pin of ``key`` (its trajectory ended)."""
         for name in m.DIRECT_SUBJECTS:
-            self._unpin(name, key)
-
-    def _pin(self, name: str, key: str, replica: str) -> None:
-        k = (name, key)
-        if self._pins.get(k) == replica:
-            self._pins.move_to_end(k)
-            return
-        self._unpin(name, key)
-        self._pins[k] = replica
-        self._pinned[(name, replica)] = self._pinned.get((name, replica), 0) + 1
-        while len(self._pins) > self.affinity_max:
-            (n, _), old = self._pins.popitem(last=False)
-            self._unpinned(n, old)
-
-    def _unpin(self, name: str, key: str) -> None:
-        old = self._pins.pop((name, key), None)
-        if old is not None:
-            self._unpinned(name, old)
-
-    def _unpinned(self, name: str, replica: str) -> None:
-        n = self._pinned.get((name, replica), 0) - 1
-        if n > 0:
-            self._pinned[(name, replica)] = n
-        else:
-            self._pinned.pop((name, replica), None)
-
-    def _load(self, r: _Replica) -> int:
-        """Requests ``r`` holds: this client's on its own subject now, plus the other
-        clients' at its last report."""
-        return r.others + self._direct.get((r.service, r.name), 0)
+            self._pins.unpin(name, key)
 
     def _target(self, name: str, pool: str, key: str) -> _Replica | None:
-        """The replica to send ``key``'s request to on its own subject: the pinned one while
-        it is live and not saturated, else the live one with the fewest pins (then the
-        least load); None when no live replica of the pool has its own subject."""
+        """The replica to send ``key``'s request to on its own subject (the pinned one while
+        it is live and not saturated, see :class:`ReplicaPins`); None when no live replica
+        of the pool has its own subject."""
         now = time.monotonic()
         live = [r for r in self._replicas.values()
                 if r.service == name and r.pool == pool and r.direct and not r.silent
                 and now - r.last <= self._limit(r.every)]
-        if not live:
-            return None
-        load = {r.name: self._load(r) for r in live}
-        cap = AFFINITY_RATIO * sum(load.values()) / len(live) + AFFINITY_SLACK
-        rid = self._pins.get((name, key))
-        if rid is not None:
-            r = self._replicas.get((name, rid))
-            if r is not None and r in live and load[r.name] <= cap:
-                self._pins.move_to_end((name, key))
-                return r
-            self._unpin(name, key)  # gone, drained or saturated: placed again
-            self._count("affinity_moves")
-        r = min((r for r in live if load[r.name] <= cap),  # never empty: the least loaded
-                key=lambda r: (self._pinned.get((name, r.name), 0), load[r.name],
-                               random.random()))
-        self._pin(name, key, r.name)  # at once: the next placement counts it
-        return r
-
-    def _sent(self, name: str, replica: str, attempt: asyncio.Future) -> None:
-        """Count ``attempt`` on ``replica``'s own subject until it ends."""
-        k = (name, replica)
-        self._direct[k] = self._direct.get(k, 0) + 1
-
-        def done(_: asyncio.Future) -> None:
-            n = self._direct.get(k, 0) - 1
-            if n > 0:
-                self._direct[k] = n
-            else:
-                self._direct.pop(k, None)
-
-        attempt.add_done_callback(done)
+        return self._pins.place(name, key, live)
 
     # -- requests ----------------------------------------------------------------------
     async def call(self, name: str, msg: Any, *, pool: str | None = None, what: str = "",
@@ -325,7 +262,7 @@ class ServiceClient:
                     to, encode(msgspec.structs.replace(msg, request_id=rid)),
                     timeout=self.timeout, **kw))
                 if target is not None:
-                    self._sent(name, target.name, active)
+                    self._pins.sent(name, target.name, active)
                 while not (active.done() or p.lost.done()):
                     # shielded: the first to end wakes this loop, none of them is cancelled
                     await first_of(*map(asyncio.shield, (active, p.lost, *lingering)))
@@ -358,7 +295,7 @@ class ServiceClient:
                             return out
                         if rep.headers.get(ERROR_KIND_HEADER) != "unavailable":
                             if target is not None:  # retried in the pool's queue group
-                                self._unpin(name, affinity)
+                                self._pins.unpin(name, affinity)
                                 target = None
                             errors += 1
                             self._count("service_errors")
@@ -374,7 +311,7 @@ class ServiceClient:
                     log.debug("%s: %s replica %s did not answer%s (%s); asking pool %r",
                               self.actor.name, _svc(name), target.name, what, why, pool)
                     self._count("affinity_fallbacks")
-                    self._unpin(name, affinity)
+                    self._pins.unpin(name, affinity)
                     target, delay = None, 0.0
                     continue
                 now = time.monotonic()
@@ -414,7 +351,7 @@ class ServiceClient:
         out = self._decode(name, rep, what)
         replica = rep.headers.get(REPLICA_HEADER) if affinity else None
         if replica:
-            self._pin(name, affinity, replica)
+            self._pins.pin(name, affinity, replica)
         return out
 
     def _harvest(self, lingering: dict[asyncio.Future, _Pending]) -> Any:

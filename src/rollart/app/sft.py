@@ -152,7 +152,7 @@ def sft_step(backend: Any, samples: list[Any]) -> dict:
     vocabulary equals the token), grad_norm (before clipping), lr, tokens, skipped."""
     import torch
 
-    from rollart.engines.torch_trainer import _collate
+    from rollart.engines.torch_trainer import collate
 
     model, opt = backend.model, backend.optimizer
     total = sum(sum(s.response_mask) for s in samples)
@@ -161,7 +161,7 @@ def sft_step(backend: Any, samples: list[Any]) -> dict:
     opt.zero_grad(set_to_none=True)
     loss_sum = correct = 0.0
     for mb in backend.micro_batches(samples):
-        b = _collate(mb, backend.device)
+        b = collate(mb, backend.device)
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
         target, mask = b.input_ids[:, 1:], b.response_mask[:, 1:]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")

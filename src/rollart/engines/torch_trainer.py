@@ -67,7 +67,8 @@ class TrainSample:
 
 
 @dataclass
-class _Batch:
+class Batch:
+    """Samples padded into tensors on one device: what the loss and the SFT step read."""
     input_ids: torch.Tensor       # [B, T] long, right-padded with 0
     attention_mask: torch.Tensor  # [B, T] long
     response_mask: torch.Tensor   # [B, T] float
@@ -79,7 +80,8 @@ class _Batch:
     c_valid: torch.Tensor         # [K, A] bool, False on padding
 
 
-def _collate(samples: Sequence[TrainSample], device: torch.device) -> _Batch:
+def collate(samples: Sequence[TrainSample], device: torch.device) -> Batch:
+    """Right-pad ``samples`` into a :class:`Batch` on ``device`` (RL's steps and ``rollart sft``)."""
     B, T = len(samples), max(len(s.token_ids) for s in samples)
     ids = torch.zeros(B, T, dtype=torch.long)
     att = torch.zeros(B, T, dtype=torch.long)
@@ -105,12 +107,12 @@ def _collate(samples: Sequence[TrainSample], device: torch.device) -> _Batch:
         c_valid[k, : len(a)] = True
     adv = torch.tensor([float(s.advantage) for s in samples])
     to = functools.partial(torch.Tensor.to, device=device)
-    return _Batch(to(ids), to(att), to(resp), to(behav), to(adv),
+    return Batch(to(ids), to(att), to(resp), to(behav), to(adv),
                   to(torch.tensor(rows, dtype=torch.long)), to(torch.tensor(cols, dtype=torch.long)),
                   to(c_ids), to(c_valid))
 
 
-def sequence_logprobs(model: torch.nn.Module, batch: _Batch, *, with_entropy: bool = False,
+def sequence_logprobs(model: torch.nn.Module, batch: Batch, *, with_entropy: bool = False,
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[B, T]`` (column 0 is 0) and optionally per-token entropy.
 
@@ -260,7 +262,7 @@ class TorchTrainBackend:
                    TrainSample(list(s), [0] * len(s), [0.0] * len(s), 0.0) for s in batch]
         result: dict[int, torch.Tensor] = {}
         for mb in self.micro_batches(samples):
-            logp, _ = sequence_logprobs(self.model, _collate(mb, self.device))
+            logp, _ = sequence_logprobs(self.model, collate(mb, self.device))
             for row, s in zip(logp, mb):
                 result[id(s)] = row[: len(s.token_ids)].float().cpu()
         return [result[id(s)] for s in samples]
@@ -313,7 +315,7 @@ class TorchTrainBackend:
     def _accumulate(self, samples: Sequence[TrainSample], cfg: LossConfig, units_total: float,
                     tokens_total: int, sums: dict) -> None:
         for mb in self.micro_batches(samples):
-            batch = _collate(mb, self.device)
+            batch = collate(mb, self.device)
             mask = batch.response_mask
             logp, ent = sequence_logprobs(self.model, batch, with_entropy=True,
                                           entropy_grad=cfg.entropy_coef != 0)
