@@ -134,12 +134,15 @@ def one_seed(args, seed: int, work: Path) -> dict:
                   "final_token_acc": sft["final_token_acc"],
                   "heldout_greedy": sft.get("eval", {}).get("greedy_success")}
     say(f"seed {seed}: SFT {out['sft']['wall_s']} s, held-out greedy {out['sft']['heldout_greedy']}")
-    out["warm"] = rl_run(config, f"warm-{tag}", seed, over, work, args.timeout, sft_dir, args.nats)
-    say(f"seed {seed}: warm RL: held-out greedy {out['warm']['greedy_success']} in {out['warm']['wall_s']} s")
-    if not args.no_cold:
-        out["cold"] = rl_run(Path(args.cold_config), f"cold-{tag}", seed, over, work, args.timeout,
-                             None, args.nats)
-        say(f"seed {seed}: cold RL: held-out greedy {out['cold']['greedy_success']} in {out['cold']['wall_s']} s")
+    arms = [("warm", config, sft_dir)] + ([] if args.no_cold else [("cold", Path(args.cold_config), None)])
+    for arm, cfg, init in arms:
+        try:
+            out[arm] = rl_run(cfg, f"{arm}-{tag}", seed, over, work, args.timeout, init, args.nats)
+        except (subprocess.TimeoutExpired, RuntimeError) as e:  # the other arms and seeds still count
+            out[f"{arm}_error"] = str(e)[-500:]
+            say(f"seed {seed}: {arm} RL failed: {str(e)[-300:]}")
+            continue
+        say(f"seed {seed}: {arm} RL: held-out greedy {out[arm]['greedy_success']} in {out[arm]['wall_s']} s")
     return out
 
 
@@ -170,6 +173,8 @@ def band_plot(results: list[dict], arms: list[str], path: Path, title: str) -> N
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for arm, colour in zip(arms, ("tab:blue", "tab:orange")):
         curves = [curve(r, arm) for r in results if arm in r]
+        if not curves:  # every run of this arm failed
+            continue
         end = min(c[-1][0] for c in curves)
         grid = np.linspace(0.0, end, 200)
         ys = np.array([np.interp(grid, [t for t, _ in c], [y for _, y in c], left=np.nan) for c in curves])
@@ -206,6 +211,8 @@ def table(results: list[dict], arms: list[str], target: float) -> str:
         walls = [curve(r, arm)[-1][0] for r in got]
         firsts = [first_at(curve(r, arm), target) for r in got]
         name = "SFT, then RL" if arm == "warm" else "RL alone (cold start)"
+        failed = sum(f"{arm}_error" in r for r in results)
+        name += f" ({failed} run(s) failed, see the JSON)" if failed else ""
         rows.append(f"| {name} | {band(finals)} | {band(walls)} | {sum((x or 0) >= target for x in finals)}/"
                     f"{len(finals)} | {', '.join('-' if f is None else f'{f:.0f}' for f in firsts)} |")
     return "\n".join(rows)
@@ -235,7 +242,8 @@ def main() -> int:
     p.add_argument("--no-cold", action="store_true", help="no RL-alone twin")
     p.add_argument("--nats", default=None, help="memory: the in-process bus (default: embedded)")
     p.add_argument("--parallel", type=int, default=1, help="seeds at once (default 1)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one RL run may take")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds one RL run may take (a run past it is recorded as failed)")
     p.add_argument("--label", default="frozenlake-random")
     p.add_argument("--write", action="store_true")
     args = p.parse_args()
