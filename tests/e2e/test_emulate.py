@@ -101,7 +101,52 @@ def test_critical_path_helpers():
     assert one["total_s"] == 14 and two["total_s"] == 8  # alpha = 1 overlaps rollout and train
 
 
-@pytest.mark.parametrize("exp", ["e1", "e3"])
+def test_env_long_tasks_are_drawn_per_seed():
+    env = EmulatedEnv(obs_words=4, long_share=0.5, long_obs_words=40)
+    words = [env.words(seed) for seed in range(200)]
+    assert set(words) == {4, 40} and 60 <= words.count(40) <= 140
+    assert words == [EmulatedEnv(obs_words=4, long_share=0.5, long_obs_words=40).words(s)
+                     for s in range(200)]
+    # the other draws are those of the same env without long tasks
+    assert env.plan(3) == EmulatedEnv(obs_words=4).plan(3)
+
+
+def test_reward_device_batches_what_waits_and_is_shared_by_name():
+    from rollart.emulate.reward import RewardDevice
+
+    async def main():
+        RECORDS.clear()
+        d = RewardDevice("judge", pass_s=1.0, per_item_s=0.5, time_scale=0.01)
+        d.acquire()
+        d.acquire()  # two services hold it
+        try:
+            first = asyncio.ensure_future(d.score("a"))
+            await asyncio.sleep(0)
+            rest = [asyncio.ensure_future(d.score(k)) for k in ("b", "c", "d")]
+            await asyncio.gather(first, *rest)
+        finally:
+            await d.release()
+            running = d._task is not None
+            await d.release()
+        return d, running
+
+    d, running_after_one_release = asyncio.run(main())
+    assert running_after_one_release and d._task is None
+    # "a" alone in the first pass; b, c, d queued behind it share the second
+    assert d.passes == 2 and d.items == 4 and RECORDS.reward["c"]["batch"] == 3
+    assert RECORDS.reward["a"]["model_s"] == 1.5 and RECORDS.reward["b"]["model_s"] == 2.5
+    assert RECORDS.reward["b"]["queue_s"] > 0
+    start, end = d.intervals[0][0], d.intervals[-1][1]
+    assert 0 < d.busy_between(start, end) <= end - start + 1e-6
+
+
+def test_redundant_ideal_takes_each_groups_need_th_fastest():
+    b = _bench()
+    assert b.redundant_ideal([[5, 1, 9, 2], [3, 3, 30, 4]], 2) == 3
+    assert b.redundant_ideal([[5, 1, 9, 2], [3, 3, 30, 4]], 4) == 30
+
+
+@pytest.mark.parametrize("exp", ["e1", "e2", "e3", "e4", "e5", "e6"])
 def test_quick_experiment_adds_up(exp, tmp_path):
     b = _bench()
     args = b.for_experiment(b.parse([exp, "--quick", "--run-dir", str(tmp_path)]), exp)
@@ -115,6 +160,36 @@ def test_quick_experiment_adds_up(exp, tmp_path):
                 assert 0 < r[m]["efficiency"] <= 1 + b.TOL
                 assert r[m]["trajectories"] == args.batches * args.batch_groups * args.group_size
         text = b.e1_section(res, args)
+    elif exp == "e2":
+        ks = [r["k"] for r in res["rows"]]
+        assert ks[0] == 0 and ks[-1] > 0
+        for r in res["rows"]:
+            assert 0 < r["efficiency"] <= 1 + b.TOL
+            assert r["trajectories_started"] == args.batch_groups * (args.group_size + r["k"])
+            # every group delivered: group_size completions each, the rest cancelled or late
+            assert r["completed"] >= args.batch_groups * args.group_size
+        assert res["rows"][0]["cancelled"] == 0
+        text = b.e2_section(res, args)
+    elif exp == "e4":
+        ded, svc = res["rows"]
+        assert ded["reward_devices"] == args.jobs and svc["reward_devices"] == 1
+        assert svc["generate_replicas_per_job"] == ded["generate_replicas_per_job"] + 1
+        for r in (ded, svc):
+            assert 0 < r["reward_utilisation"] <= 1 and r["reward_mean_batch"] >= 1
+        text = b.e4_section(res, args)
+    elif exp == "e5":
+        mixed, h800, h20 = res["rows"]
+        assert mixed["h800"] and mixed["h20"] and not h800["h20"] and not h20["h800"]
+        assert h800["turns_by_pool"].keys() == {"default"}
+        assert mixed["cost_h800_units"] == h800["cost_h800_units"] == h20["cost_h800_units"]
+        text = b.e5_section(res, args)
+    elif exp == "e6":
+        small, big = res["rows"]
+        assert big["replicas"] == 2 * small["replicas"]
+        for r in (small, big):
+            assert r["trajectories"] == r["replicas"] * args.per_replica
+            assert r["cpu_s"] > 0 and r["cpu_ms_per_turn"] > 0
+        text = b.e6_section(res, args)
     else:
         (mix,) = res["mixes"]
         for c in mix["configs"]:

@@ -10,6 +10,9 @@ Never used by the default path; for benchmarks (``benchmarks/emulate.py``, issue
   and decode times, drawn output lengths);
 - envs: ``envs.<name>.type: rollart.emulate.env:EmulatedEnv`` (reset and step latency,
   Gaussian or lognormal; reset failures; a drawn reward);
+- reward: ``actors.reward.type: rollart.emulate.reward:EmulatedRewardService`` with an env
+  ``scorer: emulated`` (:class:`~rollart.emulate.reward.RewardDevice`: batched judge passes,
+  one device per replica or one shared by several jobs);
 - training: ``actors.trainer.type: rollart.emulate.trainer:EmulatedTrainer``
   (:class:`~rollart.emulate.trainer.EmulatedTrainBackend`: step time per token, publish time
   per GB of declared model size).

@@ -308,11 +308,16 @@ class EmulatedLLMProxy(LLMProxy):
     table."""
 
     emulate: dict[str, Any] = field(default_factory=dict)
+    """The engine's keyword arguments, and ``pool_profiles: {pool: profile}``: the profile of
+    a replica in that pool (hardware pools: an ``h800`` pool beside an ``h20`` one)."""
     _emulated: EmulatedEngine | None = field(default=None, init=False, repr=False)
 
     async def setup(self) -> None:
         if self.engine_obj is None:
             args = {"seed": self.seed, "name": f"emulated-{self.name}", **self.emulate}
+            by_pool = args.pop("pool_profiles", None) or {}
+            if self.pool in by_pool:
+                args["profile"] = by_pool[self.pool]
             self._emulated = EmulatedEngine(**args)
             self.engine_obj = self._emulated
         await super().setup()

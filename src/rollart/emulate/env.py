@@ -18,6 +18,9 @@ failures, a drawn reward; no simulation at all.
   trajectory ``seed`` fail, and their latencies, are drawn from the seed too (geometric), so
   both rollout modes see the same failures; the tries are counted per seed in this process
   (the EnvManager tries a fresh env ``reset_retries`` times);
+- ``long_share``: the share of tasks (drawn per seed, from a stream of its own) whose
+  observations have ``long_obs_words`` words instead of ``obs_words`` (long-context,
+  prefill-heavy tasks beside short ones, for routing by prompt length);
 - the episode ends after ``turns`` steps (an int, or ``[lo, hi]`` drawn uniformly); the last
   step's reward is 1 with probability ``success`` (per trajectory), else 0, so groups are
   mostly not uniform. Any action is accepted.
@@ -61,15 +64,15 @@ class EmulatedEnv:
     def __init__(self, *, reset_mu: float = 0.0, reset_sigma: float = 0.0,
                  reset_dist: str = "gauss", step_mu: float = 1.0, step_sigma: float = 0.0,
                  step_dist: str = "gauss", turns: int | list[int] = 4, success: float = 0.5,
-                 reset_fail: float = 0.0, obs_words: int = 8,
-                 time_scale: float | None = None) -> None:
+                 reset_fail: float = 0.0, obs_words: int = 8, long_share: float = 0.0,
+                 long_obs_words: int = 0, time_scale: float | None = None) -> None:
         for d in (reset_dist, step_dist):
             if d not in DISTS:
                 raise ValueError(f"unknown latency distribution {d!r}: one of {', '.join(DISTS)}")
         if min(reset_mu, reset_sigma, step_mu, step_sigma) < 0:
             raise ValueError("latency mu and sigma must be >= 0")
-        if not (0 <= success <= 1 and 0 <= reset_fail < 1):
-            raise ValueError("success in [0, 1], reset_fail in [0, 1)")
+        if not (0 <= success <= 1 and 0 <= reset_fail < 1 and 0 <= long_share <= 1):
+            raise ValueError("success and long_share in [0, 1], reset_fail in [0, 1)")
         lo, hi = (turns, turns) if isinstance(turns, int) else (int(turns[0]), int(turns[-1]))
         if not 1 <= lo <= hi:
             raise ValueError(f"turns must be >= 1 (lo <= hi), got {turns!r}")
@@ -78,6 +81,7 @@ class EmulatedEnv:
         self.turns_range = (lo, hi)
         self.success_p, self.reset_fail = float(success), float(reset_fail)
         self.obs_words = int(obs_words)
+        self.long_share, self.long_obs_words = float(long_share), int(long_obs_words)
         self.scale = _time_scale(time_scale)
         self._seed = -1
         self._turn = 0
@@ -88,8 +92,15 @@ class EmulatedEnv:
         return plan(seed, self.reset_args, self.step_args, self.turns_range, self.success_p,
                     self.reset_fail)
 
+    def words(self, seed: int) -> int:
+        """Words per observation of task ``seed`` (``long_obs_words`` for a long task)."""
+        if self.long_share and random.Random(f"emulated-long:{seed}").random() < self.long_share:
+            return self.long_obs_words
+        return self.obs_words
+
     def _obs(self, seed: int, turn: int) -> str:
-        words = " ".join(f"w{(seed * 7919 + turn * 104729 + i) % 997}" for i in range(self.obs_words))
+        n = self.words(seed)
+        words = " ".join(f"w{(seed * 7919 + turn * 104729 + i) % 997}" for i in range(n))
         return f"task {seed} turn {turn}: {words}"
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:

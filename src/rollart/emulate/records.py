@@ -26,6 +26,9 @@ class Records:
     """per published version: ``model_s``, ``version``."""
     loads: list[dict] = field(default_factory=list)
     """per engine weight load: ``model_s``, ``version``."""
+    reward: dict[str, dict] = field(default_factory=dict)
+    """traj_id -> its emulated reward pass: ``model_s`` (the pass), ``queue_s`` (modelled wait
+    for it), ``batch``."""
     trained: dict[str, tuple[int, int]] = field(default_factory=dict)
     """traj_id -> ``(seed, turns)`` of each trajectory the emulated trainer trained."""
 
@@ -35,6 +38,7 @@ class Records:
         self.train.clear()
         self.publish.clear()
         self.loads.clear()
+        self.reward.clear()
         self.trained.clear()
 
 
