@@ -221,7 +221,45 @@ def base_cfg(args, *, env_args: dict, mode: str, alpha: int, engine: dict, max_t
     }, RunConfig)
 
 
+def slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in label).strip("_")
+
+
+@contextlib.contextmanager
+def traced(args, label: str):
+    """With ``--gantt DIR``: trace this run (``traces.jsonl`` in a folder of its own) and draw
+    its trajectory Gantt (``rollart report``'s) to ``DIR/emulate-<label>.png`` when it ends.
+    Tracing costs CPU per span, so a traced run is a picture, not a measurement."""
+    if args.gantt is None:
+        yield
+        return
+    from rollart.app import trace_report as tr
+    from rollart.config import TracingConfig
+    from rollart.telemetry.tracing import setup_tracing
+
+    folder = args.run_dir / "traces" / slug(label)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "traces.jsonl").unlink(missing_ok=True)
+    stop = setup_tracing(TracingConfig(exporter="jsonl"), "rollart-emulate", folder)
+    try:
+        yield
+    finally:
+        stop()  # flushes
+    traces = tr.load(folder)
+    if traces is None:
+        raise RuntimeError(f"{label}: no traces were written to {folder}")
+    out = args.gantt / f"emulate-{slug(label)}.png"
+    tr.plot_gantt(tr.trajectory_rows(traces), tr.step_rows(traces), out,
+                  title=f"{label} (emulated hardware, real actors)")
+    say(f"{label}: Gantt in {out}")
+
+
 async def run_rollout(args, cfg: RunConfig, groups: int, label: str) -> dict:
+    with traced(args, label):
+        return await _run_rollout(args, cfg, groups, label)
+
+
+async def _run_rollout(args, cfg: RunConfig, groups: int, label: str) -> dict:
     RECORDS.clear()
     async with open_bus(args.bus) as bus:
         sched, actors = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True)
@@ -246,6 +284,11 @@ async def run_rollout(args, cfg: RunConfig, groups: int, label: str) -> dict:
 
 
 async def run_training(args, cfg: RunConfig, label: str) -> dict:
+    with traced(args, label):
+        return await _run_training(args, cfg, label)
+
+
+async def _run_training(args, cfg: RunConfig, label: str) -> dict:
     RECORDS.clear()
     async with open_bus(args.bus) as bus:
         sched, trainer, actors = training_actors(cfg)
@@ -439,12 +482,12 @@ def e4_cfg(args, job: int, *, shared: bool, gen_replicas: int) -> RunConfig:
     a = argparse.Namespace(**vars(args))
     a.replicas = gen_replicas
     a.seed = args.seed + 1000 * job
-    a.concurrency = args.batch_groups * args.group_size  # the job's whole batch in flight
+    a.concurrency = args.batch_groups * args.group_size  # one batch in flight at a time
     env = {"reset_mu": 5.0, "reset_sigma": 1.0, "reset_dist": "gauss", "step_mu": 3.0,
            "step_sigma": 1.0, "step_dist": "gauss", "turns": 3, "success": 0.5,
            "obs_words": 16, "time_scale": args.time_scale}
     engine = {"profile": args.profile, "time_scale": args.time_scale, "out_mean": args.e4_out_mean,
-              "out_sigma": 0.5}
+              "out_sigma": 0.5, "records_per_run": True}
     cfg = base_cfg(a, env_args=env, mode="trajectory", alpha=0, engine=engine, max_turns=8)
     device = {"pass_s": args.reward_pass_s, "per_item_s": args.reward_item_s, "max_batch": 256,
               "time_scale": args.time_scale,
@@ -456,18 +499,22 @@ def e4_cfg(args, job: int, *, shared: bool, gen_replicas: int) -> RunConfig:
     return msgspec.structs.replace(cfg, envs=envs, actors=actors)
 
 
-async def run_jobs(args, cfgs: list[RunConfig], label: str) -> dict:
-    """Every job's one batch at once on one bus, each job its own run (scheduler, EnvManager,
-    generate and reward replicas); their reward replicas share devices by name."""
+async def run_jobs(args, cfgs: list[RunConfig], label: str, *, groups: int,
+                   offsets: list[float]) -> dict:
+    """The jobs on one bus, job j started ``offsets[j]`` wall seconds after the first, each
+    its own run (scheduler, EnvManager, generate and reward replicas) rolling out ``groups``
+    groups one batch at a time; their reward replicas share devices by name."""
     from rollart.emulate.reward import DEVICES
 
     RECORDS.clear()
     DEVICES.clear()
     async with open_bus(args.bus) as bus:
-        built = [rollout_actors(cfg, groups=args.batch_groups, bounded=False, keep_results=True)
+        built = [rollout_actors(cfg, groups=groups, bounded=False, keep_results=True)
                  for cfg in cfgs]
         async with contextlib.AsyncExitStack() as stack:
-            for _, actors in built:
+            t0 = time.monotonic()
+            for (_, actors), off in zip(built, offsets):
+                await asyncio.sleep(max(0.0, t0 + off - time.monotonic()))
                 await stack.enter_async_context(Node(bus, actors, heartbeat_every=0))
             deadline = time.monotonic() + args.timeout
             for sched, _ in built:
@@ -476,77 +523,74 @@ async def run_jobs(args, cfgs: list[RunConfig], label: str) -> dict:
                         await asyncio.wait_for(sched.all_done.wait(), 1.0)
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{label}: a job has {sched.groups_settled}/"
-                                           f"{args.batch_groups} groups after {args.timeout:.0f} s")
+                                           f"{groups} groups after {args.timeout:.0f} s")
     jobs = []
     for cfg, (sched, _) in zip(cfgs, built):
         gs = list(sched.groups.values())
         start, end = min(g.admitted_at for g in gs), max(g.done_at for g in gs)
         chains = []
         for r in sched.results:
-            c = chain_of(r.seed, r.traj_id, len(r.turns))
-            rw = RECORDS.reward.get(r.traj_id, {"model_s": 0.0, "queue_s": 0.0})
-            chains.append(c["total"] + rw["model_s"] + rw["queue_s"])
+            c = chain_of(r.seed, f"{cfg.run}/{r.traj_id}", len(r.turns))
+            rw = RECORDS.reward.get(f"{cfg.run}/{r.traj_id}", {"model_s": 0.0, "queue_s": 0.0})
+            chains.append((0.0, c["total"] + rw["model_s"] + rw["queue_s"]))
         jobs.append({"start": start, "end": end, "span_s": end - start,
-                     "ideal_model_s": max(chains) if chains else 0.0,
+                     # one batch in flight at a time: the chains on the batch's slots, FIFO
+                     "ideal_model_s": fifo_makespan(chains, cfg.rollout.concurrency),
                      "device": cfg.actors["reward"].args["emulate"]["device"],
                      "trajectories": len(sched.results)})
-    devices = {name: d for name, d in DEVICES.items()}
-    return {"jobs": jobs, "devices": devices}
+    return {"jobs": jobs, "devices": dict(DEVICES)}
 
 
 async def e4(args) -> dict:
     configs = [("dedicated", False, args.gpus_per_job - 1), ("service", True, args.gpus_per_job)]
+    groups = args.batches * args.batch_groups
+    # jobs are not in step in a cluster: job j starts j/J of a stagger after the first
+    offsets = [j * args.e4_stagger * args.time_scale / args.jobs for j in range(args.jobs)]
     out = []
     for name, shared, gen in configs:
         label = f"e4 {name}"
-        say(f"{label}: {args.jobs} jobs x {args.batch_groups * args.group_size} trajectories, "
-            f"{gen} generate replica(s) per job, reward: "
-            f"{'one device shared by every job' if shared else 'one device per job'}")
-        spans, ideals, utils, waits = [], [], [], []
-        devices_used: dict[str, dict] = {}
-        window = 0.0
-        for rnd in range(args.batches):
-            cfgs = [e4_cfg(args, rnd * args.jobs + j, shared=shared, gen_replicas=gen)
-                    for j in range(args.jobs)]
-            r = await run_jobs(args, cfgs, f"{label} round {rnd + 1}")
-            t0 = min(j["start"] for j in r["jobs"])
-            t1 = max(j["end"] for j in r["jobs"])
-            window += t1 - t0
-            for j in r["jobs"]:
-                spans.append(j["span_s"])
-                ideals.append(j["ideal_model_s"] * args.time_scale)
-                d = r["devices"][j["device"]]
-                if not shared:  # a dedicated device is busy only for its own job
-                    utils.append(d.busy_between(j["start"], j["end"]) / j["span_s"])
-            if shared:
-                d = r["devices"]["shared-reward"]
-                utils.append(d.busy_between(t0, t1) / (t1 - t0))
-            waits += [x["queue_s"] for x in RECORDS.reward.values()]
-            for dn, d in r["devices"].items():
-                acc = devices_used.setdefault(dn, {"passes": 0, "items": 0})
-                acc["passes"] += d.passes
-                acc["items"] += d.items
-        mean = sum(spans) / len(spans)
+        say(f"{label}: {args.jobs} jobs x {args.batches} batches of "
+            f"{args.batch_groups * args.group_size} trajectories, started "
+            f"{args.e4_stagger / args.jobs:g} modelled s apart, {gen} generate replica(s) per "
+            f"job, reward: {'one device shared by every job' if shared else 'one device per job'}")
+        cfgs = [e4_cfg(args, j, shared=shared, gen_replicas=gen) for j in range(args.jobs)]
+        r = await run_jobs(args, cfgs, label, groups=groups, offsets=offsets)
+        jobs = r["jobs"]
+        # steady state: every job rolling out (after the last start, before the first end)
+        lo, hi = max(j["start"] for j in jobs), min(j["end"] for j in jobs)
+        if hi <= lo:
+            lo, hi = min(j["start"] for j in jobs), max(j["end"] for j in jobs)
+        if shared:
+            utils = [r["devices"]["shared-reward"].busy_between(lo, hi) / (hi - lo)]
+        else:  # a dedicated device is busy only for its own job
+            utils = [r["devices"][j["device"]].busy_between(j["start"], j["end"]) / j["span_s"]
+                     for j in jobs]
+        per_batch = [j["span_s"] / args.batches for j in jobs]
+        ideals = [j["ideal_model_s"] * args.time_scale / args.batches for j in jobs]
+        waits = [x["queue_s"] for x in RECORDS.reward.values()]
+        passes = sum(d.passes for d in r["devices"].values())
+        items = sum(d.items for d in r["devices"].values())
+        mean = sum(per_batch) / len(per_batch)
         ideal = sum(ideals) / len(ideals)
-        items = sum(v["items"] for v in devices_used.values())
-        passes = sum(v["passes"] for v in devices_used.values())
         out.append({
             "config": name, "generate_replicas_per_job": gen,
-            "reward_devices": len(devices_used), "gpus": args.jobs * gen + (
-                1 if shared else args.jobs),
+            "reward_devices": len(r["devices"]),
+            "gpus": args.jobs * gen + (1 if shared else args.jobs),
             "rollout_s": round(mean, 4), "rollout_model_s": round(mean / args.time_scale, 2),
             "ideal_s": round(ideal, 4),
             "efficiency": round(ideal / mean, 4) if mean else None,
             "reward_utilisation": round(sum(utils) / len(utils), 4),
+            "utilisation_window_s": round(hi - lo, 3) if shared else None,
             "reward_wait_model_s_mean": round(sum(waits) / len(waits), 3) if waits else 0.0,
             "reward_mean_batch": round(items / passes, 2) if passes else 0.0,
-            "jobs": args.jobs, "rounds": args.batches,
+            "jobs": args.jobs, "batches": args.batches,
+            "trajectories": sum(j["trajectories"] for j in jobs),
         })
-        say(f"{label}: rollout {mean:.2f} s (ideal {ideal:.2f} s), reward utilisation "
+        say(f"{label}: rollout {mean:.2f} s a batch (ideal {ideal:.2f} s), reward utilisation "
             f"{out[-1]['reward_utilisation']:.0%}")
     ded, svc = out
     return {"experiment": "e4", "emulated": ["generation engine", "env", "reward model"],
-            "rows": out, "paper": PAPER_E4,
+            "rows": out, "paper": PAPER_E4, "stagger_model_s": args.e4_stagger,
             "rollout_speedup": round(ded["rollout_s"] / svc["rollout_s"], 3),
             "ideal_speedup": round(ded["ideal_s"] / svc["ideal_s"], 3)}
 
@@ -1020,9 +1064,11 @@ def e4_section(res: dict, args) -> str:
         f"what is queued costs {args.reward_pass_s:g} s + {args.reward_item_s:g} s per "
         "trajectory); real: each job's scheduler, EnvManager (scorer `emulated`: the "
         "trajectory is scored through the RewardService as it ends), LLMProxy replicas and "
-        f"RewardService, on one {args.bus} bus. {res['rows'][0]['jobs']} jobs at once, each "
-        f"one batch of {args.batch_groups} groups x {args.group_size} in flight, "
-        f"{res['rows'][0]['rounds']} rounds; each job owns {args.gpus_per_job} GPUs. "
+        f"RewardService, on one {args.bus} bus. {ded['jobs']} jobs, each rolling out "
+        f"{ded['batches']} batches of {args.batch_groups} groups x {args.group_size}, one "
+        "batch in flight at a time; the jobs start "
+        f"{res.get('stagger_model_s', 0) / ded['jobs']:g} modelled s apart (a cluster's jobs "
+        f"are not in step); each job owns {args.gpus_per_job} GPUs. "
         f"**Dedicated**: {ded['generate_replicas_per_job']} generate replica(s) + its own "
         f"reward GPU per job ({ded['gpus']} GPUs). **Service**: "
         f"{svc['generate_replicas_per_job']} generate replicas per job and one reward GPU "
@@ -1030,16 +1076,17 @@ def e4_section(res: dict, args) -> str:
         "the shared reward GPU through its own RewardService replica (the serverless "
         "platform's front), which all hold the same emulated device.",
         "",
-        "**Ideal**: per job, its slowest trajectory's chain (reset, each turn's generation "
-        "in the engine at the batch it ran in, each step, its reward pass and the wait for "
-        "it), every trajectory starting at once; rollout time is the mean over jobs and "
-        "rounds of a job's batch wall time. Utilisation: the reward GPU's time in a pass / "
-        "the window it served (its job's batch for a dedicated one, every job's for the "
-        "shared one).",
+        "**Ideal**: per job, its trajectories' chains (reset, each turn's generation in the "
+        "engine at the batch it ran in, each step, its reward pass and the wait for it) "
+        "placed FIFO on the batch's slots, per batch; rollout time is a job's wall time per "
+        "batch, the mean over jobs. Utilisation: the reward GPU's time in a pass / the window "
+        "it served: its own job's run for a dedicated one; for the shared one the steady "
+        "state, while every job is rolling out (after the last job's start, before the first "
+        "one's end).",
         "",
         calibration(args),
         "",
-        "| config | reward GPUs | paper: reward utilisation | measured reward utilisation | paper: rollout | rollout s (modelled s) | ideal s | efficiency | reward wait (modelled s, mean) | judge batch |",
+        "| config | reward GPUs | paper: reward utilisation | measured reward utilisation | paper: rollout | rollout s a batch (modelled s) | ideal s | efficiency | reward wait (modelled s, mean) | judge batch |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, pu, pr in ((ded, p["utilisation"][0], p["rollout_s"][0]),
@@ -1199,11 +1246,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bus", choices=["memory", "nats"], default="memory")
     p.add_argument("--profile", choices=sorted(PROFILES), default="h800")
     p.add_argument("--time-scale", type=float, default=None,
-                   help="wall seconds per modelled second (default 0.04, E6 0.25; quick 0.005)")
+                   help="wall seconds per modelled second (default 0.04, E4 0.1, E6 0.25; quick 0.005)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--batch-groups", type=int, default=4)
     p.add_argument("--batches", type=int, default=None,
-                   help="E1, E2: batches; E4: rounds of every job (default 3, E2 6, E4 2; quick 2, E2 and E4 1)")
+                   help="E1, E2: batches; E4: batches of every job, one after the other (default 3, E2 6, E4 4; quick 2, E2 and E4 1)")
     p.add_argument("--steps", type=int, default=None, help="E3: training steps (default 6; quick 3)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="rollout.concurrency (default: one batch; E3: (max α + 1) batches)")
@@ -1224,6 +1271,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reward-item-s", type=float, default=0.06,
                    help="E4: modelled seconds per scored trajectory in a pass (its prefill: "
                         "~2k tokens at the h800 profile's 0.032 ms; default 0.06)")
+    p.add_argument("--e4-stagger", type=float, default=60.0,
+                   help="E4: modelled seconds over which the jobs' starts are spread (jobs of a "
+                        "cluster are not in step; default 60, about one batch's rollout)")
     p.add_argument("--e4-out-mean", type=float, default=600.0,
                    help="E4: mean output tokens of the policy (default 600)")
     p.add_argument("--e5-gpus", type=int, default=None,
@@ -1245,6 +1295,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--run-dir", type=Path, default=Path(tempfile.gettempdir()) / "rollart-emulate")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--gantt", type=Path, default=None, metavar="DIR",
+                   help="trace every run and draw its trajectory Gantt to DIR/emulate-<run>.png "
+                        "(pictures: tracing costs CPU, so nothing is written to results/ or "
+                        "the README)")
     p.add_argument("--from-results", action="store_true",
                    help="rewrite the README section(s) from benchmarks/results/emulate_*.json")
     a = p.parse_args(argv)
@@ -1265,9 +1319,9 @@ def for_experiment(args, exp: str) -> argparse.Namespace:
     a = argparse.Namespace(**vars(args))
     a.experiment = exp
     if a.time_scale is None:
-        a.time_scale = 0.005 if a.quick else (0.25 if exp == "e6" else 0.04)
+        a.time_scale = 0.005 if a.quick else {"e6": 0.25, "e4": 0.1}.get(exp, 0.04)
     if a.batches is None:
-        a.batches = {"e2": 1 if a.quick else 6, "e4": 1 if a.quick else 2,
+        a.batches = {"e2": 1 if a.quick else 6, "e4": 1 if a.quick else 4,
                      "e5": 1 if a.quick else 2}.get(
             exp, 2 if a.quick else 3)
     if a.concurrency is None:
@@ -1311,7 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
         res = asyncio.run(amain(a))
         out[exp] = res
         errors += [f"{exp}: {e}" for e in res["accounting_errors"]]
-        if not a.quick and not a.no_write:
+        if not a.quick and not a.no_write and a.gantt is None:
             RESULTS.mkdir(exist_ok=True)
             (RESULTS / f"emulate_{exp}.json").write_text(json.dumps(res, indent=1, default=str))
             replace_section(f"emulate_{exp}", SECTIONS[exp](res, a))

@@ -176,6 +176,8 @@ def test_quick_experiment_adds_up(exp, tmp_path):
         assert svc["generate_replicas_per_job"] == ded["generate_replicas_per_job"] + 1
         for r in (ded, svc):
             assert 0 < r["reward_utilisation"] <= 1 and r["reward_mean_batch"] >= 1
+            assert r["trajectories"] == args.jobs * args.batches * args.batch_groups * args.group_size
+            assert 0 < r["efficiency"] <= 1 + b.TOL  # the records of the jobs kept apart
         text = b.e4_section(res, args)
     elif exp == "e5":
         mixed, h800, h20 = res["rows"]
@@ -199,3 +201,25 @@ def test_quick_experiment_adds_up(exp, tmp_path):
         assert abs(sum(mix["sync_stage_mix"].values()) - 1) < 0.01
         text = b.e3_section(res, args)
     assert "emulated" in text.lower()
+
+
+def test_gantt_draws_each_run_and_writes_no_results(tmp_path, capsys):
+    """``--gantt DIR``: every run of the experiment is traced and drawn (rollart report's
+    trajectory Gantt), and nothing goes to results/ or the README (a traced run is a
+    picture, not a measurement)."""
+    b = _bench()
+    readme = (b.HERE / "README.md").read_text()
+    results = sorted(p.name for p in b.RESULTS.glob("*.json"))
+    pics = tmp_path / "pics"
+    rc = b.main(["e1", "--quick", "--gantt", str(pics), "--run-dir", str(tmp_path / "runs")])
+    assert rc == 0
+    drawn = sorted(p.name for p in pics.glob("*.png"))
+    assert drawn == sorted(f"emulate-e1_sigma_{s}_{m}.png" for s in (1, 10)
+                           for m in ("batch", "trajectory")), drawn
+    assert all((pics / n).stat().st_size > 10_000 for n in drawn)
+    for n in drawn:  # the spans the picture was drawn from: every trajectory of that run
+        traces = tmp_path / "runs" / "traces" / n[len("emulate-"):-len(".png")] / "traces.jsonl"
+        assert sum(1 for _ in traces.open()) > 0, traces
+    assert (b.HERE / "README.md").read_text() == readme
+    assert sorted(p.name for p in b.RESULTS.glob("*.json")) == results
+    assert "Gantt in" in capsys.readouterr().err

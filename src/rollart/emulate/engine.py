@@ -86,7 +86,8 @@ class EmulatedEngine(AsyncEngine):
                  time_scale: float | None = None, out_mean: float = 128.0,
                  out_sigma: float = 0.5, out_min: int = 4, model_gb: float = 16.0,
                  vocab: tuple[int, int] = (10, 250), eos_id: int | None = None,
-                 max_batch: int | None = None, seed: int = 0, name: str = "emulated") -> None:
+                 max_batch: int | None = None, seed: int = 0, name: str = "emulated",
+                 record_prefix: str = "") -> None:
         self.profile = _profile(profile)
         self.time_scale = _time_scale(time_scale)
         self.max_batch = int(max_batch or self.profile.max_batch)
@@ -97,6 +98,7 @@ class EmulatedEngine(AsyncEngine):
         self.vocab = (int(vocab[0]), int(vocab[1]))
         self.eos_id = eos_id
         self.name = name
+        self.record_prefix = record_prefix
         self.version = 0
         self.vocab_size = None
         self._rng = random.Random(f"emulated-engine:{seed}")
@@ -222,7 +224,7 @@ class EmulatedEngine(AsyncEngine):
             self._cache[inp.session] = len(inp.prompt_ids) + len(toks)
         self.tokens += len(toks)
         self.requests += 1
-        RECORDS.gen[inp.session or r.rid].append({
+        RECORDS.gen[self.record_prefix + (inp.session or r.rid)].append({
             "model_s": self.clock - r.admitted, "queue_s": r.admitted - r.arrived,
             "prefill_tokens": r.prefill_tokens, "tokens": len(toks),
             "batch_mean": r.batch_sum / max(1, r.batch_n), "engine": self.name,
@@ -309,13 +311,17 @@ class EmulatedLLMProxy(LLMProxy):
 
     emulate: dict[str, Any] = field(default_factory=dict)
     """The engine's keyword arguments, and ``pool_profiles: {pool: profile}``: the profile of
-    a replica in that pool (hardware pools: an ``h800`` pool beside an ``h20`` one)."""
+    a replica in that pool (hardware pools: an ``h800`` pool beside an ``h20`` one);
+    ``records_per_run: true`` keys its records ``<run>/<traj_id>`` (several runs in one
+    process have the same trajectory ids)."""
     _emulated: EmulatedEngine | None = field(default=None, init=False, repr=False)
 
     async def setup(self) -> None:
         if self.engine_obj is None:
             args = {"seed": self.seed, "name": f"emulated-{self.name}", **self.emulate}
             by_pool = args.pop("pool_profiles", None) or {}
+            if args.pop("records_per_run", False):  # several runs in one process (E4)
+                args["record_prefix"] = f"{self.run}/"
             if self.pool in by_pool:
                 args["profile"] = by_pool[self.pool]
             self._emulated = EmulatedEngine(**args)

@@ -27,7 +27,7 @@ class Records:
     loads: list[dict] = field(default_factory=list)
     """per engine weight load: ``model_s``, ``version``."""
     reward: dict[str, dict] = field(default_factory=dict)
-    """traj_id -> its emulated reward pass: ``model_s`` (the pass), ``queue_s`` (modelled wait
+    """``<run>/<traj_id>`` -> its emulated reward pass: ``model_s`` (the pass), ``queue_s`` (modelled wait
     for it), ``batch``."""
     trained: dict[str, tuple[int, int]] = field(default_factory=dict)
     """traj_id -> ``(seed, turns)`` of each trajectory the emulated trainer trained."""

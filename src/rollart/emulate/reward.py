@@ -151,6 +151,6 @@ class EmulatedRewardService(RewardService):
         if req.scorer != SCORER:
             return await super()._score(req)
         assert self._device is not None
-        await self._device.score(req.traj_id)
+        await self._device.score(f"{self.run}/{req.traj_id}")  # runs share a device
         score = 1.0 if req.metadata.get("success") == "True" else 0.0
         return m.RewardResult(score=score, replica=self.name)
