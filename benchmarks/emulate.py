@@ -1220,9 +1220,10 @@ def e6_section(res: dict, args) -> str:
               "second; at this time scale the load is "
               f"{last['cpu_share_of_wall']:.0%} of one core. A cluster spreads env managers "
               "over node processes (`python -m rollart.node`). The paper's 1.33-2.08x is "
-              "ROLLART's lead over baselines at 64 -> 128 GPUs, not a scaling factor; the Ray "
-              "fan-out comparison and the 8-node-process run on nats-server are not built "
-              "yet (issue 26).",
+              "ROLLART's lead over baselines at 64 -> 128 GPUs, not a scaling factor. The "
+              "same 2,048 trajectories over 8 node processes on one nats-server, with the "
+              "bus's latency per hop, CPU per role and a Ray fan-out beside it: "
+              "`emulate_scale.py`, the next section (\"Scale\").",
               "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, load "
               f"{os.getloadavg()[0]:.2f}; wall {res.get('wall_s')} s; results: "
               "`benchmarks/results/emulate_e6.json`.",
