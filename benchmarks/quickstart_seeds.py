@@ -61,6 +61,10 @@ VARIANTS: dict[str, dict] = {
     "skip-16-lr-0.005": {"trainer": {"skip_uniform": 16, "lr": 0.005}},
     "clip-0.3": {"trainer": {"grad_clip": 0.3}},
     "kl-0.01": {"trainer": {"kl_coef": 0.01}},
+    # trainer.sync.format: stream (versions as buckets and deltas), the variant that collapsed
+    # after learning in CI (tests/e2e/test_learning_scale.py)
+    "stream": {"trainer": {"sync": {"format": "stream"}}},
+    "stream-kl-0.01": {"trainer": {"sync": {"format": "stream"}, "kl_coef": 0.01}},
     "skip-failed-16": {"trainer": {"skip_uniform": 16, "skip_which": "failed"}},
     "skip-failed-16-lr-0.005": {"trainer": {"skip_uniform": 16, "skip_which": "failed", "lr": 0.005}},
     # trainer.lora on the quickstart (tests/e2e/test_learning_scale.py): adapters on the 7
