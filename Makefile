@@ -99,8 +99,8 @@ $(STAMP_VLLM): pyproject.toml
 	@touch $@
 
 # ---- verifiers (`type: verifiers:<taskset-id>`): its own venv, as vLLM (verifiers 0.4 pins
-# openai<3, older than the default install's); its first episode installs uv (--user) when
-# missing, which it prepares each harness program with
+# openai<3, older than the default install's); the extra brings uv, which verifiers prepares
+# each harness program with (`uv sync --script`: its dependencies come from the package index)
 VENV_VF ?= .venv-verifiers
 PIP_VF := $(VENV_VF)/bin/python -m pip
 STAMP_VF := $(VENV_VF)/.rollart-setup
