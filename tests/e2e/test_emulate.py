@@ -5,9 +5,6 @@ efficiencies and shares in [0, 1], every emulated component named)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,16 +12,10 @@ from rollart.emulate.engine import EmulatedEngine
 from rollart.emulate.env import EmulatedEnv
 from rollart.emulate.records import RECORDS
 from rollart.engines.base import FINISH_CHOICE, EngineAborted, GenInput
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "emulate.py"
-
+from tests.bench_module import load_bench
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_emulate", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_emulate", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("emulate")
 
 
 def test_engine_batches_and_keeps_the_contract():

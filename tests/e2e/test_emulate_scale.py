@@ -6,24 +6,19 @@ left behind. Not its speed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "emulate_scale.py"
+from tests.bench_module import load_bench
+
 pytestmark = pytest.mark.slow
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_emulate_scale", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_emulate_scale", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("emulate_scale")
 
 
 def test_quick_scale_run_adds_up(tmp_path, capsys):
