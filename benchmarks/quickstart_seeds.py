@@ -66,6 +66,13 @@ VARIANTS: dict[str, dict] = {
     "stream": {"trainer": {"sync": {"format": "stream"}}},
     "stream-kl-0.01": {"trainer": {"sync": {"format": "stream"}, "kl_coef": 0.01}},
     "skip-failed-16": {"trainer": {"skip_uniform": 16, "skip_which": "failed"}},
+    # Adam's beta2 (issue 28 item 3: the one-step collapses follow a gradient spike; at 0.999
+    # a spike after small gradients moves each weight ~3.2 lr, at 0.95 ~0.45 lr)
+    "adam-b2-0.95": {"trainer": {"adam_betas": [0.9, 0.95]}},
+    "adam-b2-0.99": {"trainer": {"adam_betas": [0.9, 0.99]}},
+    # adaptive entropy control: the coefficient rises while the entropy is below the target
+    "entropy-target-0.2": {"trainer": {"entropy_target": 0.2}},
+    "adam-b2-0.95-entropy-target-0.2": {"trainer": {"adam_betas": [0.9, 0.95], "entropy_target": 0.2}},
     "skip-failed-16-lr-0.005": {"trainer": {"skip_uniform": 16, "skip_which": "failed", "lr": 0.005}},
     # trainer.lora on the quickstart (tests/e2e/test_learning_scale.py): adapters on the 7
     # projections and the head, rank = the model's width

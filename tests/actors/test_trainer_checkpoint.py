@@ -132,6 +132,30 @@ async def test_replay_from_the_initial_model_and_a_missing_record(tmp_path, tiny
         _resume(tiny_model, files)
 
 
+async def test_replay_trains_each_step_with_its_recorded_entropy_coef(tmp_path, tiny_model):
+    """``trainer.entropy_target`` changes the entropy coefficient from step to step: each
+    journaled step keeps its own, so the replay reaches the run's weights exactly; replayed
+    with the config's one instead, the weights differ (the control)."""
+    import msgspec
+
+    files = RunFiles(tmp_path / "run")
+    files.make()
+    ckpt = Checkpoints(files, TrainerConfig(full_checkpoint_every=100))
+    run = _fresh(tiny_model)
+    for step, coef in enumerate([0.0, 0.05, 0.1]):
+        gi, trajs = _batch(step)
+        rng = rng_state(run)
+        run.train_step(build_samples(trajs, gi, "grpo"), loss_cfg=LossConfig(entropy_coef=coef))
+        ckpt.record(step, gi, trajs, rng, coef)
+    await ckpt.commit(_ledger_state(run.version))
+    assert _resume(tiny_model, files).weights_digest() == run.weights_digest()
+    for seq in files.journal_seqs():
+        path = files.journal_path(seq)
+        rec = msgspec.msgpack.decode(path.read_bytes(), type=StepRecord)
+        path.write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(rec, entropy_coef=None)))
+    assert _resume(tiny_model, files).weights_digest() != run.weights_digest()
+
+
 def test_snapshot_is_a_copy_the_next_step_does_not_change(tiny_model):
     b = _fresh(tiny_model)
     b.train_step(build_samples(*reversed(_batch(0)), "grpo"), loss_cfg=LOSS)

@@ -51,11 +51,24 @@ def build_samples(trajs: list[m.RolloutCompleted], groups: list[int], kind: str)
             for t, a in zip(trajs, advs)]
 
 
-def loss_config(t: Any):
+def loss_config(t: Any, entropy_coef: float | None = None):
+    """The loss settings of trainer config ``t``; ``entropy_coef``: this step's coefficient
+    (``trainer.entropy_target`` adapts it), else the config's."""
     from rollart.algos.losses import LossConfig  # optional: imports torch (the train extra)
 
+    coef = t.entropy_coef if entropy_coef is None else entropy_coef
     return LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, agg=t.agg, is_cap=t.is_cap,
-                      decoupled=t.decoupled, entropy_coef=t.entropy_coef, kl_coef=t.kl_coef)
+                      decoupled=t.decoupled, entropy_coef=coef, kl_coef=t.kl_coef)
+
+
+def next_entropy_coef(t: Any, coef: float, entropy: float | None) -> float:
+    """The coefficient after a step with coefficient ``coef`` whose mean entropy was
+    ``entropy`` (``trainer.entropy_target``; without one, or without a measured entropy,
+    ``coef`` unchanged)."""
+    if t.entropy_target is None or entropy is None or entropy != entropy:  # NaN: no evidence
+        return coef
+    moved = coef + (t.entropy_coef_step if entropy < t.entropy_target else -t.entropy_coef_step)
+    return min(t.entropy_coef_max, max(0.0, moved))
 
 
 def trajectory_stats(trajs: list[m.RolloutCompleted], version: int) -> dict[str, float]:

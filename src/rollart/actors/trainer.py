@@ -91,6 +91,9 @@ class Trainer(StepLoop, Actor):
     """The latest steps' metrics (the whole record is ``metrics.jsonl``)."""
     wall_s: float = field(default=0.0, init=False)
     """Training wall time before this process (a resumed run continues the clock)."""
+    entropy_coef: float = field(default=0.0, init=False)
+    """The next step's entropy coefficient (``trainer.entropy_target`` adapts it; kept in
+    the durable state)."""
     started_at: float = field(default=0.0, init=False)
     """Wall-clock start of training, earlier by :attr:`wall_s` (for `rollart top`)."""
     nodes: dict[str, m.NodeHeartbeat] = field(default_factory=dict, init=False, repr=False)
@@ -121,6 +124,7 @@ class Trainer(StepLoop, Actor):
     async def setup(self) -> None:
         t, r = self.cfg.trainer, self.cfg.rollout
         self.backend = await asyncio.to_thread(self.build_backend)
+        self.entropy_coef = t.entropy_coef
         if self.cfg.telemetry.loggers:  # TensorBoard, wandb, MLflow: metrics.jsonl's rows too
             from rollart.telemetry.loggers import open_loggers
 
@@ -211,6 +215,7 @@ class Trainer(StepLoop, Actor):
             self.ledger.load(durable["ledger"])
             self.counts.update(durable.get("counts", {}))
             self.wall_s = durable.get("wall_s", 0.0)
+            self.entropy_coef = durable.get("entropy_coef", self.entropy_coef)
             self.ckpt.resumed(seq=durable["seq"], full_seq=held, full_version=full_version)
             self.files.rewrite_metrics(self.version)
             log.info("resumed at version %d with %d trained groups: the full checkpoint of "
@@ -225,12 +230,14 @@ class Trainer(StepLoop, Actor):
                               "lost": 0, "trained": state["next_index"], "streak": 0})
         self.counts.update(state.get("counts", {}))
         self.wall_s = state.get("wall_s", (state.get("history") or [{}])[-1].get("wall_s", 0.0))
+        self.entropy_coef = state.get("entropy_coef", self.entropy_coef)
         self.files.rewrite_metrics(self.version)
         log.info("resumed at version %d with %d trained groups", self.version, self.ledger.trained)
 
     def _durable_state(self) -> dict[str, Any]:
         return {"version": self.version, "ledger": self.ledger.state(), "counts": dict(self.counts),
-                "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s}
+                "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s,
+                "entropy_coef": self.entropy_coef}
 
     def _full_state(self) -> dict[str, Any]:
         """What a full checkpoint holds (live tensors: :class:`Checkpoints` copies them)."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -67,6 +68,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """The trajectories the step trained on, in the order it used them."""
     rng: dict[str, bytes] = {}
     """The RNG states the step started from (``torch``; ``cuda`` on a GPU)."""
+    entropy_coef: float | None = None
+    """The step's entropy coefficient (``trainer.entropy_target`` adapts it; None: the
+    config's)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -149,8 +153,9 @@ def replay(files: RunFiles, backend: Any, *, after: int, upto: int, advantage: s
                              f"the steps before it")
         t0 = time.perf_counter()
         set_rng_state(backend, rec.rng)
-        backend.train_step(build_samples(rec.trajectories, rec.groups, advantage),
-                           loss_cfg=loss_cfg)
+        cfg = loss_cfg if rec.entropy_coef is None else dataclasses.replace(
+            loss_cfg, entropy_coef=rec.entropy_coef)
+        backend.train_step(build_samples(rec.trajectories, rec.groups, advantage), loss_cfg=cfg)
         took.append(time.perf_counter() - t0)
     return took
 
@@ -190,11 +195,12 @@ class Checkpoints:
         self.started = (full_seq, full_version)
 
     def record(self, version: int, groups: list[int], trajectories: list[m.RolloutCompleted],
-               rng: dict[str, bytes]) -> None:
+               rng: dict[str, bytes], entropy_coef: float | None = None) -> None:
         """A step from ``version`` trained on ``trajectories``: journal it at the next commit."""
         self.seq += 1
         self.pending.append(StepRecord(seq=self.seq, version=version, groups=list(groups),
-                                       trajectories=list(trajectories), rng=rng))
+                                       trajectories=list(trajectories), rng=rng,
+                                       entropy_coef=entropy_coef))
 
     async def commit(self, state: dict[str, Any]) -> float:
         """Make the recorded steps and ``state`` (ledger, counters, version) durable: the

@@ -321,6 +321,7 @@ async def sft(cfg: RunConfig, rows: list[dict], run_path: Path, *, steps: int, b
     samples = train_samples(chat, rows, eot=eot)
     warmup = min(10, steps // 10)
     backend = TorchTrainBackend(base, lr=lr if lr is not None else t.lr, weight_decay=t.weight_decay,
+                                betas=tuple(t.adam_betas),
                                 grad_clip=t.grad_clip, warmup_steps=warmup, total_steps=steps,
                                 schedule="cosine", threads=cfg.model.threads, seed=t.seed,
                                 micro_batch_tokens=t.micro_batch_tokens)

@@ -382,6 +382,11 @@ class TrainerConfig(Base):
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's ``(beta1, beta2)``. A lower beta2 (0.95, as LLM pre-training uses) forgets old
+    gradient scales within tens of steps: a sudden large gradient moves each weight by about
+    ``lr * (1 - beta1) / sqrt(1 - beta2)`` (0.45 lr at 0.95, 3.2 lr at 0.999), and after a
+    spell of small gradients the steps are not damped by the large ones of long ago."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
     warmup_steps: int = 0
@@ -399,7 +404,22 @@ class TrainerConfig(Base):
     decoupled: bool = False
     """Decoupled PPO objective (tokens whose IS weight exceeds the cap get weight 0)."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient (with ``entropy_target``: the starting one)."""
+    entropy_target: float | None = None
+    """Adaptive entropy control (as in Skywork-OR1): keep the policy's entropy (nats per
+    generated token, the step's mean) at or above this. After a step whose entropy was below
+    it the coefficient rises by ``entropy_coef_step``, after one above it falls by as much,
+    within 0 .. ``entropy_coef_max``; each step's coefficient is in the metrics
+    (``entropy_coef``) and in the journal, so a resume trains with the same ones. What it
+    is for: a near-deterministic policy that fails everywhere gets no policy gradient (every
+    group fails alike) and an entropy gradient that vanishes at a one-hot policy, so a fixed
+    small bonus leaves it stuck; a coefficient that grows while the entropy is low brings
+    the exploration back (``benchmarks/collapse_recovery.py``). None: the coefficient is
+    fixed."""
+    entropy_coef_step: float = 0.005
+    """``entropy_target``: how much the coefficient moves per step."""
+    entropy_coef_max: float = 0.1
+    """``entropy_target``: the largest coefficient."""
     skip_uniform: int = 0
     """DAPO's dynamic sampling: per step, skip up to this many ready groups whose rewards are
     all equal (every advantage is 0: no policy gradient, only a smaller step for the rest under
@@ -509,7 +529,14 @@ class TrainerConfig(Base):
         in_range(self, k, "full_checkpoint_s", gt=0)
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
         in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform "
-                          "eval_every", ge=0)
+                          "eval_every entropy_coef_step entropy_coef_max", ge=0)
+        in_range(self, k, "entropy_target", gt=0)
+        if not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"{k}adam_betas must be two numbers in [0, 1) (it is {list(self.adam_betas)})")
+        if self.entropy_target is not None and self.entropy_coef > self.entropy_coef_max:
+            raise ValueError(f"{k}entropy_coef ({self.entropy_coef}) is above {k}entropy_coef_max "
+                             f"({self.entropy_coef_max}): the adaptive coefficient starts at the "
+                             f"first and stays at or below the second")
         in_range(self, k, "clip_low", ge=0, lt=1)  # the ratio is clipped below at 1 - clip_low
         in_range(self, k, "expect_success", ge=0, le=1)
         in_range(self, k, "world_size", ge=1)

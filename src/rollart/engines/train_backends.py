@@ -14,7 +14,7 @@ def make_backend(cfg: Any, model_dir: str | os.PathLike) -> Any:
     from rollart.engines.torch_trainer import TorchTrainBackend
 
     t = cfg.trainer
-    kwargs = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+    kwargs = dict(lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.adam_betas), grad_clip=t.grad_clip,
                   warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
                   threads=cfg.model.threads, seed=t.seed, micro_batch_tokens=t.micro_batch_tokens)
     if getattr(t, "lora", None) is not None:  # adapters for the torch engine, else merged weights
