@@ -16,7 +16,8 @@ of the same config, but no bus, no actors, no asyncio and no weight files: each 
 2. turns them into samples with :func:`rollart.actors.train_batch.build_samples` (token
    ids, masks and behaviour log-probs exactly as an EnvManager records them, built with
    :class:`rollart.actors.chat.ChatFormat`);
-3. takes one ``TorchTrainBackend.train_step`` with ``loss_config(cfg.trainer)``;
+3. takes one ``TorchTrainBackend.train_step`` with ``loss_config(cfg.trainer)`` (the
+   entropy coefficient adapted per step under ``trainer.entropy_target``, as the Trainer's);
 4. copies the trainer's state dict into the generation engine (in memory).
 
 This is what the rollart ``alpha = 0`` pipeline would cost with zero overhead; rollart with
@@ -162,7 +163,8 @@ def build(cfg: RunConfig, *, model_dir: str | None = None, kv_cache: bool = True
     seed = int((gen.args if gen is not None else {}).get("seed", 0))  # LLMProxy replica 0's seed
     kw = {} if kv_cache else {"kv_cache_mb": 0}
     engine = TorchGenerationEngine(md, threads=cfg.model.threads, seed=seed, **kw)
-    backend = TorchTrainBackend(md, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+    backend = TorchTrainBackend(md, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.adam_betas),
+                                grad_clip=t.grad_clip,
                                 warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
                                 threads=cfg.model.threads, seed=t.seed,
                                 micro_batch_tokens=t.micro_batch_tokens)
@@ -182,14 +184,15 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
     weights are written to ``vNNNNNN.safetensors`` there with the clock stopped.
     """
     from rollart.actors.ledger import uniform
-    from rollart.actors.train_batch import build_samples, loss_config, trajectory_stats
+    from rollart.actors.train_batch import (build_samples, loss_config, next_entropy_coef,
+                                            trajectory_stats)
     from rollart.engines.base import save_weights
 
     steps = cfg.trainer.steps if steps is None else steps
     r = cfg.rollout
     env_cfg = cfg.envs[r.env]
     engine, backend, chat = build(cfg, model_dir=model_dir, kv_cache=kv_cache)
-    lcfg = loss_config(cfg.trainer)
+    coef = cfg.trainer.entropy_coef  # trainer.entropy_target adapts it, as the Trainer does
     snap = Path(snapshot_dir) if snapshot_dir is not None else None
     if snap is not None:
         snap.mkdir(parents=True, exist_ok=True)
@@ -230,7 +233,9 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
                       rolled_trajectories=len(rolled))
         t1 = time.perf_counter()
         samples = build_samples(trajs, [t.group_index for t in trajs], cfg.trainer.advantage)
-        tm = backend.train_step(samples, loss_cfg=lcfg)
+        tm = backend.train_step(samples, loss_cfg=loss_config(cfg.trainer, coef))
+        counts["entropy_coef"] = coef
+        coef = next_entropy_coef(cfg.trainer, coef, tm.get("entropy"))
         t2 = time.perf_counter()
         cpu = time.process_time() - cpu0
         rec = {"step": backend.version, "version": backend.version, "wall_s": t2 - t_start - paused,
