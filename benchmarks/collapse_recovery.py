@@ -14,9 +14,10 @@ gradient of the run so far (beta2 = 0.999 remembers ~1000 steps), which the larg
 the learning phase dominate. Such collapses are too rare to study by waiting for them, so
 this script makes one, the same way each time:
 
-1. a *collapsed policy*: ``rollart demos`` with a demonstrator that always answers ``D`` (on
-   the quickstart map: three moves down, into the hole at the bottom left), then
-   ``rollart sft`` on those episodes until the policy is near one-hot (entropy ~0);
+1. a *collapsed policy*: ``rollart demos`` with a demonstrator that plays a shortest path
+   with one move flipped into a hole (:data:`NEAR_MISS`), then ``rollart sft`` on those
+   episodes until the policy is near one-hot (``--sft-steps``; entropy ~0.03 per move, as in
+   the CI collapse);
 2. per variant and seed, the plain synchronous loop of ``plain_loop.py`` (rollart's trainer
    backend, engine, chat format and dynamic sampling, no bus: deterministic for a seed)
    trains the quickstart from its random init for ``--learn`` steps (it learns: sampled
@@ -53,18 +54,29 @@ ROOT = HERE.parent
 RESULTS = HERE / "results" / "collapse_recovery.json"
 
 
-class AlwaysDown:
-    """The collapsed demonstrator: ``D`` every turn, whatever it sees."""
+NEAR_MISS = "RRDDR"
+"""The collapsed policy's moves on the quickstart map: a shortest path (R, R, D, D, then D, R
+to the goal) with its fifth move flipped into the hole right of it; the moves after it are
+never seen."""
+
+
+class NearMiss:
+    """The collapsed demonstrator: :data:`NEAR_MISS`, one move per turn."""
+
+    def __init__(self) -> None:
+        self.turn = 0
 
     def reset(self, observation: str, info: dict) -> None:
-        pass
+        self.turn = 0
 
     def act(self, observation: str, legal: list[str] | None) -> str:
-        return "D"
+        move = NEAR_MISS[min(self.turn, len(NEAR_MISS) - 1)]
+        self.turn += 1
+        return move
 
 
-def always_down(env, rng) -> AlwaysDown:  # a demonstrator factory for `rollart demos --policy`
-    return AlwaysDown()
+def near_miss(env, rng) -> NearMiss:  # a demonstrator factory for `rollart demos --policy`
+    return NearMiss()
 
 
 def say(text: str) -> None:
@@ -72,19 +84,19 @@ def say(text: str) -> None:
 
 
 def collapsed_policy(work: Path, config: str, sft_steps: int) -> Path:
-    """The SFT'd always-``D`` model folder (step 1 of the module docstring)."""
+    """The SFT'd near-miss model folder (step 1 of the module docstring)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    demos = work / "down.jsonl"
-    for cmd in (["demos", config, "--policy", "collapse_recovery:always_down", "--episodes", "32",
+    demos = work / "near-miss.jsonl"
+    for cmd in (["demos", config, "--policy", "collapse_recovery:near_miss", "--episodes", "32",
                  "--out", str(demos), "--quiet"],
                 ["sft", config, "--data", str(demos), "--steps", str(sft_steps), "--batch", "16",
-                 "--out", str(work / "sft-down"), "--quiet"]):
+                 "--out", str(work / "sft-near-miss"), "--quiet"]):
         r = subprocess.run([sys.executable, "-m", "rollart", *cmd], cwd=work, env=env,
                            capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"rollart {cmd[0]} failed: {r.stderr[-800:]}")
-    return work / "sft-down" / "model"
+    return work / "sft-near-miss" / "model"
 
 
 def greedy_success(engine, chat, env_cfg, seed: int) -> float:
@@ -158,8 +170,8 @@ def readme_section(res: dict) -> str:
              f"`{res['command']}` on {res['date']}, {res['host']['cpu_count']} cores (load "
              f"{res['host']['loadavg_start'][0]} at the start). Each run: the quickstart in the "
              f"plain synchronous loop for {res['learn']} steps from random init (it learns), then "
-             f"its weights replaced by a near one-hot always-`D` policy (SFT, into the hole at the "
-             f"bottom left) with AdamW's moments kept, then {res['after']} more steps (cosine LR "
+             f"its weights replaced by a near one-hot policy (SFT on a shortest path whose "
+             f"fifth move is flipped into a hole: {NEAR_MISS}) with AdamW's moments kept, then {res['after']} more steps (cosine LR "
              f"over all {res['learn'] + res['after']}). *Recovered*: the first step after the swap "
              f"with sampled success >= 0.5.", "",
              "| variant | seed | sampled before swap | recovered after (steps) | final greedy | "
@@ -187,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
     p.add_argument("--learn", type=int, default=40, help="steps before the collapse (default 40)")
     p.add_argument("--after", type=int, default=40, help="steps after it (default 40)")
-    p.add_argument("--sft-steps", type=int, default=150, help="SFT steps of the collapsed policy")
+    p.add_argument("--sft-steps", type=int, default=80, help="SFT steps of the collapsed policy "
+                   "(default 80: entropy ~0.03 per move, as the CI collapse had)")
     p.add_argument("--quick", action="store_true", help="4 + 4 steps, 20 SFT steps, seed 0: that it runs")
     p.add_argument("--write", action="store_true", help="store results and the README section")
     a = p.parse_args(argv)

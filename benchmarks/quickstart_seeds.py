@@ -69,6 +69,7 @@ VARIANTS: dict[str, dict] = {
     # Adam's beta2 (issue 28 item 3: the one-step collapses follow a gradient spike; at 0.999
     # a spike after small gradients moves each weight ~3.2 lr, at 0.95 ~0.45 lr)
     "adam-b2-0.95": {"trainer": {"adam_betas": [0.9, 0.95]}},
+    "adam-b2-0.999": {"trainer": {"adam_betas": [0.9, 0.999]}},  # torch's default, the recipe before
     "adam-b2-0.99": {"trainer": {"adam_betas": [0.9, 0.99]}},
     # adaptive entropy control: the coefficient rises while the entropy is below the target
     "entropy-target-0.2": {"trainer": {"entropy_target": 0.2}},
@@ -81,6 +82,8 @@ VARIANTS: dict[str, dict] = {
     "lora-r64-lr-0.01": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL}, "lr": 0.01}},
     "lora-r64-lr-0.0015": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL}, "lr": 0.0015}},
     "lora-r64-lr-0.001": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL}, "lr": 0.001}},
+    "lora-r64-lr-0.001-b2-0.95": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL},
+                                              "lr": 0.001, "adam_betas": [0.9, 0.95]}},
     "lora-r64-lr-0.001-constant": {"trainer": {"lora": {"rank": 64, "alpha": 64.0, "targets": LORA_ALL},
                                                "lr": 0.001, "schedule": "constant"}},
 }
