@@ -31,7 +31,8 @@ The variants are ``quickstart_seeds.py``'s: the packaged recipe (``default``), A
 0.95, adaptive entropy control (``trainer.entropy_target``). It prints JSON; ``--write``
 stores it in ``benchmarks/results/collapse_recovery.json`` and the section of
 ``benchmarks/README.md`` between ``<!-- collapse_recovery:begin -->`` and
-``<!-- collapse_recovery:end -->``.
+``<!-- collapse_recovery:end -->`` (with ``--label L``: ``collapse_recovery_L.json`` and the
+section ``collapse_recovery:L``, e.g. for a deeper collapse with ``--sft-steps 150``).
 """
 
 from __future__ import annotations
@@ -164,14 +165,25 @@ def run_variant(config: str, variant: str, seed: int, collapsed: Path, *, learn:
             "grad_norm_after": [round(r.get("train_grad_norm", 0.0), 4) for r in post]}
 
 
+def section_name(label: str | None) -> str:
+    return "collapse_recovery" + (f":{label}" if label else "")
+
+
+def results_path(label: str | None):
+    return RESULTS.with_name(f"collapse_recovery_{label}.json") if label else RESULTS
+
+
 def readme_section(res: dict) -> str:
-    lines = ["<!-- collapse_recovery:begin -->",
-             "## Climbing out of a collapse (`collapse_recovery.py`, issue 28 item 3)", "",
+    name = section_name(res.get("label"))
+    title = "Climbing out of a collapse" + (f": {res['label']}" if res.get("label") else "")
+    lines = [f"<!-- {name}:begin -->",
+             f"## {title} (`collapse_recovery.py`, issue 28 item 3)", "",
              f"`{res['command']}` on {res['date']}, {res['host']['cpu_count']} cores (load "
              f"{res['host']['loadavg_start'][0]} at the start). Each run: the quickstart in the "
              f"plain synchronous loop for {res['learn']} steps from random init (it learns), then "
-             f"its weights replaced by a near one-hot policy (SFT on a shortest path whose "
-             f"fifth move is flipped into a hole: {NEAR_MISS}) with AdamW's moments kept, then {res['after']} more steps (cosine LR "
+             f"its weights replaced by a near one-hot policy ({res.get('sft_steps', 80)} SFT steps on "
+             f"a shortest path whose fifth move is flipped into a hole: {NEAR_MISS}) with AdamW's "
+             f"moments kept, then {res['after']} more steps (cosine LR "
              f"over all {res['learn'] + res['after']}). *Recovered*: the first step after the swap "
              f"with sampled success >= 0.5.", "",
              "| variant | seed | sampled before swap | recovered after (steps) | final greedy | "
@@ -185,8 +197,8 @@ def readme_section(res: dict) -> str:
                      f"{r['final_greedy']:.1f} | {', '.join(f'{x:.3f}' for x in pick)} | "
                      f"{', '.join(f'{x:.2f}' for x in r['sampled_after'][::5])} |")
     lines += ["", f"Raw numbers (every step's sampled success, entropy, coefficient and gradient "
-              f"norm after the swap): `benchmarks/results/{RESULTS.name}`.", "",
-              "<!-- collapse_recovery:end -->"]
+              f"norm after the swap): `benchmarks/results/{results_path(res.get('label')).name}`.", "",
+              f"<!-- {name}:end -->"]
     return "\n".join(lines)
 
 
@@ -203,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 80: entropy ~0.03 per move, as the CI collapse had)")
     p.add_argument("--quick", action="store_true", help="4 + 4 steps, 20 SFT steps, seed 0: that it runs")
     p.add_argument("--write", action="store_true", help="store results and the README section")
+    p.add_argument("--label", default=None, help="results file and README section suffix")
     a = p.parse_args(argv)
     if a.quick:
         a.learn, a.after, a.sft_steps, a.seeds = 4, 4, 20, 1
@@ -226,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(r)
     res = {"command": "python benchmarks/collapse_recovery.py " + " ".join(argv or sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d"), "host": host, "learn": a.learn, "after": a.after,
-           "config": a.config, "runs": runs}
+           "config": a.config, "label": a.label, "sft_steps": a.sft_steps, "runs": runs}
     print(json.dumps(res, indent=2))
     if a.write and not a.quick:
-        store(RESULTS, res, "collapse_recovery", readme_section(res))
+        store(results_path(a.label), res, section_name(a.label), readme_section(res))
     return 0
 
 
