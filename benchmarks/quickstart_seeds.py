@@ -74,10 +74,6 @@ VARIANTS: dict[str, dict] = {
     # adaptive entropy control: the coefficient rises while the entropy is below the target
     "entropy-target-0.2": {"trainer": {"entropy_target": 0.2}},
     "entropy-target-0.05": {"trainer": {"entropy_target": 0.05}},
-    # KL(uniform over the legal moves || pi): a pull whose gradient stays at a one-hot policy
-    "uniform-0.01": {"trainer": {"uniform_coef": 0.01}},
-    "uniform-0.03": {"trainer": {"uniform_coef": 0.03}},
-    "uniform-0.1": {"trainer": {"uniform_coef": 0.1}},
     "adam-b2-0.95-entropy-target-0.2": {"trainer": {"adam_betas": [0.9, 0.95], "entropy_target": 0.2}},
     "skip-failed-16-lr-0.005": {"trainer": {"skip_uniform": 16, "skip_which": "failed", "lr": 0.005}},
     # trainer.lora on the quickstart (tests/e2e/test_learning_scale.py): adapters on the 7

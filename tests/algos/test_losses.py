@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rollart.algos.losses import LossConfig, entropy_from_logits, kl_k3, policy_loss, kl_from_uniform
+from rollart.algos.losses import LossConfig, entropy_from_logits, kl_k3, policy_loss
 from rollart.algos.reduce import agg_units, aggregate, masked_mean, masked_sum
 
 torch.set_num_threads(1)
@@ -156,26 +156,6 @@ def test_entropy_from_logits():
     assert entropy_from_logits(logits, torch.tensor([[1, 0]])).item() == pytest.approx(1.386294, abs=1e-6)
     assert entropy_from_logits(logits, torch.tensor([[0, 1]])).item() == pytest.approx(0.693147, abs=1e-6)
     assert entropy_from_logits(logits, torch.ones(1, 2)).item() == pytest.approx((1.386294 + 0.693147) / 2)
-
-
-def test_kl_from_uniform_and_its_gradient_that_stays_at_one_hot():
-    """KL(uniform over the valid entries || their softmax): 0 at uniform, -log(n) - mean(log p)
-    in general; its gradient per valid logit is ``softmax - 1/n`` (invalid entries ignored),
-    so at a near one-hot policy it stays large where the entropy's gradient vanishes."""
-    valid = torch.tensor([[True, True, True, True, False]])
-    flat = torch.tensor([[2.0, 2.0, 2.0, 2.0, 50.0]])
-    assert kl_from_uniform(flat, valid).item() == pytest.approx(0.0, abs=1e-6)
-    z = torch.tensor([[12.0, 0.0, 0.0, 0.0, 99.0]], requires_grad=True)
-    kl = kl_from_uniform(z, valid)
-    p = torch.softmax(z.detach()[0, :4], -1)
-    assert kl.item() == pytest.approx((-math.log(4) - p.log().mean()).item(), rel=1e-5)
-    kl.sum().backward()
-    assert torch.allclose(z.grad[0, :4], p - 0.25, atol=1e-6) and z.grad[0, 4] == 0
-    assert z.grad[0, 0].item() == pytest.approx(0.75, abs=1e-3), "one-hot: the pull stays ~1 - 1/n"
-    ze = z.detach().clone().requires_grad_(True)  # the entropy's gradient there: ~0
-    pe = torch.softmax(ze[0, :4], -1)
-    (-(pe * pe.log()).sum()).backward()
-    assert ze.grad[0, :4].abs().max().item() < 1e-3
 
 
 def test_loss_config_validation():

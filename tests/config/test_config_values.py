@@ -55,7 +55,6 @@ BAD = [
     ("trainer", "is_cap", 0),
     ("trainer", "entropy_coef", -0.01),
     ("trainer", "entropy_target", 0),
-    ("trainer", "uniform_coef", -0.01),
     ("trainer", "entropy_coef_step", -0.001),
     ("trainer", "entropy_coef_max", -0.1),
     ("trainer", "adam_betas", [0.9, 1.0]),

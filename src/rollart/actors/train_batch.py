@@ -58,8 +58,7 @@ def loss_config(t: Any, entropy_coef: float | None = None):
 
     coef = t.entropy_coef if entropy_coef is None else entropy_coef
     return LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, agg=t.agg, is_cap=t.is_cap,
-                      decoupled=t.decoupled, entropy_coef=coef, kl_coef=t.kl_coef,
-                      uniform_coef=t.uniform_coef)
+                      decoupled=t.decoupled, entropy_coef=coef, kl_coef=t.kl_coef)
 
 
 def next_entropy_coef(t: Any, coef: float, entropy: float | None) -> float:

@@ -14,7 +14,6 @@ Notation, per token ``t`` of sequence ``b`` (all ``[B, T]`` tensors, ``m`` the r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +47,6 @@ class LossConfig:
     """Entropy bonus: ``loss -= entropy_coef * agg(entropy)``."""
     kl_coef: float = 0.0
     """k3 KL penalty to the frozen initial policy: ``loss += kl_coef * agg(k3)``."""
-    uniform_coef: float = 0.0
-    """Pull toward uniform over a constrained token's legal choices:
-    ``loss += uniform_coef * agg(KL(uniform || pi))`` on constrained tokens (0 on free ones).
-    Its gradient per legal logit is ``pi - 1/n``, which does not vanish as the policy turns
-    one-hot (the entropy's does)."""
 
     def __post_init__(self) -> None:
         check_agg(self.agg)
@@ -60,8 +54,6 @@ class LossConfig:
             raise ValueError(f"unknown old_logp {self.old_logp!r}; allowed: {', '.join(OLD_LOGP_SOURCES)}")
         if self.decoupled and self.old_logp != "recompute":
             raise ValueError("decoupled=True needs old_logp='recompute' (the proximal policy)")
-        if self.uniform_coef < 0:
-            raise ValueError(f"uniform_coef must be >= 0, got {self.uniform_coef}")
         if self.is_cap is not None and self.is_cap <= 0:
             raise ValueError(f"is_cap must be > 0 or None, got {self.is_cap}")
 
@@ -152,17 +144,6 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
           agg: str = "token-mean") -> torch.Tensor:
     """k3 KL estimate per token (see ``kl_k3_per_token``), aggregated with ``agg``."""
     return aggregate(kl_k3_per_token(logp, ref_logp), mask.to(logp.dtype), agg)
-
-
-def kl_from_uniform(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """KL(uniform over the ``valid`` entries of each row of ``logits`` || their softmax):
-    ``logsumexp(z_valid) - mean(z_valid) - log(n)`` (>= 0; 0 when the policy is uniform
-    over them). Its gradient per valid logit is ``softmax - 1/n``. ``logits`` [..., K],
-    ``valid`` a bool mask of the same shape with at least one True per row."""
-    z = logits.masked_fill(~valid, -math.inf)
-    n = valid.sum(-1).clamp(min=1)
-    mean = logits.masked_fill(~valid, 0.0).sum(-1) / n
-    return torch.logsumexp(z, dim=-1) - mean - n.to(logits.dtype).log()
 
 
 def entropy_per_token(logits: torch.Tensor) -> torch.Tensor:

@@ -437,13 +437,6 @@ class TrainerConfig(Base):
     for up to ``skip_uniform`` extra groups a step that it would skip."""
     kl_coef: float = 0.0
     """k3 KL penalty to the initial policy."""
-    uniform_coef: float = 0.0
-    """Pull toward uniform over the legal choices of constrained tokens (constrained decoding):
-    ``loss += uniform_coef * agg(KL(uniform || pi))``; free-text tokens are not touched. Its
-    gradient per legal logit is ``pi - 1/n``, which stays as the policy turns one-hot, where
-    the entropy's vanishes: a policy that collapsed onto a failing path (every group fails
-    alike, no policy gradient) is pushed back toward trying the other moves
-    (``benchmarks/collapse_recovery.py``). 0: off."""
     micro_batch_tokens: int = 8192
     """Padded tokens per micro-batch (gradient accumulation above it)."""
     backend: Literal["torch", "megatron"] = "torch"
@@ -538,7 +531,7 @@ class TrainerConfig(Base):
                           "keep_weights eval_groups", ge=1)
         in_range(self, k, "full_checkpoint_s", gt=0)
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
-        in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef uniform_coef seed skip_uniform "
+        in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform "
                           "eval_every entropy_coef_step entropy_coef_max", ge=0)
         in_range(self, k, "entropy_target", gt=0)
         if not all(0 <= b < 1 for b in self.adam_betas):

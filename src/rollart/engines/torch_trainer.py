@@ -21,8 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 from safetensors.torch import _TYPES, save_file
 
-from rollart.algos.losses import (LossConfig, entropy_per_token, kl_k3, kl_k3_per_token, policy_loss,
-                                  kl_from_uniform)
+from rollart.algos.losses import LossConfig, entropy_per_token, kl_k3, kl_k3_per_token, policy_loss
 from rollart.algos.reduce import agg_units, aggregate, masked_mean
 from rollart.engines.digest import TensorDigest, file_content_digest
 
@@ -114,14 +113,11 @@ def collate(samples: Sequence[TrainSample], device: torch.device) -> Batch:
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: Batch, *, with_entropy: bool = False,
-                      entropy_grad: bool = False, uniform_out: list | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[B, T]`` (column 0 is 0) and optionally per-token entropy.
 
     ``logp[b, t] = z[b, t-1, tok] - logsumexp(z[b, t-1, S])`` with ``z`` the float32 logits,
-    ``S`` the whole vocabulary or, for a constrained token, its allowed ids. With a list as
-    ``uniform_out``, appends the per-token KL(uniform over the allowed ids || pi)
-    ``[B, T]`` (with gradient; 0 on free tokens), for ``LossConfig.uniform_coef``.
+    ``S`` the whole vocabulary or, for a constrained token, its allowed ids.
     """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     z = logits[:, :-1].float()
@@ -130,19 +126,13 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, *, with_entropy: boo
     ent = None
     if with_entropy:
         ent = entropy_per_token(z if entropy_grad else z.detach())
-    uce = z.new_zeros(z.shape[:2]) if uniform_out is not None else None
     if batch.c_rows.numel():
         rows, cols = batch.c_rows, batch.c_cols - 1
-        picked = z[rows, cols].gather(-1, batch.c_ids)
-        sub = picked.masked_fill(~batch.c_valid, -math.inf)
+        sub = z[rows, cols].gather(-1, batch.c_ids).masked_fill(~batch.c_valid, -math.inf)
         logz = logz.index_put((rows, cols), torch.logsumexp(sub, dim=-1))
         if ent is not None:
             ent = ent.index_put((rows, cols), entropy_per_token(sub if entropy_grad else sub.detach()))
-        if uce is not None:
-            uce = uce.index_put((rows, cols), kl_from_uniform(picked, batch.c_valid))
     pad = z.new_zeros(z.shape[0], 1)
-    if uniform_out is not None:
-        uniform_out.append(torch.cat([pad, uce], dim=1))
     logp = torch.cat([pad, tok - logz], dim=1)
     return logp, (torch.cat([pad, ent], dim=1) if ent is not None else None)
 
@@ -327,9 +317,8 @@ class TorchTrainBackend:
         for mb in self.micro_batches(samples):
             batch = collate(mb, self.device)
             mask = batch.response_mask
-            uniform: list | None = [] if cfg.uniform_coef else None
             logp, ent = sequence_logprobs(self.model, batch, with_entropy=True,
-                                          entropy_grad=cfg.entropy_coef != 0, uniform_out=uniform)
+                                          entropy_grad=cfg.entropy_coef != 0)
             old = batch.behav if cfg.old_logp == "behav" else logp.detach()
             pg, m = policy_loss(logp, old, batch.adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                 agg=cfg.agg, behav_logp=batch.behav if cfg.uses_behav else None,
@@ -337,9 +326,6 @@ class TorchTrainBackend:
             total = pg
             if cfg.entropy_coef:
                 total = total - cfg.entropy_coef * aggregate(ent, mask, cfg.agg)
-            if uniform:
-                total = total + cfg.uniform_coef * aggregate(uniform[0], mask, cfg.agg)
-                m["uniform_kl"] = masked_mean(uniform[0].detach(), mask).item()
             if cfg.kl_coef:
                 with torch.no_grad(), self._base_only():
                     ref, _ = sequence_logprobs(self._reference(), batch)
@@ -353,7 +339,7 @@ class TorchTrainBackend:
             sums["loss"] += total.item() * weight
             sums["pg_loss"] += pg.item() * weight
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * share
+                sums[k] += v * share
 
     def train_step(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
         """One optimizer step on ``samples``; returns metrics (loss, pg_loss, grad_norm (before
