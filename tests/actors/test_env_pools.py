@@ -136,19 +136,31 @@ async def test_a_pool_that_loses_its_node_leaves_its_work_to_the_other(nats_bus,
         + build_actors(cfg, ["reward"], "a")
     env_b = build_actors(cfg, ["env"], "b")[0]
     env_b.settings["on_request"]["max_inflight"] = 1
+    # pool b plays its first trajectory, then holds the next one until its node stops (the
+    # stop cancels it; the request stays un-acked): b can never finish its queue before the
+    # test stops it, whatever the host's speed (CI twice saw b finish all six first)
+    held, real = asyncio.Event(), env_b._trajectory
+    started = [0]
+
+    async def first_then_hold(req, cfg_, cancel, delivery):
+        started[0] += 1
+        if started[0] > 1:
+            await held.wait()  # never set: released by the cancellation of b's node stop
+        return await real(req, cfg_, cancel, delivery)
+
+    env_b._trajectory = first_then_hold
     assert [a.pool for a in head if a.role == "env"] == ["a"]
     node_b = Node(bus, [env_b], heartbeat_every=every, grace=2.0, node_id="node-b")
     await node_b.start()
     async with Node(bus, head, heartbeat_every=every, node_id="head"):
-        # the scheduler sees b's node first: waiting for that after b's first completion let
-        # b finish its whole queue on a fast host (CI saw moved == 0), so b is stopped at
-        # once when it has finished one trajectory and still holds two or more
         await until(lambda: sched.pool_watch is not None and "b" in sched.pool_watch.served(),
                     deadline=30, what="the scheduler to see pool b's node",
                     state=lambda: sched.pool_watch and sched.pool_watch.seen)
-        await until(lambda: env_b.stats.get("completed", 0) >= 1 and sched.open_in["b"] >= 2,
-                    deadline=120, what="pool b to finish one trajectory with more queued",
-                    state=lambda: (sched.sent_to, sched.open_in, env_b.stats), step=0.005)
+        await until(lambda: env_b.stats.get("completed", 0) >= 1 and started[0] >= 2
+                    and sched.open_in["b"] >= 2,
+                    deadline=120, what="pool b to finish one trajectory and hold the next",
+                    state=lambda: (sched.sent_to, sched.open_in, env_b.stats, started[0]))
+        assert env_b.stats.get("completed", 0) == 1, env_b.stats
         await asyncio.wait_for(node_b.stop_and_drain(), 30)
         await until(lambda: "b" in sched.pool_watch.missing, deadline=30,
                     what="pool b reported without a live node", state=lambda: sched.summary())
