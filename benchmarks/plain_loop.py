@@ -155,19 +155,14 @@ def build(cfg: RunConfig, *, model_dir: str | None = None, kv_cache: bool = True
     engine re-reads every prompt (no multi-turn KV reuse)."""
     from rollart.engines.provision import model_dir as provision
     from rollart.engines.torch_engine import TorchGenerationEngine
-    from rollart.engines.torch_trainer import TorchTrainBackend
+    from rollart.engines.train_backends import make_backend
 
     md = str(model_dir or provision(cfg))
-    t = cfg.trainer
     gen = cfg.actors.get("generate")
     seed = int((gen.args if gen is not None else {}).get("seed", 0))  # LLMProxy replica 0's seed
     kw = {} if kv_cache else {"kv_cache_mb": 0}
     engine = TorchGenerationEngine(md, threads=cfg.model.threads, seed=seed, **kw)
-    backend = TorchTrainBackend(md, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.adam_betas),
-                                grad_clip=t.grad_clip,
-                                warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
-                                threads=cfg.model.threads, seed=t.seed,
-                                micro_batch_tokens=t.micro_batch_tokens)
+    backend = make_backend(cfg, md)  # the Trainer's own backend, from the same settings
     return engine, backend, ChatFormat.load(md)
 
 
