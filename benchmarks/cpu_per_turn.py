@@ -10,11 +10,16 @@
 
 What runs: ``rollart run`` of ``configs/quickstart.yaml`` (the real command line,
 :func:`rollart.app.cli.main`, in a child process of this script) with ``trainer.steps``
-set to ``--steps``, in two layouts:
+set to ``--steps``, in these layouts (``--layouts``):
 
 - ``mp``: the default ``rollart run``: an embedded ``nats-server``, the trainer and the
   scheduler in the head process, generation and the envs (with reward) in child node
-  processes (``node.local_processes``);
+  processes (this host's default ``node.local_processes``: one child on <= 2 cores, whose
+  turns call the engine in-process, ``rollout.local_calls``; env steps ``executor: inline``
+  as the packaged quickstart has them);
+- ``mp2``: the default before that: generation in one child, envs and reward in another,
+  env steps on threads, every turn through nats-server;
+- ``mp1-bus``: one child, env steps inline, ``rollout.local_calls: false``;
 - ``memory``: ``--nats memory``, every actor in one process on the in-process bus.
 
 **Window.** Setup (model, tokenizer, engine, the first steps' warm-up) and the end (final
@@ -85,8 +90,19 @@ from readme_section import replace_section  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "cpu_per_turn.json"
-LAYOUTS = {"mp": "default `rollart run`: embedded nats-server, generate and env nodes in child processes",
+LAYOUTS = {"mp": "default `rollart run` of the packaged quickstart: embedded nats-server, the roles "
+                 "of this host's default `node.local_processes` in child processes (one child "
+                 "for generate, env and reward on <= 2 cores), local calls, env steps inline",
+           "mp2": "the default before issue 25's placement: generate in one child, env and reward "
+                  "in another, env steps on threads, every turn through nats-server",
+           "mp1-bus": "one child for generate, env and reward, env steps inline, "
+                      "`rollout.local_calls: false` (every turn through nats-server)",
            "memory": "`--nats memory`: every actor in one process"}
+LAYOUT_CONFIG = {"mp2": {"node": {"local_processes": [["generate"], ["env", "reward"]]},
+                         "envs": {"main": {"executor": "thread"}},
+                         "rollout": {"local_calls": False}},
+                 "mp1-bus": {"node": {"local_processes": [["generate", "env", "reward"]]},
+                             "rollout": {"local_calls": False}}}
 
 
 def say(text: str) -> None:
@@ -295,7 +311,7 @@ def _label(p) -> str:
     if "--roles" in cmd:
         return "node: " + cmd[cmd.index("--roles") + 1]
     if "--head" in cmd:
-        return "head (trainer, scheduler)" if "mp" in cmd else "head (every actor)"
+        return "head (every actor)" if "memory" in cmd else "head (trainer, scheduler)"
     return os.path.basename(cmd[0]) if cmd else "?"
 
 
@@ -323,6 +339,12 @@ def run_layout(layout: str, args, tmp: Path) -> dict:
     raw["run_dir"] = str(tmp / "runs")
     raw["trainer"]["steps"] = args.steps
     raw["trainer"]["eval_groups"] = 1
+    for section, keys in LAYOUT_CONFIG.get(layout, {}).items():
+        if section == "envs":
+            for env, env_keys in keys.items():
+                raw["envs"][env].update(env_keys)
+        else:
+            raw.setdefault(section, {}).update(keys)
     cfg_path = tmp / f"{layout}.yaml"
     cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     metrics = tmp / "runs" / raw["run"] / "metrics.jsonl"
@@ -440,11 +462,14 @@ def readme_section(res: dict) -> str:
     begin, end = "<!-- cpu_per_turn:begin -->", "<!-- cpu_per_turn:end -->"
     cur, base = res["current"], res.get("baseline")
     lines = [begin, "## CPU per turn of a real run, per process and per hop (`cpu_per_turn.py`)", "",
-             "`python benchmarks/cpu_per_turn.py [--quick] [--layouts mp,memory] [--steps N] [--warm K] "
-             "[--rate HZ] [--baseline LABEL]` runs `rollart run configs/quickstart.yaml` (the real command "
-             "line) for a few steps in two layouts: **mp**, the default (embedded nats-server; trainer and "
-             "scheduler in the head process; generate and env+reward nodes in child processes) and "
-             "**memory** (`--nats memory`, one process). Over the steady part of the run (from the "
+             "`python benchmarks/cpu_per_turn.py [--quick] [--layouts mp,mp2,mp1-bus,memory] [--steps N] "
+             "[--warm K] [--rate HZ] [--baseline LABEL]` runs `rollart run configs/quickstart.yaml` (the real "
+             "command line) for a few steps in these layouts: **mp**, the default (embedded nats-server; "
+             "trainer and scheduler in the head process; on this 2-core host one child node for generate, "
+             "env and reward, whose turns call the engine in-process: `rollout.local_calls`; env steps "
+             "inline), **mp2**, the default before (generate and env+reward nodes in two children, env steps "
+             "on threads, every turn through nats-server), **mp1-bus** (one child, `rollout.local_calls: "
+             "false`) and **memory** (`--nats memory`, one process). Over the steady part of the run (from the "
              "`--warm`-th metrics row to the last but one) it reads every process's CPU time (psutil) and "
              "the turns of every trajectory completed in that window (skipped groups included), and samples "
              "each Python process with an in-process sampler started only by the benchmark (`cpu_sampler.py`, "
@@ -463,6 +488,16 @@ def readme_section(res: dict) -> str:
     lines.append("Runs: " + "; ".join(
         f"**{name}** {r['label']} ({r['when']}, load {r['load_start']}-{r['load_end']}, "
         f"{r['steps']} steps, window {windows(r)})" for name, r in runs) + ".")
+    lines.append("")
+    lines += ["| layout | plumbing ms/turn | all processes ms/turn | " + ("before: plumbing | " if base else "")
+              + "target plumbing <= 0.5 |",
+              "|---|---:|---:|" + ("---:|" if base else "") + "---|"]
+    for layout, c in cur["layouts"].items():
+        b = (base or {}).get("layouts", {}).get(layout)
+        pl = c.get("plumbing_ms_per_turn")
+        lines.append(f"| {layout} | {_fmt(pl)} | {_fmt(c['ms_per_turn'])} | "
+                     + (f"{_fmt((b or {}).get('plumbing_ms_per_turn'))} | " if base else "")
+                     + ("" if pl is None else ("met" if pl <= 0.5 else "not met")) + " |")
     lines.append("")
     for layout in cur["layouts"]:
         c = cur["layouts"][layout]
@@ -528,7 +563,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few steps, prints JSON, writes nothing")
-    ap.add_argument("--layouts", default="mp,memory", help="comma-separated: mp, memory")
+    ap.add_argument("--layouts", default="mp,mp2,mp1-bus,memory",
+                    help="comma-separated: " + ", ".join(LAYOUTS))
     ap.add_argument("--steps", type=int, default=None, help="trainer.steps (default 14, quick 5)")
     ap.add_argument("--warm", type=int, default=None, help="metrics rows before the window opens (default 3, quick 2)")
     ap.add_argument("--rate", type=int, default=250, help="sampler ticks per second")

@@ -13,9 +13,11 @@ one variant at a time, each in its own fresh Python process, all on this machine
   loop with no bus and no actors (the floor for a synchronous trainer), with the engine's
   multi-turn KV cache as rollart has it; ``plain-nokv``: the same without the cache;
 - ``alpha0-mp`` / ``alpha1-mp``: ``rollart.app.run.train`` as plain ``rollart run`` does it: an
-  embedded ``nats-server``, generation, envs and the trainer in separate processes
-  (``node.local_processes``), ``rollout.alpha`` 0 or 1; ``alpha1-mp1``: the same with one
-  child process for generation, envs and reward (not run by default); ``alpha0-batch-mp``: α = 0 with
+  embedded ``nats-server``, the trainer in the head process and the roles of this host's default
+  ``node.local_processes`` in child processes (on <= 2 cores one child for generation, envs and
+  reward), ``rollout.alpha`` 0 or 1; ``alpha0-mp2`` / ``alpha1-mp2``: generation in one child,
+  envs and reward in another (the default on bigger hosts); ``alpha1-mp1``: one child, explicitly;
+  ``alpha1-mp1-bus``: one child with ``rollout.local_calls: false``; ``alpha0-batch-mp``: α = 0 with
   ``rollout.mode: batch`` (each turn of a step's trajectories in lock step), not run by default;
 - ``alpha0`` / ``alpha1``: every actor in one process on the in-process bus
   (``--nats memory``); ``alpha1-nats``: one process on an embedded ``nats-server``.
@@ -68,21 +70,41 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "src"))
+from rollart.config.deploy import default_local_processes  # noqa: E402 - light, no torch
 RESULTS = HERE / "results" / "learning.json"
 README = HERE / "README.md"
 BEGIN, END = "<!-- learning:begin -->", "<!-- learning:end -->"
+
+def _layout_words(groups: list[list[str]]) -> str:
+    kids = "; ".join(", ".join(g) for g in groups)
+    return f"{len(groups) + 1} processes: head; {kids}"
+
+
+_DEFAULT_LAYOUT = _layout_words(default_local_processes())
 
 VARIANTS = {
     "plain": {"label": "plain loop (sync, no bus, KV cache)", "alpha": None, "nats": None},
     "plain-nokv": {"label": "plain loop without KV cache", "alpha": None, "nats": None,
                    "kv_cache": False},
-    "alpha0-mp": {"label": "rollart α = 0, 3 processes (default run)", "alpha": 0,
+    "alpha0-mp": {"label": f"rollart α = 0, default run ({_DEFAULT_LAYOUT})", "alpha": 0,
                   "nats": "embedded", "single": False},
-    "alpha1-mp": {"label": "rollart α = 1, 3 processes (default run)", "alpha": 1,
+    "alpha1-mp": {"label": f"rollart α = 1, default run ({_DEFAULT_LAYOUT})", "alpha": 1,
                   "nats": "embedded", "single": False},
+    "alpha0-mp2": {"label": "rollart α = 0, 3 processes (generation; envs, reward)", "alpha": 0,
+                   "nats": "embedded", "single": False,
+                   "node": {"local_processes": [["generate"], ["env", "reward"]]}},
+    "alpha1-mp2": {"label": "rollart α = 1, 3 processes (generation; envs, reward)", "alpha": 1,
+                   "nats": "embedded", "single": False,
+                   "node": {"local_processes": [["generate"], ["env", "reward"]]}},
     "alpha1-mp1": {"label": "rollart α = 1, 2 processes (generation, envs, reward in one child)",
                    "alpha": 1, "nats": "embedded", "single": False,
                    "node": {"local_processes": [["generate", "env", "reward"]]}},
+    "alpha1-mp1-bus": {"label": "rollart α = 1, 2 processes, every turn through nats-server "
+                                "(rollout.local_calls false)",
+                       "alpha": 1, "nats": "embedded", "single": False,
+                       "node": {"local_processes": [["generate", "env", "reward"]]},
+                       "rollout": {"local_calls": False}},
     "alpha0-batch-mp": {"label": "rollart α = 0, rollout.mode batch, 3 processes", "alpha": 0,
                         "nats": "embedded", "single": False, "rollout": {"mode": "batch"}},
     "alpha0": {"label": "rollart α = 0, MemoryBus, 1 process", "alpha": 0, "nats": "memory"},

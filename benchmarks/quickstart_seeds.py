@@ -69,6 +69,10 @@ VARIANTS: dict[str, dict] = {
     # Adam's beta2 (issue 28 item 3: the one-step collapses follow a gradient spike; at 0.999
     # a spike after small gradients moves each weight ~3.2 lr, at 0.95 ~0.45 lr)
     "adam-b2-0.95": {"trainer": {"adam_betas": [0.9, 0.95]}},
+    # issue 25's placement: generation in a child of its own, env steps on threads, every
+    # turn through nats-server (the default before the one-child layout and local calls)
+    "split-thread": {"node": {"local_processes": [["generate"], ["env", "reward"]]},
+                     "envs": {"main": {"executor": "thread"}}, "rollout": {"local_calls": False}},
     "adam-b2-0.999": {"trainer": {"adam_betas": [0.9, 0.999]}},  # torch's default, the recipe before
     "adam-b2-0.99": {"trainer": {"adam_betas": [0.9, 0.99]}},
     # adaptive entropy control: the coefficient rises while the entropy is below the target

@@ -7,6 +7,8 @@
   returned) when the budget is spent.
 - :func:`first_of`: wait for whichever of several awaitables finishes first, cancel the
   others and wait until they have ended (structured: no task outlives the call).
+- :func:`any_done`: wait until one of several running futures is done, cancelling none
+  (they belong to the caller, who reads each one's result or error itself).
 
 A transient failure is retried here; a permanent one is not in ``retry_on`` and goes up at
 once (design.md, "Failure kinds").
@@ -99,6 +101,16 @@ async def first_of(*aws: Awaitable[Any]) -> tuple[set[asyncio.Future], set[async
             f.cancel()
         await _settle(rest)
     return done, pending
+
+
+async def any_done(*futs: asyncio.Future) -> None:
+    """Wait until one of the running futures ``futs`` is done (none: forever). Nothing is
+    cancelled, not even when the caller is: the futures stay the caller's, and no wrapper
+    is made whose error nobody would read (``first_of`` over ``asyncio.shield`` wrappers
+    left one "Future exception was never retrieved" per failed request)."""
+    if not futs:
+        await asyncio.get_running_loop().create_future()  # until the caller is cancelled
+    await asyncio.wait(futs, return_when=asyncio.FIRST_COMPLETED)
 
 
 async def _settle(futs: list[asyncio.Future]) -> None:

@@ -29,8 +29,10 @@ ROUTED = {"pools": POOLS, "mapping": {"generate": ["big", "small"], "env": "cpu"
 
 
 def cfg_of(tiny_model=None, **extra) -> RunConfig:
+    # every generate request crosses the bus, where the tests' spy counts them by subject
+    # (an in-process replica would otherwise be called directly: rollout.local_calls)
     data = {"run": new_run(), "envs": {"main": dict(LAKE)},
-            "rollout": {"group_size": 4, "batch_groups": 2}, **extra}
+            "rollout": {"group_size": 4, "batch_groups": 2, "local_calls": False}, **extra}
     if tiny_model is not None:
         data["model"] = {"path": str(tiny_model)}
     return convert(data, RunConfig)

@@ -119,6 +119,30 @@ async def test_no_replica_until_the_deadline_is_a_service_unavailable_reject(mem
         assert time.monotonic() - t0 >= 1.0  # it waited ``wait``, and gave up after it
 
 
+async def test_requests_before_any_replica_leave_no_unretrieved_error(bus):
+    # a node that starts before its generate replicas meets "no responders" on each try;
+    # every such error is the client's to read (asyncio logged "Future exception was never
+    # retrieved" once per try, 517 lines in one quickstart run)
+    import gc
+    loop = asyncio.get_running_loop()
+    unretrieved: list[str] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda lp, ctx: unretrieved.append(ctx.get("message", "")))
+    try:
+        run = new_run()
+        async with client_on(bus, run, wait=FOREVER) as client:
+            call = asyncio.ensure_future(client.call("generate.request", gen_req(1)))
+            await until(lambda: client.waits().get(("generate.request", "default"), (0, 0))[1] > 0.5,
+                        deadline=30, what="tries without a replica")
+            async with Node(bus, [FakeGen(run=run, name="late")], heartbeat_every=0, grace=0.5):
+                assert (await asyncio.wait_for(call, 60)).replica == "late"
+        gc.collect()
+        await asyncio.sleep(0)  # let a collected future's handler call run
+    finally:
+        loop.set_exception_handler(old)
+    assert not [u for u in unretrieved if "never retrieved" in u], unretrieved
+
+
 @pytest.mark.parametrize("mode", ["silent", "noclaim"])
 async def test_a_request_on_a_lost_replica_is_sent_again_within_the_replica_timeout(bus, mode):
     run = new_run()
@@ -259,3 +283,78 @@ async def test_a_stopping_llm_proxy_answers_every_request(memory_bus_only):
     for r in reps:
         assert r.headers.get(ERROR_KIND_HEADER) == "unavailable" or set(r.headers) <= {
             REPLICA_HEADER}, r.headers  # a result names only the replica that answered
+
+
+# -- local calls (rollout.local_calls) --------------------------------------------------
+async def _spy(bus, run: str) -> list:
+    """Every generate request that crosses the bus (a plain subscription beside the queue group)."""
+    seen: list = []
+
+    async def on(req) -> None:
+        seen.append(req.subject)
+
+    await bus.subscribe(m.subject(run, "generate.request", "default"), on)
+    return seen
+
+
+async def test_the_only_replica_in_this_process_is_called_without_the_bus(bus):
+    run = new_run()
+    seen = await _spy(bus, run)
+    counts: dict[str, int] = {}
+    gen = FakeGen(run=run, name="here")
+    async with Node(bus, [gen], heartbeat_every=0, grace=0.5):
+        async with client_on(bus, run, local=True,
+                             count=lambda k: counts.__setitem__(k, counts.get(k, 0) + 1)) as client:
+            res = await client.call("generate.request", gen_req(2))
+            assert res.token_ids == [3] and res.replica == "here" and gen.got == 1
+            assert counts.get("local_calls") == 1 and seen == []
+        async with client_on(bus, run, local=False) as client:  # the switch off: through the bus
+            assert (await client.call("generate.request", gen_req(1))).token_ids == [2]
+            await until(lambda: len(seen) == 1, deadline=30, what="the request on the bus")
+    assert gen.got == 2
+
+
+async def test_two_replicas_in_this_process_are_balanced_by_the_bus(memory_bus_only):
+    bus, run = memory_bus_only, new_run()
+    seen = await _spy(bus, run)
+    a, b = FakeGen(run=run, name="a"), FakeGen(run=run, name="b")
+    async with Node(bus, [a, b], heartbeat_every=0, grace=0.5):
+        async with client_on(bus, run, local=True) as client:
+            for i in range(4):
+                await client.call("generate.request", gen_req(i))
+    assert len(seen) == 4 and a.got == b.got == 2  # the MemoryBus hands them round robin
+
+
+async def test_a_replica_elsewhere_in_the_pool_sends_local_calls_to_the_bus(nats_bus, nats_server):
+    # two connections to one nats-server stand for two processes: "there" reports progress
+    from rollart.bus.nats import NatsBus
+
+    run = new_run()
+    here_bus, there_bus = nats_bus, NatsBus(nats_server.url)
+    await there_bus.connect()
+    try:
+        seen = await _spy(here_bus, run)
+        here, there = FakeGen(run=run, name="here"), FakeGen(run=run, name="there")
+        async with Node(here_bus, [here], heartbeat_every=0, grace=0.5):
+            async with client_on(here_bus, run, local=True) as client:
+                assert (await client.call("generate.request", gen_req(0))).replica == "here"
+                assert seen == []  # the only replica: the local one
+                async with Node(there_bus, [there], heartbeat_every=0, grace=0.5):
+                    await until(lambda: ("generate.request", there.reporter.replica)
+                                in client.replicas(), deadline=30, what="the other replica's report")
+                    for i in range(4):
+                        await client.call("generate.request", gen_req(i))
+                    await until(lambda: len(seen) == 4, deadline=30, what="4 requests on the bus")
+    finally:
+        await there_bus.close()
+
+
+async def test_local_error_answers_are_retried_then_rejected(memory_bus_only):
+    run = new_run()
+    bad = FakeGen(run=run, name="bad", mode="error")
+    async with Node(memory_bus_only, [bad], heartbeat_every=0, grace=0.2):
+        async with client_on(memory_bus_only, run, retries=2, local=True) as client:
+            with pytest.raises(Reject, match=r"^service_error: generate.request for t0 failed 3 times;"
+                                             r" last error: ValueError: prompt too long"):
+                await client.call("generate.request", gen_req(), what=" for t0")
+    assert bad.got == 3

@@ -23,6 +23,7 @@ import yaml
 from rollart.config import ConfigError, RunConfig, convert
 from rollart.app.local_nodes import LocalNodes
 from rollart.app.local_plan import log_name, plan
+from rollart.config.deploy import default_local_processes
 from tests.child_output import ReadProcess
 from tests.waiting import until_sync
 
@@ -132,10 +133,11 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 def test_default_run_starts_node_processes_and_leaves_none(tmp_path, run_dir):
     run = f"lp{os.getpid()}a"
     cfg = quickstart(tmp_path, run_dir, run, steps=3)
+    groups = default_local_processes()  # this host's default (one child on <= 2 cores)
     r = Run(tmp_path, str(cfg))
     try:
         kids = r.children()
-        assert set(kids) == {"generate", "env,reward"}, kids
+        assert set(kids) == {",".join(g) for g in groups}, kids
         for pid in kids.values():
             assert pid != r.proc.pid
             assert not alive(pid) or parent_of(pid) == r.proc.pid  # its child, not a stranger
@@ -146,7 +148,7 @@ def test_default_run_starts_node_processes_and_leaves_none(tmp_path, run_dir):
     assert "greedy_success" in summary, summary  # the final evaluation ran on the children
     assert [x["step"] for x in metrics_rows(run_dir, run)] == [1, 2, 3]
     logs = run_dir / run / "logs"
-    for roles, shown in (("generate", "generate"), ("env,reward", "env, reward")):
+    for roles, shown in ((",".join(g), ", ".join(g)) for g in groups):
         text = (logs / log_name(roles.split(","))).read_text()
         assert f"serving {shown} (run={run}" in text, text
         assert f"run {run} ended at step 3; draining" in text, text
@@ -162,6 +164,7 @@ def test_lost_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_d
     run = f"lp{os.getpid()}{how}"
     steps = 5 if how == "killed" else 4
     node = {"heartbeat_every": 0.5, "stuck_after": 3} if how == "stuck" else {}
+    node["local_processes"] = [["generate"], ["env", "reward"]]  # generation on its own
     cfg = quickstart(tmp_path, run_dir, run, steps=steps, **node)
     r = Run(tmp_path, str(cfg))
     pids = []
@@ -241,7 +244,7 @@ def test_plan_forwards_the_bus_and_only_names_of_credentials(tmp_path):
     assert plan(cfg, bus_url=url, single_process=True) == ([], [])
     assert plan(convert({"node": {"local_processes": []}}, RunConfig), bus_url=url) == ([], [])
     groups, flags = plan(cfg, bus_url=url)  # the embedded server: its URL
-    assert groups == [["generate"], ["env", "reward"]] and flags == ["--nats", url]
+    assert groups == default_local_processes() and flags == ["--nats", url]
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")
     over = {"url": None, "user": "alice", "password_file": "pw", "token_file": None,
@@ -261,8 +264,15 @@ def test_plan_forwards_the_bus_and_only_names_of_credentials(tmp_path):
                      RunConfig)
     assert plan(joined, bus_url="nats://head:4222")[1] == []
     # no reward service in the run: no reward role in a child
-    none = convert({"actors": {"reward": {"replicas": 0}}}, RunConfig)
+    none = convert({"actors": {"reward": {"replicas": 0}},
+                    "node": {"local_processes": [["generate"], ["env", "reward"]]}}, RunConfig)
     assert plan(none, bus_url=url)[0] == [["generate"], ["env"]]
+
+
+def test_default_placement_follows_the_cores():
+    assert default_local_processes(1) == default_local_processes(2) == [["generate", "env", "reward"]]
+    assert default_local_processes(3) == default_local_processes(64) == [["generate"], ["env", "reward"]]
+    assert convert({}, RunConfig).node.local_processes == default_local_processes()
 
 
 class _Node:
@@ -337,3 +347,33 @@ async def test_a_child_that_ignores_sigterm_is_killed(tmp_path):
     # interrupted (never run_ended): SIGTERM, grace + 5 s, then SIGKILL
     assert local.children[0].proc.returncode == -signal.SIGKILL
     assert not alive(pid) and time.monotonic() - t0 < 30
+
+
+@needs_proc
+async def test_training_waits_for_every_childs_first_heartbeat(tmp_path, memory_bus_only, caplog):
+    """``started()`` (what the trainer awaits before its first step) returns once each child
+    sent a heartbeat, and after its timeout when one never does (with a warning)."""
+    import socket
+
+    from rollart import messages as m
+    from rollart.bus.codec import encode
+
+    local = _fake(tmp_path, "import time; time.sleep(120)", heartbeat_every=0.2, stuck_after=60)
+    local.bus = memory_bus_only
+    async with local:
+        with caplog.at_level("WARNING", logger="rollart.app.local_nodes"):
+            await asyncio.wait_for(local.started(timeout=0.2), 30)  # nobody beat: it gave up
+        assert "not all started within 0 s" in caplog.text, caplog.text
+        waiter = asyncio.ensure_future(local.started(timeout=120))
+        done, _ = await asyncio.wait([waiter], timeout=0.3)
+        assert not done  # still waiting: no heartbeat yet
+        pid = local.children[0].proc.pid
+        hb = m.NodeHeartbeat(node_id="n1", host=socket.gethostname(), pid=pid, pool="default",
+                             roles=["generate"], ts=time.time())
+        t0 = time.monotonic()
+        while not waiter.done():  # the watcher subscribes as the children start: beat until seen
+            assert time.monotonic() - t0 < 30, "started() never saw the heartbeat"
+            await memory_bus_only.publish_core(m.subject("fake", "node.heartbeat"), encode(hb))
+            await asyncio.wait([waiter], timeout=0.05)
+        await waiter
+        local.run_ended()

@@ -65,7 +65,8 @@ def test_env_keys_with_defaults_and_allowed_values(doc):
     assert "default -0.1" in line_of(doc, "envs.<*>.format_penalty")
     assert line_of(doc, "envs.<*>.sampling") == "envs.<name>.sampling  (section)"
     assert "default 1.0  allowed: (0, 1]" in line_of(doc, "envs.<*>.sampling.top_p")
-    assert 'allowed: one of "thread", "process"' in line_of(doc, "envs.<*>.executor")
+    assert line_of(doc, "envs.<*>.executor").endswith('default "thread"')
+    assert 'allowed: one of "thread", "process", "inline"' in doc
     assert 'default "wait"  allowed: one of "wait", "drop", "restart"' in line_of(doc, "rollout.stale")
     assert "allowed: >= 267" in line_of(doc, "model.tiny.vocab_size")  # a module constant
     assert "allowed: [0, 1)" in line_of(doc, "trainer.clip_low")

@@ -10,7 +10,9 @@ from tests.e2e.test_rollout import make_cfg, run_groups
 
 
 async def test_monitor_counts_a_rollout(bus, tiny_model):
-    cfg = make_cfg(tiny_model, group_size=2)
+    # generation on the bus (an LLMProxy in the EnvManager's own process is otherwise called
+    # without it: rollout.local_calls, whose turns no subject shows)
+    cfg = make_cfg(tiny_model, group_size=2, local_calls=False)
     mon = RunMonitor(cfg.run)
 
     async def on_msg(req):
@@ -36,3 +38,18 @@ async def test_monitor_counts_a_rollout(bus, tiny_model):
     from rich.console import Console
 
     Console(file=open("/dev/null", "w")).print(mon.render())
+
+
+async def test_local_calls_leave_no_generate_subject(memory_bus_only, tiny_model):
+    cfg = make_cfg(tiny_model, group_size=2)  # rollout.local_calls: on by default
+    mon = RunMonitor(cfg.run)
+
+    async def on_msg(req):
+        mon.observe(req.subject, req.data)
+
+    sub = await memory_bus_only.subscribe(f"rollart.{cfg.run}.>", on_msg)
+    sched, _ = await run_groups(memory_bus_only, cfg, groups=2)
+    await sub.unsubscribe()
+    assert sched.summary()["completed"] == 4
+    assert not [s for s in mon.subjects if ".generate." in s], list(mon.subjects)
+    assert mon.stage_s["generate"] > 0  # the turns' own timings still say where time went

@@ -66,6 +66,28 @@ async def test_process_mode_env_lives_in_a_worker():
         await runner.reset(0)
 
 
+async def test_inline_mode_calls_the_env_on_the_loop_and_reports_a_slow_one(caplog):
+    from rollart.envs import inline_backend
+
+    inline_backend._warned.discard(f"{FAKE}:EchoEnv")
+    runner = EnvRunner(f"{FAKE}:EchoEnv", {"prefix": ">"}, executor="inline", timeout=10)
+    obs, info = await runner.reset(7)
+    assert obs == ">7" and info["thread"] == threading.get_ident() and info["pid"] == os.getpid()
+    assert runner.instruction == "echo" and runner.legal_actions() == ["a", "stop"]
+    assert await runner.step("a") == (">a", 0.5, False, False, {"success": False})
+    assert "event loop" not in caplog.text
+    with caplog.at_level("WARNING", logger="rollart.envs.inline_backend"):
+        await runner.step("slow")  # 0.3 s on the loop: said once
+        await runner.step("slow")
+    assert caplog.text.count("belongs on executor: thread") == 1, caplog.text
+    await runner.close()
+    async with EnvRunner("frozenlake", {}, executor="inline", timeout=5) as lake:
+        await lake.reset(0)
+        for a in "DDRRD":
+            assert (await lake.step(a))[2] is False
+        assert (await lake.step("R"))[1:3] == (1.0, True)
+
+
 async def test_async_env_is_awaited_on_the_loop():
     env = AsyncEchoEnv()
     runner = EnvRunner.from_env(env, timeout=5)
@@ -110,7 +132,7 @@ async def test_hanging_env_times_out_without_blocking_the_loop(executor):
         await runner.close()
 
 
-@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize("executor", ["thread", "process", "inline"])
 async def test_errors_surface_as_env_error(executor):
     runner = EnvRunner(f"{FAKE}:FailingEnv", executor=executor, timeout=10)
     with pytest.raises(EnvError, match="ValueError: kaboom 4") as ei:

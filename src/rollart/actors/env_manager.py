@@ -143,7 +143,8 @@ class EnvManager(Actor):
         r = self.rollout
         self.services = ServiceClient(self, timeout=r.generate_timeout, wait=r.service_wait,
                                       retries=r.generate_retries,
-                                      replica_timeout=r.replica_timeout, count=self._count)
+                                      replica_timeout=r.replica_timeout, count=self._count,
+                                      local=r.local_calls)
         await self.services.start()
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
 

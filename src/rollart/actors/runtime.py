@@ -7,6 +7,8 @@ import contextlib
 import logging
 import time
 
+import msgspec
+
 from rollart import messages as m
 from rollart.actors import payloads
 from rollart.actors.base import ERROR_HEADER, Actor, BoundHandler, Reject, Retry
@@ -301,6 +303,25 @@ class ServiceUnavailable(Exception):
     stopping): the requester sends it elsewhere at once instead of counting an error."""
 
 
+_LOCAL: dict[tuple[int, str], list["Service"]] = {}
+"""(id of the bus, queue-group subject) -> the bound services of this process on it."""
+
+
+def local_services(bus: Bus | None, subject: str) -> list["Service"]:
+    """The services bound in this process to ``subject`` on ``bus`` that are not stopping
+    (what :class:`rollart.actors.service_client.ServiceClient` may call without the bus)."""
+    return [s for s in _LOCAL.get((id(bus), subject), ()) if not s.draining]
+
+
+class LocalAnswer(msgspec.Struct, frozen=True):
+    """What :meth:`Service.call_local` returns: the encoded reply, or the error text the
+    bus path would have put in its headers (``unavailable``: ask another replica)."""
+
+    data: bytes = b""
+    error: str | None = None
+    unavailable: bool = False
+
+
 class Service:
     """A request/reply handler subscribed in a queue group.
 
@@ -324,10 +345,23 @@ class Service:
         self._reply_headers: dict[str, str] | None = None
         self._inflight: set[asyncio.Task] = set()
         self._draining = asyncio.Event()
+        self._local_calls = 0
+        self._local_idle = asyncio.Event()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    @property
+    def replica(self) -> str:
+        """Its id in progress reports (empty: it sends none)."""
+        rep = self.actor.progress
+        return rep.replica if rep is not None and rep.service == self.h.settings.subject else ""
 
     async def bind(self) -> None:
         queue = self.h.settings.queue or f"{self.actor.role}-{self.h.name}"
         self._sub = await self.bus.subscribe(self.h.subject, self._on_request, queue=queue)
+        _LOCAL.setdefault((id(self.bus), self.h.subject), []).append(self)
         rep, direct = self.actor.progress, self.h.settings.direct
         if direct and rep is not None and rep.service == self.h.settings.subject:
             pool = self.h.settings.pool or self.actor.pool
@@ -336,8 +370,17 @@ class Service:
             rep.direct = rep.token  # announced from the next report on
             self._reply_headers = {REPLICA_HEADER: rep.replica}
 
+    def _unregister(self) -> None:
+        key = (id(self.bus), self.h.subject)
+        peers = [s for s in _LOCAL.get(key, ()) if s is not self]
+        if peers:
+            _LOCAL[key] = peers
+        else:
+            _LOCAL.pop(key, None)
+
     async def stop(self, grace: float) -> None:
         self._draining.set()  # before unsubscribing, which may wait for running handlers
+        self._unregister()
         end = time.monotonic() + grace
         if self._direct_sub is not None and self.actor.progress is not None:
             self.actor.progress.direct = ""  # no longer announced
@@ -352,6 +395,12 @@ class Service:
                             self.actor.name, self.h.subject, grace)
         if self._inflight and end > time.monotonic():
             await asyncio.wait(set(self._inflight), timeout=end - time.monotonic())
+        if self._local_calls and end > time.monotonic():  # calls from this process: the same grace
+            self._local_idle.clear()
+            try:
+                await asyncio.wait_for(self._local_idle.wait(), end - time.monotonic())
+            except TimeoutError:
+                pass
 
     async def _on_request(self, req) -> None:
         task = asyncio.current_task()
@@ -385,6 +434,40 @@ class Service:
         finally:
             if task is not None:
                 self._inflight.discard(task)
+
+    async def call_local(self, data: bytes) -> LocalAnswer:
+        """A request from this process, without the bus: what :meth:`_on_request` does
+        for one from the bus (progress listing, a slot, the handler, ``unavailable`` once
+        stopping, errors as answers), with the request and the reply encoded and decoded
+        as on the bus, so that neither side shares a mutable object with the other. A
+        request that does not decode is the caller's bug: it raises."""
+        msg = decode(self.h.msg_type, data)
+        m.validate(msg)
+        with self._hold(msg):
+            if not await self._acquire():
+                self.stats.naked += 1
+                return LocalAnswer(error=f"{self.actor.name} is stopping", unavailable=True)
+            self._local_calls += 1
+            try:
+                self.stats.inflight += 1
+                try:
+                    reply = await self.h.fn(msg)
+                except ServiceUnavailable as e:
+                    self.stats.naked += 1
+                    return LocalAnswer(error=str(e) or f"{self.actor.name} is unavailable",
+                                       unavailable=True)
+                except Exception as e:  # noqa: BLE001 - reported to the requester
+                    self.stats.errors += 1
+                    log.warning("%s failed on %s: %s", self.actor.name, self.h.subject, e)
+                    return LocalAnswer(error=f"{type(e).__name__}: {e}")
+                self.stats.acked += 1
+                return LocalAnswer(data=encode(reply))
+            finally:
+                self.stats.inflight -= 1
+                self._slots.release()
+                self._local_calls -= 1
+                if not self._local_calls:
+                    self._local_idle.set()
 
     def _hold(self, msg):
         """List the request in the actor's progress reports from arrival (queued included)

@@ -58,8 +58,9 @@ import msgspec
 from rollart import messages as m
 from rollart.actors.base import ERROR_HEADER, Actor, Reject
 from rollart.actors.replica_pins import AFFINITY_MAX, ReplicaPins
-from rollart.actors.runtime import ERROR_KIND_HEADER, REPLICA_HEADER, decode_core
-from rollart.aio import backoff, first_of
+from rollart.actors.runtime import (ERROR_KIND_HEADER, REPLICA_HEADER, decode_core,
+                                    local_services)
+from rollart.aio import any_done, backoff, first_of
 from rollart.bus import BusError, BusTimeout, NoResponders
 from rollart.bus.codec import DecodeError, decode, encode
 from rollart.telemetry import tracing
@@ -130,12 +131,18 @@ class ServiceClient:
         replica_timeout: seconds of silence after which a held request is sent again;
             0 turns progress tracking off.
         count: ``count(key)`` is called for each notable event (stats).
+        local: a request whose pool has one replica, bound in this process on the same
+            bus, and no other live replica in its progress reports, is a call of that
+            replica's handler (:meth:`rollart.actors.runtime.Service.call_local`) instead of
+            a round trip through the bus (``rollout.local_calls``). Unavailable, an error or
+            no answer within ``timeout``: the bus path takes over, as for any attempt.
     """
 
     def __init__(self, actor: Actor, *, timeout: float = 60.0, wait: float = 300.0,
                  retries: int = 3, replica_timeout: float = 3.0,
-                 count: Callable[[str], None] | None = None) -> None:
+                 count: Callable[[str], None] | None = None, local: bool = False) -> None:
         self.actor = actor
+        self.local = local
         self.timeout, self.wait, self.retries = timeout, wait, retries
         self.replica_timeout = replica_timeout
         self._count = count or (lambda key: None)
@@ -243,6 +250,20 @@ class ServiceClient:
         delay = 0.0
         wake = True
         kw = {"headers": h} if (h := tracing.headers()) else {}  # the caller's span, if traced
+        svc = self._local_replica(name, pool, subject) if self.local else None
+        if svc is not None:
+            ans = await self._call_local(svc, msg, name)
+            if ans is not None and ans.error is None:
+                return self._decode(name, ans, what)
+            if ans is not None and not ans.unavailable:
+                errors += 1
+                self._count("service_errors")
+                log.warning("%s: %s%s answered an error (%s); retry %d of %d",
+                            self.actor.name, name, what, ans.error, errors, self.retries)
+                if errors > self.retries:
+                    raise Reject(f"service_error: {name}{what} failed {errors} times;"
+                                 f" last error: {ans.error}")
+                delay, wake = backoff(errors), False
         try:
             while True:
                 if delay > 0:
@@ -264,8 +285,8 @@ class ServiceClient:
                 if target is not None:
                     self._pins.sent(name, target.name, active)
                 while not (active.done() or p.lost.done()):
-                    # shielded: the first to end wakes this loop, none of them is cancelled
-                    await first_of(*map(asyncio.shield, (active, p.lost, *lingering)))
+                    # the first to end wakes this loop, none of them is cancelled
+                    await any_done(active, p.lost, *lingering)
                     if (rep := self._harvest(lingering)) is not None:
                         out = self._reply(name, rep, what, affinity if direct else None)
                         ok = True
@@ -337,6 +358,35 @@ class ServiceClient:
             if started:
                 self._end(key, ok=ok)
 
+    def _local_replica(self, name: str, pool: str, subject: str) -> Any:
+        """The one replica of ``subject`` bound in this process on this client's bus, when
+        no other live replica of the pool reported progress (else the bus balances and
+        pins); None otherwise."""
+        svcs = local_services(self.actor.bus, subject)
+        if len(svcs) != 1:
+            return None
+        svc = svcs[0]
+        now = time.monotonic()
+        for r in self._replicas.values():
+            if (r.service == name and r.pool == pool and not r.silent and r.name != svc.replica
+                    and now - r.last <= self._limit(r.every)):
+                return None
+        return svc
+
+    async def _call_local(self, svc: Any, msg: Any, name: str) -> Any:
+        """One attempt on the local replica: its answer, or None when it gave none within
+        ``timeout`` (the bus path tries again)."""
+        rid = f"{self._prefix}-{next(self._ids)}"
+        data = encode(msgspec.structs.replace(msg, request_id=rid))
+        self._count("local_calls")
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await svc.call_local(data)
+        except TimeoutError:
+            log.warning("%s: the local %s replica gave no answer within %gs; asking the bus",
+                        self.actor.name, _svc(name), self.timeout)
+            return None
+
     def _decode(self, name: str, rep: Any, what: str) -> Any:
         try:
             out = decode(m.REPLY_TYPES[name], rep.data)
@@ -369,7 +419,7 @@ class ServiceClient:
                      lingering: dict[asyncio.Future, _Pending], wake: bool) -> None:
         """Sleep ``delay`` seconds, or until a lost attempt answers, or (``wake``) until a
         replica of the pool reports."""
-        waits = [asyncio.sleep(delay), *map(asyncio.shield, lingering)]  # lingering: kept running
+        waits = [asyncio.sleep(delay), any_done(*lingering)]  # lingering: kept running
         if wake:
             waits.append(self._appeared.setdefault(key, asyncio.Event()).wait())
         await first_of(*waits)

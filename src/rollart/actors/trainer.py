@@ -58,6 +58,9 @@ class Trainer(StepLoop, Actor):
     resume: bool = False
     on_step: Any = None
     """Optional callback ``fn(metrics: dict)`` after each step (progress display)."""
+    before_training: Any = None
+    """Optional ``async fn()`` awaited once before the first step's clock starts: ``rollart
+    run`` waits there for its node processes to start (set-up, not a step's time)."""
 
     # -- state made by setup() -----------------------------------------------------
     loggers: Any = field(default=None, init=False, repr=False)

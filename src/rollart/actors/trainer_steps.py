@@ -60,6 +60,7 @@ class StepLoop:
     skipped: list[Group]
     trace_heads: dict[str, dict[str, str]]
     on_step: Any
+    before_training: Any
     publish_patiently: Any
     _publish: Any
     _checkpoint: Any
@@ -70,6 +71,8 @@ class StepLoop:
             log.info("%s: version %d already reached trainer.steps = %d", self.name, self.version,
                      self.cfg.trainer.steps)
             return
+        if self.before_training is not None:
+            await self.before_training()
         self.started_at = time.time() - self.wall_s  # for `rollart top`: step, ETA, totals
         if self.version > 0:
             await self._publish()  # a resumed run re-announces its weights

@@ -59,6 +59,8 @@ RESTART_WINDOW_S = 600.0
 and then, and stops on one that keeps dying."""
 BACKOFF_S = 1.0
 """Seconds before the first restart of a child; doubled for each further one."""
+STARTED_WAIT_S = 120.0
+"""Seconds ``rollart run``'s trainer waits at most for its node processes' first heartbeats."""
 CLEAN_EXIT_WAIT_S = 2.0
 """A child that exited cleanly (drained, status 0 or by SIGINT/SIGTERM) while the run goes on
 is restarted unless this process stops within these seconds: Ctrl-C reaches the whole
@@ -79,6 +81,8 @@ class Child:
         """When (monotonic) the current process's last heartbeat arrived; None before its first."""
         self.stuck_for: float | None = None
         """Seconds without a heartbeat when the current process was killed as stuck."""
+        self.ever_beat = False
+        """Whether any of its processes sent a heartbeat (it started once)."""
 
     @property
     def name(self) -> str:
@@ -119,6 +123,8 @@ class LocalNodes:
         self._tasks: list[asyncio.Task] = []
         self._preexec = die_with_parent(signal.SIGKILL)
         self._config: Path | None = None
+        self._started = asyncio.Event()
+        """Set once every child sent its first heartbeat (or none is watched for one)."""
 
     @property
     def roles(self) -> set[str]:
@@ -139,6 +145,8 @@ class LocalNodes:
             self._tasks.append(asyncio.ensure_future(self._supervise(child)))
         if self.bus is not None and self.cfg.node.heartbeat_every > 0 and self.cfg.node.stuck_after > 0:
             self._tasks.append(asyncio.ensure_future(self._watch_stuck()))
+        else:
+            self._started.set()  # no heartbeats are followed: nothing to wait for
         where = ", ".join(f"{c.name} (pid {c.proc.pid}, log {c.log_path})" for c in self.children)
         here = ["trainer", "scheduler"] + [r for r in ("env", "generate", "reward") if r not in
                                            self.roles and role_config(self.cfg, r).replicas]
@@ -170,6 +178,21 @@ class LocalNodes:
         self._tasks.append(asyncio.ensure_future(self._follow(node)))
         if self.failure is not None:
             node.stop()
+
+    async def started(self, timeout: float = STARTED_WAIT_S) -> None:
+        """Wait until every child node process sent its first heartbeat (its actors are set
+        up: engine loaded, services bound), at most ``timeout`` seconds; then go on anyway
+        (a child that keeps failing is the supervisor's to report). ``rollart run``'s trainer
+        waits here before its first step, so that the first step's time is not the
+        children's start-up."""
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(self._started.wait(), timeout)
+        except TimeoutError:
+            log.warning("node processes %s: not all started within %.0f s; training starts "
+                        "anyway", ", ".join(c.name for c in self.children), timeout)
+            return
+        log.info("node processes started (waited %.1f s)", time.monotonic() - t0)
 
     def run_ended(self) -> None:
         """The end of the run is published (:func:`rollart.app.launch.drive_training` returned
@@ -283,6 +306,9 @@ class LocalNodes:
             for c in self.children:
                 if c.alive and c.proc.pid == hb.pid:
                     c.last_beat = time.monotonic()
+                    c.ever_beat = True
+            if all(c.ever_beat for c in self.children):
+                self._started.set()
 
         every = max(0.05, min(1.0, self.cfg.node.heartbeat_every / 2))
         delay = 1.0

@@ -93,6 +93,8 @@ async def train(cfg: RunConfig, *, nats: str | None, resume: bool, quiet: bool =
                 bar.update(task, completed=mt["step"], info=graphic + text)
 
             trainer.on_step = on_step
+            if local is not None:  # the first step's clock starts once the children are up
+                trainer.before_training = local.started
             t0 = time.perf_counter()
             async with Node(bus, actors, heartbeat_every=cfg.node.heartbeat_every,
                             grace=cfg.node.grace, handle_signals=True,

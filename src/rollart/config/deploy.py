@@ -5,6 +5,7 @@ child processes)."""
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
@@ -72,6 +73,32 @@ LOCAL_PROCESS_ROLES = ("env", "generate", "reward")
 """The roles ``node.local_processes`` may put in a child process of ``rollart run``."""
 
 
+SMALL_HOST_CORES = 2
+"""Usable cores up to which ``node.local_processes`` defaults to one child process."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_local_processes(cores: int | None = None) -> list[list[str]]:
+    """``node.local_processes`` by default: on a host with at most :data:`SMALL_HOST_CORES`
+    usable cores, generation, envs and reward share one child process, where every turn's
+    engine call is a function call (``rollout.local_calls``) instead of two trips through
+    nats-server (measured on 2 cores, benchmarks/README.md "CPU per turn" and "Learning":
+    less plumbing per turn, fewer seconds per step than two children); on a bigger host,
+    generation gets a child of its own and envs with reward another (not measured against
+    one child: this machine has 2 cores)."""
+    n = usable_cores() if cores is None else cores
+    if n <= SMALL_HOST_CORES:
+        return [["generate", "env", "reward"]]
+    return [["generate"], ["env", "reward"]]
+
+
 def _check_local_processes(groups: list[list[str]]) -> None:
     """``node.local_processes``: lists of known roles, none empty, no role twice."""
     key = "node.local_processes"
@@ -126,15 +153,16 @@ class NodeConfig(Base):
     the run go on through the loss of one server; more than 1 needs a cluster of at least
     that many servers (a single server refuses it). Streams and buckets that exist keep
     theirs, except a stream that the trainer's host updates."""
-    local_processes: list[list[str]] = msgspec.field(
-        default_factory=lambda: [["generate"], ["env", "reward"]])
+    local_processes: list[list[str]] = msgspec.field(default_factory=lambda: default_local_processes())
     """How ``rollart run`` spreads the roles over processes of this host when its bus is a
     nats-server (the embedded one, or ``--nats URL``): one child process
     (``python -m rollart.node``; its output in ``runs/<run>/logs/<roles>.log``, such as
     ``env-reward.log``) per list, with
     those roles; the trainer, the scheduler and any role not listed stay in the ``rollart
-    run`` process. The default puts generation and env stepping in processes of their own, so
-    generation, environments and training overlap instead of sharing one Python
+    run`` process. The default depends on the host's usable cores
+    (:func:`default_local_processes`): up to 2, one child for generation, envs and reward,
+    whose turns then call the engine in-process (``rollout.local_calls``); more, generation
+    in one child and envs with reward in another, so that they do not share one Python
     interpreter. Roles: ``env``, ``generate``, ``reward``, each at most once. ``[]``: one
     process, as ``rollart run --single-process`` (and ``--nats memory``, which cannot cross
     processes). A child that dies, or is stuck (``node.stuck_after``), is restarted (up to 3

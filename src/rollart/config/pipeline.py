@@ -86,9 +86,13 @@ class EnvConfig(Base):
     (:mod:`rollart.agents`; ``args`` go to it in its ``task``)."""
     args: dict[str, Any] = {}
     """Keyword arguments of the env class."""
-    executor: Literal["thread", "process"] = "thread"
-    """Where a sync env runs: ``thread`` or ``process``. A thread cannot be killed: a step
-    that times out leaves it running (abandoned); in ``process`` the worker is killed."""
+    executor: Literal["thread", "process", "inline"] = "thread"
+    """Where a sync env runs: ``thread``, ``process`` or ``inline``. A thread cannot be
+    killed: a step that times out leaves it running (abandoned); in ``process`` the worker is
+    killed. ``inline`` calls it on the EnvManager's event loop, without a thread hand-off per
+    call: for envs whose steps take microseconds (the built-in FrozenLake and Sokoban; about
+    0.08 ms of CPU less per turn, benchmarks/README.md "CPU per turn"); a call cannot be
+    interrupted, and one slower than 5 ms is reported once."""
     max_abandoned_threads: int = 16
     """With ``executor: thread``: once this many threads of timed-out steps (or resets) of
     this env type are still running, its trajectories fail at once as ``env_contract``
@@ -192,6 +196,17 @@ class RolloutConfig(Base):
     A replica that went silent, drains, stops answering or holds more than 1.25 x its
     pool's mean requests + 2 is passed over. Needs ``replica_timeout`` > 0 (the replicas'
     progress reports); false: every turn goes to the pool's queue group."""
+    local_calls: bool = True
+    """A generate or reward call whose pool has exactly one live replica, and that replica
+    runs in the EnvManager's own process (``node.local_processes`` putting ``generate`` and
+    ``env`` in one child, ``--single-process``, ``--nats memory``), calls its handler
+    directly instead of a round trip through the bus and nats-server: the same request and
+    reply bytes, the same errors, retries and progress listing; the quickstart's plumbing per
+    turn fell from 0.63 to 0.55 ms of CPU (benchmarks/README.md, "CPU per turn"). Such turns
+    cross no subject, so ``rollart top`` and ``rollart tap`` do not see them (their timings
+    are in each completion as always). With other live replicas of the pool, or when the
+    local one stops or gives no answer within ``generate_timeout``, the bus path is taken.
+    false: always the bus."""
     agent_host: str = "127.0.0.1"
     """Address the OpenAI-compatible endpoint of agent envs (``type: agent:pkg.module:fn``)
     listens on, one per EnvManager on a free port (the agents run in the EnvManager's

@@ -8,6 +8,9 @@
   serial. A thread cannot be killed: on a timeout the runner *abandons* the thread
   (it finishes, or hangs, on its own; being a daemon it never blocks interpreter exit)
   and marks itself broken.
+- **sync env, executor="inline"**: called on the event loop itself (no thread hand-off: for
+  envs whose steps take microseconds; nothing can interrupt a call), see
+  :mod:`rollart.envs.inline_backend`.
 - **sync env, executor="process"**: the env is constructed *inside* a dedicated worker
   process from its type and args (so they must be picklable) and lives there; calls
   travel over a pipe. One process per runner, rather than a shared pool with envs keyed
@@ -49,6 +52,7 @@ from typing import Any, Literal
 from rollart.envs.base import ResetResult, StepResult
 from rollart.envs.errors import (EnvContractError, EnvError, EnvSetupError, EnvTimeout,
                                  WorkerError, describe, transient_setup)
+from rollart.envs.inline_backend import InlineBackend
 from rollart.envs.process_backend import ProcessBackend
 from rollart.envs.registry import make_env
 from rollart.envs.thread_backend import ThreadBackend, abandoned_threads
@@ -92,7 +96,7 @@ class EnvRunner:
     Args:
         type: env type for :func:`~rollart.envs.registry.make_env` (built-in or import path).
         args: env args (must be picklable in process mode).
-        executor: ``"thread"`` or ``"process"``; where a *sync* env runs (async envs are
+        executor: ``"thread"``, ``"process"`` or ``"inline"``; where a *sync* env runs (async envs are
             awaited on the loop in thread mode).
         timeout: default deadline in seconds for reset/step/close; None = no deadline.
         start_timeout: deadline for constructing the env (and its worker process).
@@ -105,17 +109,21 @@ class EnvRunner:
     """
 
     def __init__(self, type: str, args: dict[str, Any] | None = None, *,
-                 executor: Literal["thread", "process"] = "thread", timeout: float | None = None,
+                 executor: Literal["thread", "process", "inline"] = "thread",
+                 timeout: float | None = None,
                  start_timeout: float | None = 60.0, mp_context: str = "forkserver",
                  max_abandoned_threads: int | None = None) -> None:
         args = dict(args or {})
-        self._backend: ThreadBackend | ProcessBackend
+        self._backend: ThreadBackend | ProcessBackend | InlineBackend
         if executor == "thread":
             self._backend = ThreadBackend(lambda: make_env(type, args), type)
         elif executor == "process":
             self._backend = ProcessBackend(type, args, mp_context)
+        elif executor == "inline":
+            self._backend = InlineBackend(lambda: make_env(type, args), type)
         else:
-            raise ValueError(f"EnvRunner executor must be 'thread' or 'process', got {executor!r}")
+            raise ValueError(f"EnvRunner executor must be 'thread', 'process' or 'inline', "
+                             f"got {executor!r}")
         self.type, self.executor = type, executor
         self.timeout, self.start_timeout = timeout, start_timeout
         self.max_abandoned_threads = max_abandoned_threads
