@@ -157,14 +157,18 @@ def test_default_run_starts_node_processes_and_leaves_none(tmp_path, run_dir):
 
 
 @needs_proc
-@pytest.mark.parametrize("how", ["killed", "stuck"])
-def test_lost_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_dir, how):
+@pytest.mark.parametrize("how,layout", [("killed", "split"), ("stuck", "split"), ("killed", "one")])
+def test_lost_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_dir, how, layout):
     """Killed mid-run (SIGKILL), or alive but stuck (SIGSTOP: no heartbeat, so it is killed
-    after node.stuck_after): the generate process is restarted and the run takes every step."""
-    run = f"lp{os.getpid()}{how}"
+    after node.stuck_after): the generate process is restarted and the run takes every step.
+    ``one``: the child that also steps the envs (the default on <= 2 cores), whose trajectories
+    in flight are redelivered to its successor."""
+    run = f"lp{os.getpid()}{how}{layout}"
     steps = 5 if how == "killed" else 4
     node = {"heartbeat_every": 0.5, "stuck_after": 3} if how == "stuck" else {}
-    node["local_processes"] = [["generate"], ["env", "reward"]]  # generation on its own
+    groups = [["generate"], ["env", "reward"]] if layout == "split" else [["generate", "env", "reward"]]
+    node["local_processes"] = groups
+    gen = ",".join(groups[0])  # the child that generates
     cfg = quickstart(tmp_path, run_dir, run, steps=steps, **node)
     r = Run(tmp_path, str(cfg))
     pids = []
@@ -173,27 +177,27 @@ def test_lost_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_d
         pids += kids.values()
         r.wait_for(lambda: metrics_rows(run_dir, run), 120, "a training step")
         # mid-run: the steps after the first need a generator
-        os.kill(kids["generate"], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        os.kill(kids[gen], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         lost_at = time.monotonic()
-        again = r.wait_for(lambda: re.search(r"node process generate restarted: pid (\d+)",
+        again = r.wait_for(lambda: re.search(rf"node process {gen} restarted: pid (\d+)",
                                              r.output()), 60, "the generate process to be restarted")
         if how == "stuck":
             assert time.monotonic() - lost_at >= 3  # not before node.stuck_after
         pids.append(int(again.group(1)))
-        assert int(again.group(1)) != kids["generate"]
+        assert int(again.group(1)) != kids[gen]
         summary = r.finish(deadline=150)
     finally:
         r.stop()  # its process group, a stopped child too (which also dies with it)
     out = r.output()
     if how == "killed":
-        assert "node process generate (pid" in out and "signal SIGKILL" in out, out
+        assert f"node process {gen} (pid" in out and "signal SIGKILL" in out, out
     else:
-        assert f"node process generate (pid {kids['generate']}) sent no heartbeat for" in out, out
+        assert f"node process {gen} (pid {kids[gen]}) sent no heartbeat for" in out, out
         assert "was stuck (no heartbeat for" in out, out
     assert summary["steps"] == steps and not summary["interrupted"] and "failed" not in summary
     assert [x["step"] for x in metrics_rows(run_dir, run)] == list(range(1, steps + 1))
-    text = (run_dir / run / "logs" / "generate.log").read_text()
-    assert text.count(f"serving generate (run={run}") == 2, text
+    text = (run_dir / run / "logs" / log_name(groups[0])).read_text()
+    assert text.count(f"serving {', '.join(groups[0])} (run={run}") == 2, text
     assert [p for p in pids if alive(p)] == [], "a child outlived the run"
 
 

@@ -79,8 +79,8 @@ async def test_quickstart_learns_with_streamed_deltas(tmp_path):
 async def test_the_readme_agent_learns(tmp_path):
     """``configs/agent-frozenlake.yaml`` as packaged: the README's openai-client agent,
     every move a request to its trajectory's endpoint. Asserted: it starts unable to do the
-    task and its sampled success rises (the mean of the last 10 steps at least 0.4: 0.82
-    measured); greedy success is printed."""
+    task and its sampled success rises (the mean of the last 10 steps at least 0.4; 3 seeds
+    of 3 reached greedy 1.0 at 100 steps); greedy success is printed."""
     import json
 
     from rollart.app.run import train
