@@ -420,54 +420,51 @@ class Service:
                 except BusError as err:
                     CORE_JUNK.drop(req.subject, f"{why} (dead letter not stored: {err})")
                 return
-            with self._hold(msg):
-                if not await self._acquire():
-                    self.stats.naked += 1
-                    await self._respond_unavailable(req, f"{self.actor.name} is stopping")
-                    return
-                try:
-                    self.stats.inflight += 1
-                    await self._answer(req, msg)
-                finally:
-                    self.stats.inflight -= 1
-                    self._slots.release()
+            await self._serve(msg, req.headers, lambda ans: self._send(req, ans))
         finally:
             if task is not None:
                 self._inflight.discard(task)
 
-    async def call_local(self, data: bytes) -> LocalAnswer:
-        """A request from this process, without the bus: what :meth:`_on_request` does
-        for one from the bus (progress listing, a slot, the handler, ``unavailable`` once
-        stopping, errors as answers), with the request and the reply encoded and decoded
-        as on the bus, so that neither side shares a mutable object with the other. A
-        request that does not decode is the caller's bug: it raises."""
-        msg = decode(self.h.msg_type, data)
-        m.validate(msg)
+    async def _serve(self, msg, headers, answer) -> None:
+        """One decoded request, from the bus or from this process: listed in the progress
+        reports, a slot (``unavailable`` once stopping), the handler (in the requester's
+        span), its reply or error handed to ``answer`` (an ``async fn(LocalAnswer)``) while
+        the request is still listed and holds its slot."""
         with self._hold(msg):
             if not await self._acquire():
                 self.stats.naked += 1
-                return LocalAnswer(error=f"{self.actor.name} is stopping", unavailable=True)
-            self._local_calls += 1
+                await answer(LocalAnswer(error=f"{self.actor.name} is stopping", unavailable=True))
+                return
             try:
                 self.stats.inflight += 1
-                try:
-                    reply = await self.h.fn(msg)
-                except ServiceUnavailable as e:
-                    self.stats.naked += 1
-                    return LocalAnswer(error=str(e) or f"{self.actor.name} is unavailable",
-                                       unavailable=True)
-                except Exception as e:  # noqa: BLE001 - reported to the requester
-                    self.stats.errors += 1
-                    log.warning("%s failed on %s: %s", self.actor.name, self.h.subject, e)
-                    return LocalAnswer(error=f"{type(e).__name__}: {e}")
-                self.stats.acked += 1
-                return LocalAnswer(data=encode(reply))
+                ans = await self._answer(msg, headers)
+                await answer(ans)
+                if ans.error is None:
+                    self.stats.acked += 1
             finally:
                 self.stats.inflight -= 1
                 self._slots.release()
-                self._local_calls -= 1
-                if not self._local_calls:
-                    self._local_idle.set()
+
+    async def call_local(self, data: bytes) -> LocalAnswer:
+        """A request from this process, without the bus: what :meth:`_on_request` does
+        for one from the bus (:meth:`_serve`), with the request and the reply encoded and
+        decoded as on the bus, so that neither side shares a mutable object with the other.
+        A request that does not decode is the caller's bug: it raises."""
+        msg = decode(self.h.msg_type, data)
+        m.validate(msg)
+        out: list[LocalAnswer] = []
+
+        async def keep(ans: LocalAnswer) -> None:
+            out.append(ans)
+
+        self._local_calls += 1
+        try:
+            await self._serve(msg, None, keep)
+        finally:
+            self._local_calls -= 1
+            if not self._local_calls:
+                self._local_idle.set()
+        return out[0]
 
     def _hold(self, msg):
         """List the request in the actor's progress reports from arrival (queued included)
@@ -503,25 +500,31 @@ class Service:
             except BusError as e:
                 log.warning("could not send error reply: %s", e)
 
-    async def _answer(self, req, msg) -> None:
+    async def _answer(self, msg, headers) -> LocalAnswer:
+        """The handler's reply to ``msg``, encoded, or the error to answer instead."""
         t0 = time.perf_counter()
         try:
-            with tracing.attached(req.headers):  # the requester's span (tracing on) is the parent
+            with tracing.attached(headers):  # the requester's span (tracing on) is the parent
                 reply = await self.h.fn(msg)
         except ServiceUnavailable as e:
             self.stats.naked += 1
-            log.info("%s passes on a request on %s: %s", self.actor.name, req.subject, e)
-            await self._respond_unavailable(req, str(e) or f"{self.actor.name} is unavailable")
-            return
+            log.info("%s passes on a request on %s: %s", self.actor.name, self.h.subject, e)
+            return LocalAnswer(error=str(e) or f"{self.actor.name} is unavailable", unavailable=True)
         except Exception as e:  # noqa: BLE001 - reported to the requester
             self.stats.errors += 1
-            log.warning("%s failed on %s: %s", self.actor.name, req.subject, e)
-            await _respond_error(req, f"{type(e).__name__}: {e}")
-            return
-        if req.reply:
-            await req.respond(encode(reply), self._reply_headers)
-        self.stats.acked += 1
+            log.warning("%s failed on %s: %s", self.actor.name, self.h.subject, e)
+            return LocalAnswer(error=f"{type(e).__name__}: {e}")
         log.debug("%s answered in %.1f ms", self.h.subject, 1e3 * (time.perf_counter() - t0))
+        return LocalAnswer(data=encode(reply))
+
+    async def _send(self, req, ans: LocalAnswer) -> None:
+        """``ans`` as the reply on the bus: the data, or the error in the headers."""
+        if ans.unavailable:
+            await self._respond_unavailable(req, ans.error or "")
+        elif ans.error is not None:
+            await _respond_error(req, ans.error)
+        elif req.reply:
+            await req.respond(ans.data, self._reply_headers)
 
 
 async def _respond_error(req, text: str) -> None:

@@ -256,13 +256,7 @@ class ServiceClient:
             if ans is not None and ans.error is None:
                 return self._decode(name, ans, what)
             if ans is not None and not ans.unavailable:
-                errors += 1
-                self._count("service_errors")
-                log.warning("%s: %s%s answered an error (%s); retry %d of %d",
-                            self.actor.name, name, what, ans.error, errors, self.retries)
-                if errors > self.retries:
-                    raise Reject(f"service_error: {name}{what} failed {errors} times;"
-                                 f" last error: {ans.error}")
+                errors = self._error_answer(name, what, ans.error, errors)
                 delay, wake = backoff(errors), False
         try:
             while True:
@@ -318,13 +312,7 @@ class ServiceClient:
                             if target is not None:  # retried in the pool's queue group
                                 self._pins.unpin(name, affinity)
                                 target = None
-                            errors += 1
-                            self._count("service_errors")
-                            if errors > self.retries:
-                                raise Reject(f"service_error: {name}{what} failed {errors} times;"
-                                             f" last error: {err}")
-                            log.warning("%s: %s%s answered an error (%s); retry %d of %d",
-                                        self.actor.name, name, what, err, errors, self.retries)
+                            errors = self._error_answer(name, what, err, errors)
                             delay, wake = backoff(errors), False
                             continue
                         why, at_once = f"replica unavailable ({err})", True
@@ -357,6 +345,16 @@ class ServiceClient:
                 p.lost.cancel()
             if started:
                 self._end(key, ok=ok)
+
+    def _error_answer(self, name: str, what: str, err: str | None, errors: int) -> int:
+        """One more error answer: the count of them, or ``Reject`` past ``retries``."""
+        errors += 1
+        self._count("service_errors")
+        if errors > self.retries:
+            raise Reject(f"service_error: {name}{what} failed {errors} times; last error: {err}")
+        log.warning("%s: %s%s answered an error (%s); retry %d of %d",
+                    self.actor.name, name, what, err, errors, self.retries)
+        return errors
 
     def _local_replica(self, name: str, pool: str, subject: str) -> Any:
         """The one replica of ``subject`` bound in this process on this client's bus, when
