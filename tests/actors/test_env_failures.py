@@ -163,3 +163,47 @@ async def test_a_straggler_is_bounded_by_max_trajectory_s(memory_bus_only, tiny_
     assert env.stats.get("max_time") == 2
     for d in done:  # what the trainer's admission check recomputes from the turns
         assert d.reward == sum(t.reward for t in d.turns), (d.reward, d.turns)
+
+
+async def test_a_request_delivered_again_while_it_runs_is_not_run_twice(memory_bus_only, tiny_model):
+    """A second delivery of a trajectory that this EnvManager is still running (its ack_wait
+    ran out on a stalled host, or a copy under another msg id) waits for the running one and
+    is acked with it: one completion. Run twice, the trajectory would complete twice with
+    other tokens, a conflict that neither trains (a CI run lost one member of a group so)."""
+    bus = memory_bus_only
+    cfg = make_cfg(tiny_model, {"slow": {"type": f"{BROKEN}:Straggler", "args": {"step_s": 0.2},
+                                         "max_turns": 4}})
+    env, gen = build(cfg, "env"), build(cfg, "generate")
+    req = m.RolloutRequested(traj_id="t0-slow", group_id="g0", env="slow", seed=0)
+    async with Node(bus, [env, gen], heartbeat_every=0, grace=1) as node:
+        for copy in ("a", "b"):  # two stream messages of one trajectory
+            await bus.publish(m.subject(cfg.run, "rollout.requested", "default"), encode(req),
+                              msg_id=f"t0-{copy}")
+        loop = next(lp for lp in node.loops if lp.actor is env)
+        # each outcome is stored before its delivery is acked
+        await until(lambda: loop.stats.acked + loop.stats.naked + loop.stats.dead >= 2, deadline=30,
+                    what="both deliveries answered")
+        done = await all_stored(bus, cfg.run, "rollout.completed")  # stored before any ack
+        dead = await all_stored(bus, cfg.run, "dead")
+    assert [d.traj_id for d in done] == ["t0-slow"] and not dead, (done, dead)
+    assert env.stats.get("delivered_again") == 1, env.stats
+
+
+async def test_a_stalled_trajectory_redelivered_by_the_server_completes_once(nats_bus, tiny_model):
+    """The CI case on a real nats-server: the EnvManager's loop stalls past ``ack_wait`` (an
+    inline env step that blocks it, as a loaded host can), no in_progress goes out, the
+    server delivers the request again to the same EnvManager while it runs. One completion,
+    the request acked, nothing dead-lettered."""
+    cfg = make_cfg(tiny_model, {"stall": {"type": f"{BROKEN}:Straggler", "args": {"step_s": 1.6},
+                                          "max_turns": 2, "executor": "inline",
+                                          "step_timeout": 30.0}}, ack_wait=1.0)
+    env, gen = build(cfg, "env"), build(cfg, "generate")
+    async with Node(nats_bus, [env, gen], heartbeat_every=0, grace=1) as node:
+        await submit(nats_bus, cfg.run, ["stall"])
+        loop = next(lp for lp in node.loops if lp.actor is env)
+        await until(lambda: env.stats.get("delivered_again", 0) >= 1
+                    and loop.stats.acked >= 2 and not len(env.running), deadline=60,
+                    what="the redelivery answered with the first run")
+        done = await all_stored(nats_bus, cfg.run, "rollout.completed")
+        dead = await all_stored(nats_bus, cfg.run, "dead")
+    assert [d.traj_id for d in done] == ["t0-stall"] and not dead, (done, dead)

@@ -3,6 +3,7 @@ plot, the report table), cut back on resume with the metrics; bad values named."
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from rollart.actors.trainer_files import EVAL_FILE, RunFiles, read_evals
 from rollart.app.launch import with_overrides
-from rollart.app.periodic_eval import next_due
+from rollart.app.periodic_eval import next_due, periodic_evals
 from rollart.app.report import plot, table
 from rollart.app.run import train
 from rollart.config import RunConfig, load
@@ -82,3 +83,29 @@ def test_eval_every_must_not_be_negative(tmp_path):
 @pytest.mark.parametrize("version,every,due", [(0, 5, 5), (4, 5, 5), (5, 5, 10), (12, 5, 15)])
 def test_next_due(version, every, due):
     assert next_due(version, every) == due
+
+
+class _Stepping:
+    """What :func:`periodic_evals` reads of a trainer: ``version``, ``stepped``, ``started_at``."""
+
+    def __init__(self) -> None:
+        self.version, self.started_at, self.stepped = 0, 0.0, asyncio.Condition()
+
+    async def step_to(self, version: int) -> None:
+        self.version = version
+        async with self.stepped:
+            self.stepped.notify_all()
+
+
+async def test_steps_that_ran_to_the_last_version_leave_it_to_the_final_evaluation(tmp_path,
+                                                                                   tiny_model):
+    """The evaluator wakes for due version 2 only once the trainer reached the last step (6):
+    it evaluates nothing (the last version is the final evaluation's), and ends. (A CI run
+    evaluated v6 mid-run when steps 3-6 went by before the evaluator woke.)"""
+    cfg = _config(tmp_path, tiny_model, eval_every=2)
+    trainer, stop = _Stepping(), asyncio.Event()
+    task = asyncio.ensure_future(periodic_evals(None, cfg, trainer, tmp_path, stop))
+    await asyncio.sleep(0)  # one turn of the loop: the evaluator now waits for version 2
+    await trainer.step_to(6)  # before the evaluator's wait is woken
+    await asyncio.wait_for(task, 10)
+    assert not (tmp_path / EVAL_FILE).exists(), (tmp_path / EVAL_FILE).read_text()

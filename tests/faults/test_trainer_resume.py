@@ -242,7 +242,9 @@ def test_kill9_and_resume_five_times(tmp_path, tiny_model):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "one record per step"
     ids = [t for r in rows for t in r["traj_ids"]]
-    assert len(ids) == len(set(ids)) == steps * 2 * 4, "no trajectory trained twice"
+    assert len(ids) == len(set(ids)) == steps * 2 * 4, (  # and no group member lost
+        "no trajectory trained twice", {k: v for k, v in rows[-1].items()
+                                        if k.startswith("count_") or k == "groups_lost"})
     names = set(_weights(run_dir))
     assert {f"v{v:06d}.safetensors" for v in range(1, steps + 1)} <= names
     print(f"5 kill/resume cycles + finish: {time.monotonic() - t0:.1f}s")

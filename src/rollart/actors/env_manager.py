@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, Reject, consume, replica_suffix
+from rollart.actors.base import Actor, Reject, Retry, consume, replica_suffix
 from rollart.actors.cancelled import CancelledGroups
 from rollart.actors.chat import ChatFormat
 from rollart.actors.lockstep import LockStep, WaveIncomplete
@@ -36,8 +36,8 @@ from rollart.actors.policy import current_policy
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import decode_core
 from rollart.actors.service_client import ServiceClient
-from rollart.actors.trajectory import (Cancelled, RunningTrajectories, Trace, reset_runner,
-                                       reward_request, unless_cancelled)
+from rollart.actors.trajectory import (Cancelled, Deliveries, RunningTrajectories, Trace,
+                                       reset_runner, reward_request, unless_cancelled)
 from rollart.agents.trajectory import run_agent_trajectory
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
@@ -91,6 +91,8 @@ class EnvManager(Actor):
     _running: RunningTrajectories = field(default_factory=RunningTrajectories, init=False,
                                           repr=False)
     """The trajectories running here, each with its group and cancel event."""
+    _deliveries: Deliveries = field(default_factory=Deliveries, init=False, repr=False)
+    """Trajectories running here or recently ended: another delivery is not run again."""
     _in_wave: set[str] = field(default_factory=set, init=False, repr=False)
     """Batch mode: the running trajectories that joined a lock-step wave."""
     _max_inflight: int = field(default=0, init=False, repr=False)
@@ -210,6 +212,25 @@ class EnvManager(Actor):
     # -- the handler -------------------------------------------------------------
     @consume("rollout.requested", ack_wait=30.0, max_deliver=5, max_inflight=64)
     async def on_request(self, req: m.RolloutRequested, delivery) -> None:
+        earlier = self._deliveries.earlier(req.traj_id)
+        if earlier is not None:  # delivered again while it runs here or once it ended here
+            # (ack_wait ran out on a stalled host, or a copy under another msg id)
+            self._count("delivered_again")
+            if await asyncio.shield(earlier):
+                return  # its outcome is stored: this delivery is acked with it
+            raise Retry(1.0, f"trajectory {req.traj_id}: its earlier delivery here ended "
+                             f"with no outcome stored")
+        self._deliveries.begin(req.traj_id)
+        stored = False
+        try:
+            await self._run_request(req, delivery)
+            stored = True
+        finally:
+            self._deliveries.end(req.traj_id, stored)
+
+    async def _run_request(self, req: m.RolloutRequested, delivery) -> None:
+        """One delivery of ``req``: the trajectory run and its outcome published (or the
+        error that dead-letters it, or has it delivered again)."""
         cfg = self.envs.get(req.env)
         if cfg is None:
             raise Reject(f"env_setup: unknown env {req.env!r}; configured: {sorted(self.envs)}")

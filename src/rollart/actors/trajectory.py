@@ -7,6 +7,8 @@ that need nothing of the actor but its name and counters:
   logprobs, versions, turns, timings) and the ``rollout.completed`` it ends as.
 - :class:`RunningTrajectories`: the trajectories running on one EnvManager, each with its
   group and the event that cancels it.
+- :class:`Deliveries`: which trajectories run here or recently ended with their outcome
+  stored, so that another delivery of one is answered with that outcome, not run again.
 - :func:`reset_runner`: a fresh env reset with the request's seed, retried on fresh envs.
 - :func:`unless_cancelled` and :func:`reward_request`.
 """
@@ -17,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +130,40 @@ class RunningTrajectories:
 
     def __contains__(self, traj_id: object) -> bool:
         return traj_id in self._cancel
+
+
+class Deliveries:
+    """Trajectories running on one EnvManager, and the last ``remember`` that ended here
+    with their outcome stored. JetStream delivers a request again when its ``ack_wait``
+    runs out without an in_progress (a stalled host), possibly while it still runs here or
+    just after it ended; run again, the trajectory would complete twice with other tokens,
+    a conflict that the trainer trains neither of (a lost group member)."""
+
+    def __init__(self, remember: int = 4096) -> None:
+        self.remember = remember
+        self._running: dict[str, asyncio.Future] = {}
+        self._stored: OrderedDict[str, None] = OrderedDict()
+
+    def earlier(self, traj_id: str) -> asyncio.Future | None:
+        """None: run ``traj_id``. Else an earlier delivery's result, ``True`` once its
+        outcome is stored (answer this one with it), ``False`` if it ended without one."""
+        if (fut := self._running.get(traj_id)) is not None:
+            return fut
+        if traj_id in self._stored:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(True)
+            return fut
+        return None
+
+    def begin(self, traj_id: str) -> None:
+        self._running[traj_id] = asyncio.get_running_loop().create_future()
+
+    def end(self, traj_id: str, stored: bool) -> None:
+        self._running.pop(traj_id).set_result(stored)
+        if stored:
+            self._stored[traj_id] = None
+            while len(self._stored) > self.remember:
+                self._stored.popitem(last=False)
 
 
 async def unless_cancelled(coro: Any, cancel: asyncio.Event) -> Any:

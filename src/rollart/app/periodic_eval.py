@@ -112,6 +112,8 @@ async def periodic_evals(bus, cfg: RunConfig, trainer, run_path: str | Path, sto
         if stop.is_set():
             return
         v = trainer.version  # the latest: a slow evaluation skips the versions it missed
+        if v >= last:  # the steps ran on to the last one while this waited: the final
+            return  # evaluation's
         t_run = time.time() - trainer.started_at if trainer.started_at else 0.0
         try:
             row = await asyncio.wait_for(
