@@ -146,6 +146,26 @@ def test_checkpoint_round_trip_gives_identical_next_step(trainer_model_dir):
     assert a.version == b.version == 2
 
 
+def test_a_resume_with_more_steps_trains_its_next_step_on_the_longer_schedule(trainer_model_dir):
+    """``rollart run --resume RUN --steps N`` past a finished cosine: the first step after
+    the resume uses the new schedule's LR (it trained at the old schedule's last one, 0.0:
+    a wasted step, seen when a stuck run of the quickstart was resumed)."""
+    kw = dict(lr=1e-3, schedule="cosine", micro_batch_tokens=40)
+    samples, cfg = make_samples(4), LossConfig()
+    a = TorchTrainBackend(trainer_model_dir, total_steps=3, **kw)
+    for _ in range(3):
+        a.train_step(samples, loss_cfg=cfg)
+    buf = io.BytesIO()
+    torch.save(a.state_dict_for_checkpoint(), buf)
+    buf.seek(0)
+    b = TorchTrainBackend(trainer_model_dir, total_steps=6, **kw)
+    b.load_checkpoint_state(torch.load(buf, weights_only=True))
+    lrs = [b.train_step(samples, loss_cfg=cfg)["lr"] for _ in range(3)]
+    want = [1e-3 * _lr_factor(s, warmup=0, total=6, schedule="cosine", min_ratio=0.0)
+            for s in (3, 4, 5)]
+    assert lrs == pytest.approx(want), (lrs, want)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_save_weights_digest(tmp_path, tie):
     model_dir = _build(tmp_path / "m", tie=tie)

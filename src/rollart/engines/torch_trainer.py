@@ -454,6 +454,12 @@ class TorchTrainBackend:
         self._load_trained_state(state["model"], state.get("lora"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the next step's LR under this backend's schedule, not the one restored with the
+        # optimizer: a resume may extend total_steps (past a finished cosine that one is 0.0)
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                   self.scheduler.lr_lambdas):
+            group["lr"] = base * fn(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         py = rng["python"]
