@@ -12,6 +12,7 @@ from rollart import messages as m
 from rollart.actors.env_manager import EnvManager
 from rollart.actors.llm_proxy import LLMProxy
 from rollart.actors.reward import RewardService
+from rollart.actors.trajectory import Deliveries
 from rollart.bus.codec import encode
 from rollart.config import ActorConfig, RunConfig, convert
 from rollart.node import Node
@@ -207,3 +208,20 @@ async def test_a_stalled_trajectory_redelivered_by_the_server_completes_once(nat
         done = await all_stored(nats_bus, cfg.run, "rollout.completed")
         dead = await all_stored(nats_bus, cfg.run, "dead")
     assert [d.traj_id for d in done] == ["t0-stall"] and not dead, (done, dead)
+
+
+async def test_deliveries_remember_running_and_stored_trajectories_up_to_a_bound():
+    d = Deliveries(remember=2)
+    assert d.earlier("a") is None  # never seen: run it
+    d.begin("a")
+    running = d.earlier("a")
+    assert running is not None and not running.done()  # runs here: wait for it
+    d.end("a", stored=True)
+    assert running.result() is True and await d.earlier("a") is True  # stored: ack with it
+    d.begin("b")
+    d.end("b", stored=False)
+    assert d.earlier("b") is None  # ended with no outcome: run it again
+    for t in ("c", "d"):
+        d.begin(t)
+        d.end(t, stored=True)
+    assert d.earlier("a") is None and await d.earlier("d") is True  # the oldest forgotten

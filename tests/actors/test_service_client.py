@@ -12,7 +12,7 @@ import pytest
 
 from rollart import messages as m
 from rollart.actors.base import Actor, Reject, serve
-from rollart.actors.runtime import ERROR_KIND_HEADER, REPLICA_HEADER
+from rollart.actors.service import ERROR_KIND_HEADER, REPLICA_HEADER
 from rollart.actors import service_client
 from rollart.actors.service_client import ProgressReporter, ServiceClient
 from rollart.bus.codec import encode

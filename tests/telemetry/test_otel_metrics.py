@@ -63,7 +63,7 @@ def test_exporter_none_installs_nothing_and_helpers_do_nothing(tmp_path):
 def test_without_opentelemetry_metrics_are_off_and_say_what_to_install(tmp_path):
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
-        "import rollart.actors.reward, rollart.actors.runtime\n"
+        "import rollart.actors.reward, rollart.actors.runtime, rollart.actors.service\n"
         "from rollart.config.tracing import TracingConfig\n"
         "from rollart.telemetry import otel_metrics, tracing\n"
         "otel_metrics.setup_metrics(TracingConfig(), 'x', '.')()\n"

@@ -31,7 +31,8 @@ from rollart.actors.base import Actor, replica_suffix, serve
 from rollart.actors.cancelled import CancelledGroups
 from rollart.actors.policy_gate import PolicyGate
 from rollart.actors.proxy_policy import PolicyFollow, PolicyLoading, StalePolicy
-from rollart.actors.runtime import ServiceUnavailable, decode_core
+from rollart.actors.runtime import decode_core
+from rollart.actors.service import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
 from rollart.bus import Subscription
 from rollart.config import ActorConfig, RunConfig

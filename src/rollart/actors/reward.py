@@ -18,7 +18,7 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.base import Actor, serve
 from rollart.actors.batching import Batcher
-from rollart.actors.runtime import ServiceUnavailable
+from rollart.actors.service import ServiceUnavailable
 from rollart.actors.service_client import ProgressReporter
 from rollart.config import ActorConfig, RunConfig
 from rollart.envs.reasoning import ReasoningGymEnv
