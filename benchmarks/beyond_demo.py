@@ -237,7 +237,7 @@ def main() -> int:
     p.add_argument("--rl-lr", type=float, default=None, help="override trainer.lr")
     p.add_argument("--rl-entropy", type=float, default=None, help="override trainer.entropy_coef")
     p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--eval-groups", type=int, default=256, help="held-out maps (default 256)")
+    p.add_argument("--eval-groups", type=int, default=256, help="held-out tasks (default 256)")
     p.add_argument("--target", type=float, default=0.85)
     p.add_argument("--no-cold", action="store_true", help="no RL-alone twin")
     p.add_argument("--nats", default=None, help="memory: the in-process bus (default: embedded)")
@@ -262,13 +262,13 @@ def main() -> int:
         png = HERE / "results" / f"{name}.png"
         png.parent.mkdir(parents=True, exist_ok=True)
         band_plot(results, arms, png, f"{Path(args.config).stem}: {args.policy} demos -> SFT -> RL, "
-                                      f"{args.eval_groups} held-out maps")
+                                      f"{args.eval_groups} held-out tasks")
         section = (f"<!-- beyond_demo:{args.label}:begin -->\n"
                    f"#### RL beyond its demonstrator: {args.label}\n\n"
                    f"`python benchmarks/beyond_demo.py {' '.join(sys.argv[1:])}` on {out['date']}, "
                    f"{host['cpu_count']} cores (load {host['loadavg_start'][0]} at the start), "
                    f"{'one seed at a time' if args.parallel <= 1 else f'{args.parallel} seeds at once'}; "
-                   f"held-out greedy success on {args.eval_groups} maps no run trains on.\n\n"
+                   f"held-out greedy success on {args.eval_groups} tasks (maps, rooms) no run trains on.\n\n"
                    f"{out['table']}\n\n![held-out success against wall time](results/{name}.png)\n"
                    f"<!-- beyond_demo:{args.label}:end -->")
         store(HERE / "results" / f"{name}.json", out, f"beyond_demo:{args.label}", section)

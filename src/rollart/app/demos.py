@@ -18,6 +18,12 @@ after the last step is never shown). ``constrained`` says whether RL decodes thi
 constraint (``constrain`` and the env has legal actions): then the end-of-turn token is part
 of the next prompt, not generated (:mod:`rollart.app.sft` reads it).
 
+On a free-text turn (``constrain: false``, or an env without legal actions) the
+demonstrator's move is written as the model should write it: ``--format`` (default
+``<answer>{action}</answer>`` when ``action_pattern`` is the built-in instructions' answer
+format, else ``{action}``), and the text must parse back to the move with the env's
+``action_pattern``, or the command fails naming both.
+
 :class:`Episode` steps an env the way the EnvManager does (action parsing, format penalty,
 success from the info); :mod:`rollart.app.sft`'s greedy evaluation plays through it too.
 """
@@ -37,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rollart.app.configs import resolve_config
 from rollart.config import ConfigError, EnvConfig, RunConfig, load
 from rollart.envs import BUILTIN_ENVS, make_env, parse_action
+from rollart.envs.actions import ANSWER_PATTERN
 from rollart.envs.base import legal_actions_of
 from rollart.envs.demonstrators import make_demonstrator
 
@@ -116,8 +123,24 @@ class Episode:
             self.turn += 1
 
 
-async def play_demo(env: Any, cfg: EnvConfig, demo: Any, seed: int) -> dict:
-    """One episode of ``demo`` on ``env`` with task seed ``seed``: its conversation line."""
+def text_format(cfg: EnvConfig, fmt: str | None = None) -> str:
+    """The template of a free-text turn's text (see the module docstring); ``ValueError``
+    when ``fmt`` has no ``{action}`` field."""
+    if fmt is None:
+        return "<answer>{action}</answer>" if cfg.action_pattern == ANSWER_PATTERN else "{action}"
+    try:
+        fmt.format(action="R")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"--format {fmt!r} is not a template with only {{action}}: {e}") from None
+    if "{action}" not in fmt:
+        raise ValueError(f"--format {fmt!r} has no {{action}} field")
+    return fmt
+
+
+async def play_demo(env: Any, cfg: EnvConfig, demo: Any, seed: int, *, fmt: str | None = None) -> dict:
+    """One episode of ``demo`` on ``env`` with task seed ``seed``: its conversation line.
+    ``fmt``: the text of a free-text turn (:func:`text_format`)."""
+    fmt = text_format(cfg, fmt)
     ep = Episode(env, cfg, seed)
     await ep.start()
     demo.reset(ep.obs, ep.info)
@@ -130,6 +153,12 @@ async def play_demo(env: Any, cfg: EnvConfig, demo: Any, seed: int) -> dict:
         text = demo.act(ep.obs, legal)
         if legal and text not in legal:
             raise ValueError(f"demonstrator answered {text!r}, not one of the legal actions {legal}")
+        if not legal:
+            move, text = text, fmt.format(action=text)
+            if parse_action(text, cfg.action_pattern) != move.strip():
+                raise ValueError(f"the free-text turn {text!r} (--format {fmt!r}) does not parse back "
+                                 f"to the demonstrator's move {move!r} with action_pattern "
+                                 f"{cfg.action_pattern!r}; give a --format that does")
         messages.append({"role": "assistant", "content": text})
         await ep.step(text, legal)
     return {"messages": messages, "seed": seed, "reward": ep.reward, "success": ep.success,
@@ -137,7 +166,7 @@ async def play_demo(env: Any, cfg: EnvConfig, demo: Any, seed: int) -> dict:
 
 
 async def write_demos(cfg: EnvConfig, policy: str, seeds: list[int], out: Path, *,
-                      env_name: str = "main", quiet: bool = False) -> dict:
+                      env_name: str = "main", quiet: bool = False, fmt: str | None = None) -> dict:
     """Play one episode per seed with demonstrator ``policy`` and write them to ``out``
     (JSON lines); returns the summary (success rate, mean reward and turns, wall time)."""
     try:
@@ -145,6 +174,10 @@ async def write_demos(cfg: EnvConfig, policy: str, seeds: list[int], out: Path, 
     except ValueError as e:
         raise ConfigError(f"env {env_name!r}: {e}") from None
     make_demonstrator(cfg.type, policy, env, random.Random(0))  # a bad name fails before any file
+    try:
+        fmt = text_format(cfg, fmt)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     n = ok = 0
@@ -158,7 +191,7 @@ async def write_demos(cfg: EnvConfig, policy: str, seeds: list[int], out: Path, 
             task = bar.add_task("episodes", total=len(seeds), info="")
             for seed in seeds:
                 demo = make_demonstrator(cfg.type, policy, env, random.Random(f"{policy}:{seed}"))
-                line = await play_demo(env, cfg, demo, seed)
+                line = await play_demo(env, cfg, demo, seed, fmt=fmt)
                 line.update(env=env_name, type=cfg.type, policy=policy)
                 f.write(json.dumps(line) + "\n")
                 n, ok = n + 1, ok + bool(line["success"])
@@ -187,7 +220,7 @@ async def demos_main(args) -> int:
     if args.episodes < 1:
         raise ConfigError("--episodes must be >= 1")
     summary = await write_demos(cfg, args.policy, list(range(start, start + args.episodes)),
-                                Path(args.out), env_name=name, quiet=args.quiet)
+                                Path(args.out), env_name=name, quiet=args.quiet, fmt=args.format)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -197,7 +230,9 @@ def register(sub) -> None:
     d = sub.add_parser("demos", help="play an env with a demonstrator; write SFT conversations",
                        description="Play episodes of an env with a built-in demonstrator "
                                    "(frozenlake: bfs, the shortest safe path; heuristic, one "
-                                   "step of look-ahead) and write one JSON line per episode: "
+                                   "step of look-ahead; sokoban: bfs, a shortest solution; "
+                                   "reasoning_gym: answer, the reference answer) and write one "
+                                   "JSON line per episode: "
                                    "{messages, seed, reward, success, ...}, the chat layout of "
                                    "an RL trajectory (system = instruction, user = "
                                    "turn_template, assistant = the move), for `rollart sft`.")
@@ -205,7 +240,8 @@ def register(sub) -> None:
                    help="a run config (path or packaged name: its --env), or an env type "
                         "(frozenlake, pkg.module:Class) with --args")
     d.add_argument("--policy", required=True,
-                   help="demonstrator: bfs or heuristic (frozenlake), or pkg.module:factory")
+                   help="demonstrator: bfs or heuristic (frozenlake), bfs (sokoban), answer "
+                        "(reasoning_gym), or pkg.module:factory")
     d.add_argument("--episodes", type=int, default=100, metavar="N", help="episodes (default 100)")
     d.add_argument("--out", default="demos.jsonl", metavar="FILE",
                    help="output JSONL (default demos.jsonl)")
@@ -216,6 +252,11 @@ def register(sub) -> None:
     d.add_argument("--args", default=None, metavar="JSON",
                    help="env arguments when ENV_OR_CONFIG is an env type, e.g. "
                         "'{\"random_map\": true}'")
+    d.add_argument("--format", default=None, metavar="TEMPLATE",
+                   help="the text of a free-text turn (constrain: false), {action} being the "
+                        "move, e.g. 'I go {action}. <answer>{action}</answer>' (default "
+                        "<answer>{action}</answer> when action_pattern is <answer>(.*?)</answer>, "
+                        "else {action}); it must parse back with action_pattern")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(fn=demos_main)
 

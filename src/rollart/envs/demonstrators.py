@@ -18,8 +18,17 @@ demonstrators for Sokoban or reasoning tasks are added beside the FrozenLake one
   the success rate; bfs: 1.0 in 6.0 moves on average, the heuristic 6.4).
 
 Both read the grid from the observation (``P`` is the player, ``G`` the goal, ``H`` a hole,
-rows top to bottom, see :mod:`rollart.envs.frozenlake`). A ``pkg.module:Name`` policy is
-imported instead: a factory ``(env, rng) -> Demonstrator``.
+rows top to bottom, see :mod:`rollart.envs.frozenlake`).
+
+- ``sokoban`` / ``bfs``: the solver, the first move of a shortest solution (fewest moves,
+  walks and pushes alike; ties in L, D, R, U order), found by breadth-first search over
+  (player, boxes) states of the room read from the observation; it replans each turn. In a
+  room it cannot solve (a box pushed into a corner by someone else) it walks to a free cell.
+
+- ``reasoning_gym`` / ``answer``: the dataset's own reference answer of the current item
+  (read from the env: the policy never sees it).
+
+A ``pkg.module:Name`` policy is imported instead: a factory ``(env, rng) -> Demonstrator``.
 """
 
 from __future__ import annotations
@@ -170,3 +179,97 @@ class FrozenLakeHeuristic:
 
 register("frozenlake", "bfs")(FrozenLakeBFS)
 register("frozenlake", "heuristic")(FrozenLakeHeuristic)
+
+
+# -- Sokoban ---------------------------------------------------------------------
+
+
+def sokoban_plan(observation: str, limit: int = 200_000) -> list[str] | None:
+    """A shortest move sequence (letters of :data:`MOVES`) that solves the Sokoban room in
+    ``observation`` (the legend of :mod:`rollart.envs.sokoban`), ``[]`` when it is solved,
+    None when no solution exists within ``limit`` visited states."""
+    from rollart.envs.sokoban import Room
+
+    room = Room.parse([r for r in observation.strip().splitlines() if r])
+    if room.solved():
+        return []
+    start = (room.player, frozenset(room.boxes))
+    back: dict[Any, tuple[Any, str] | None] = {start: None}
+    todo = deque([start])
+    while todo and len(back) < limit:
+        state = todo.popleft()
+        (pr, pc), boxes = state
+        for m, (dr, dc) in MOVES.items():
+            nxt = (pr + dr, pc + dc)
+            if not room.free(nxt):
+                continue
+            moved = boxes
+            if nxt in boxes:
+                beyond = (nxt[0] + dr, nxt[1] + dc)
+                if not room.free(beyond) or beyond in boxes:
+                    continue
+                moved = (boxes - {nxt}) | {beyond}
+            new = (nxt, moved)
+            if new in back:
+                continue
+            back[new] = (state, m)
+            if moved == room.targets:
+                path = []
+                while back[new] is not None:
+                    new, m = back[new]
+                    path.append(m)
+                return path[::-1]
+            todo.append(new)
+    return None
+
+
+class SokobanBFS:
+    """The first move of a shortest solution (see the module docstring)."""
+
+    def __init__(self, env: Any = None, rng: random.Random | None = None) -> None:
+        pass
+
+    def reset(self, observation: str, info: dict[str, Any]) -> None:
+        pass
+
+    def act(self, observation: str, legal: list[str] | None) -> str:
+        plan = sokoban_plan(observation)
+        if plan:
+            return plan[0]
+        from rollart.envs.sokoban import Room
+
+        room = Room.parse([r for r in observation.strip().splitlines() if r])
+        for m, (dr, dc) in MOVES.items():  # unsolvable (or solved): a walk, not a push
+            q = (room.player[0] + dr, room.player[1] + dc)
+            if room.free(q) and q not in room.boxes:
+                return m
+        return next(iter(MOVES))
+
+
+register("sokoban", "bfs")(SokobanBFS)
+
+
+# -- reasoning_gym ---------------------------------------------------------------
+
+
+class ReasoningGymAnswer:
+    """The reference answer of the item the env serves (:class:`rollart.envs.reasoning.
+    ReasoningGymEnv` keeps it in ``entry``)."""
+
+    def __init__(self, env: Any = None, rng: random.Random | None = None) -> None:
+        if env is None or not hasattr(env, "entry"):
+            raise ValueError("the reasoning_gym 'answer' demonstrator reads the env's current "
+                             "item: it needs a reasoning_gym env")
+        self.env = env
+
+    def reset(self, observation: str, info: dict[str, Any]) -> None:
+        pass
+
+    def act(self, observation: str, legal: list[str] | None) -> str:
+        entry = self.env.entry
+        if not entry or entry.get("answer") is None:
+            raise ValueError("reasoning_gym 'answer' demonstrator: the item has no reference answer")
+        return str(entry["answer"])
+
+
+register("reasoning_gym", "answer")(ReasoningGymAnswer)
