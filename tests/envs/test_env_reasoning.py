@@ -49,3 +49,23 @@ def test_bad_args():
         ReasoningGymEnv(dataset="chain_sum", dataset_args={"bogus": 1})
     with pytest.raises(ValueError, match="'size'"):
         ReasoningGymEnv(dataset="chain_sum", size=0)
+
+
+def test_held_out_seeds_serve_items_no_training_seed_serves():
+    """The evaluation's task seeds (HELDOUT_SEED_OFFSET + i) map to items reserved for it:
+    before, ``seed % size`` gave held-out seed 1_000_000 + i the training item i."""
+    from rollart.envs.base import HELDOUT_SEED_OFFSET
+
+    env = ReasoningGymEnv(dataset="chain_sum", size=100, heldout=20,
+                          dataset_args={"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2})
+    train = {env.reset(s)[1]["index"] for s in range(0, 5000, 7)}
+    held = {env.reset(HELDOUT_SEED_OFFSET + i)[1]["index"] for i in range(300)}
+    assert train <= set(range(100)) and held == set(range(100, 120))
+    q_train = [env.reset(i)[0] for i in range(20)]
+    q_held = [env.reset(HELDOUT_SEED_OFFSET + i)[0] for i in range(20)]
+    assert not set(q_train) & set(q_held), "a held-out question is a training question"
+    info = env.reset(HELDOUT_SEED_OFFSET + 3)[1]
+    assert info["index"] == 103 and info["heldout"] is True
+    assert env.reset(3)[1]["heldout"] is False
+    with pytest.raises(ValueError, match="'heldout'"):
+        ReasoningGymEnv(dataset="chain_sum", heldout=0)

@@ -51,8 +51,9 @@ from rollart.app.trace_report import save_png
 from rollart.config import ConfigError, EnvConfig, RunConfig, load
 from rollart.engines.provision import SFT_MODEL, model_dir
 from rollart.envs import make_env
+from rollart.envs.base import HELDOUT_SEED_OFFSET
 
-EVAL_SEED_OFFSET = 1_000_000
+EVAL_SEED_OFFSET = HELDOUT_SEED_OFFSET
 """Held-out task seeds start here (the scheduler's evaluation offset: training seeds start at 0)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")

@@ -67,6 +67,11 @@ def legal_actions_of(env: Any) -> list[str] | None:
 
 
 # Grid worlds (FrozenLake, Sokoban) share the action vocabulary.
+HELDOUT_SEED_OFFSET = 1_000_000
+"""Task seeds of held-out evaluations start here (the evaluation scheduler's offset; training
+seeds start at ``rollout.seed``, far below): an env with a finite item set keeps the items of
+these seeds out of training (``reasoning_gym``'s ``heldout``)."""
+
 MOVES: dict[str, tuple[int, int]] = {"L": (0, -1), "D": (1, 0), "R": (0, 1), "U": (-1, 0)}
 """Letter -> (d_row, d_col). The order L, D, R, U matches gymnasium's FrozenLake."""
 

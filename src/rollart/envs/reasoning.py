@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollart.envs.base import HELDOUT_SEED_OFFSET
+
 INSTRUCTION = (
     "Solve the task. Think briefly if needed, then give only the final answer inside "
     "<answer></answer>, e.g. <answer>42</answer>."
@@ -17,7 +19,12 @@ class ReasoningGymEnv:
         dataset: a reasoning_gym dataset name, e.g. ``"basic_arithmetic"``, ``"chain_sum"``,
             ``"countdown"``.
         dataset_args: keyword arguments for the dataset config (difficulty knobs).
-        size: number of distinct items; ``reset(seed)`` serves item ``seed % size``.
+        size: number of training items; ``reset(seed)`` serves item ``seed % size``.
+        heldout: items reserved for held-out evaluation (default 1000): a task seed from
+            :data:`~rollart.envs.base.HELDOUT_SEED_OFFSET` on (the evaluation's) serves item
+            ``size + (seed - offset) % heldout``, which no training seed serves. Items differ
+            by index; a dataset with few distinct questions (one-digit sums) can still repeat
+            a training question among them.
         dataset_seed: seed of the dataset itself (items are generated lazily from it).
         success_threshold: a score at or above this counts as success (default 0.99).
         instruction: override the instruction text.
@@ -29,7 +36,7 @@ class ReasoningGymEnv:
     """
 
     def __init__(self, *, dataset: str, dataset_args: dict[str, Any] | None = None, size: int = 100_000,
-                 dataset_seed: int = 0, success_threshold: float = 0.99,
+                 heldout: int = 1000, dataset_seed: int = 0, success_threshold: float = 0.99,
                  instruction: str | None = None) -> None:
         try:
             import reasoning_gym  # optional: the envs extra
@@ -38,10 +45,12 @@ class ReasoningGymEnv:
                               "pip install 'rollart[envs]'") from e
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"reasoning_gym arg 'size' must be a positive int, got {size!r}")
+        if not isinstance(heldout, int) or isinstance(heldout, bool) or heldout < 1:
+            raise ValueError(f"reasoning_gym arg 'heldout' must be a positive int, got {heldout!r}")
         if dataset_args is not None and not isinstance(dataset_args, dict):
             raise ValueError("reasoning_gym arg 'dataset_args' must be a mapping")
         try:
-            self.dataset = reasoning_gym.create_dataset(dataset, seed=dataset_seed, size=size,
+            self.dataset = reasoning_gym.create_dataset(dataset, seed=dataset_seed, size=size + heldout,
                                                         **(dataset_args or {}))
         except ValueError as e:
             if "not registered" in str(e):
@@ -50,17 +59,19 @@ class ReasoningGymEnv:
         except (TypeError, AssertionError) as e:
             raise ValueError(f"reasoning_gym arg 'dataset_args' rejected by {dataset!r}: {e}") from e
         self.name = dataset
-        self.size = size
+        self.size, self.heldout = size, heldout
         self.success_threshold = success_threshold
         self.instruction = instruction or INSTRUCTION
         self.entry: dict[str, Any] | None = None
 
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
-        """Serve item ``seed % size`` (deterministic)."""
-        index = seed % self.size
+        """Serve item ``seed % size``, or a held-out one for an evaluation's seed (see the
+        class docstring); deterministic."""
+        held = seed >= HELDOUT_SEED_OFFSET
+        index = self.size + (seed - HELDOUT_SEED_OFFSET) % self.heldout if held else seed % self.size
         self.entry = self.dataset[index]
         info = {"valid_action": True, "success": False, "answer": self.entry.get("answer"),
-                "dataset": self.name, "index": index}
+                "dataset": self.name, "index": index, "heldout": held}
         return self.entry["question"], info
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:

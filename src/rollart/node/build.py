@@ -25,6 +25,7 @@ from rollart.actors.admission import TRAINING_PREFIX
 from rollart.actors.base import Actor
 from rollart.config import ActorConfig, RunConfig
 from rollart.config.placement import mapped_pools
+from rollart.envs.base import HELDOUT_SEED_OFFSET
 
 BUILTIN_ROLES = {
     "env": "rollart.actors.env_manager:EnvManager",
@@ -151,7 +152,7 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
                 "inactive_threshold": TRANSIENT_DURABLE_IDLE_S}
             for h in ("on_completed", "on_cancelled", "on_dead")})
     if eval:
-        sched_args.update(seed_offset=1_000_000,  # held-out tasks: training seeds start at 0
+        sched_args.update(seed_offset=HELDOUT_SEED_OFFSET,  # held-out tasks: training seeds start at 0
                           run_cfg=None)
         if greedy and cfg.rollout.same_seed_per_group:
             # greedy decoding plays a task one way: one trajectory per held-out task, not a
