@@ -69,3 +69,19 @@ def test_held_out_seeds_serve_items_no_training_seed_serves():
     assert env.reset(3)[1]["heldout"] is False
     with pytest.raises(ValueError, match="'heldout'"):
         ReasoningGymEnv(dataset="chain_sum", heldout=0)
+
+
+def test_binary_rewards_only_a_success():
+    args = {"dataset": "basic_arithmetic", "dataset_args": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                            "max_digits": 1, "operators": ["+"]}}
+    seed = next(s for s in range(100) if len(str(ReasoningGymEnv(**args).reset(s)[1]["answer"])) == 1)
+    partial, binary = ReasoningGymEnv(**args), ReasoningGymEnv(**args, binary=True)
+    answer = str(partial.reset(seed)[1]["answer"])
+    binary.reset(seed)
+    farmed = answer * 2  # the reply holds the answer: partial credit from the verifier
+    r_partial, r_binary = partial.step(farmed)[1], binary.step(farmed)[1]
+    assert 0 < r_partial < 1 and r_binary == 0.0
+    binary.reset(seed)
+    assert binary.step(answer)[1] == 1.0
+    with pytest.raises(ValueError, match="'binary'"):
+        ReasoningGymEnv(**args, binary="yes")

@@ -27,17 +27,21 @@ class ReasoningGymEnv:
             a training question among them.
         dataset_seed: seed of the dataset itself (items are generated lazily from it).
         success_threshold: a score at or above this counts as success (default 0.99).
+        binary: reward 1.0 for a success and 0.0 otherwise, instead of the verifier's score
+            (default false). Some verifiers give partial credit that a policy learns to
+            farm: ``basic_arithmetic`` scores a reply that contains the answer with
+            len(answer) / len(reply), so "88" earns 0.5 on every sum that is 8.
         instruction: override the instruction text.
 
     ``reset`` returns the question and ``info["answer"]`` (a reference answer, for
     debugging: never show it to the policy). ``step(answer)`` scores the answer with the
-    dataset's own verifier: reward = score in [0, 1], always terminated. ``legal_actions``
+    dataset's own verifier: reward = score in [0, 1] (``binary``: 0 or 1), always terminated. ``legal_actions``
     is None (free text).
     """
 
     def __init__(self, *, dataset: str, dataset_args: dict[str, Any] | None = None, size: int = 100_000,
                  heldout: int = 1000, dataset_seed: int = 0, success_threshold: float = 0.99,
-                 instruction: str | None = None) -> None:
+                 binary: bool = False, instruction: str | None = None) -> None:
         try:
             import reasoning_gym  # optional: the envs extra
         except ImportError as e:
@@ -60,7 +64,9 @@ class ReasoningGymEnv:
             raise ValueError(f"reasoning_gym arg 'dataset_args' rejected by {dataset!r}: {e}") from e
         self.name = dataset
         self.size, self.heldout = size, heldout
-        self.success_threshold = success_threshold
+        if not isinstance(binary, bool):
+            raise ValueError(f"reasoning_gym arg 'binary' must be true or false, got {binary!r}")
+        self.success_threshold, self.binary = success_threshold, binary
         self.instruction = instruction or INSTRUCTION
         self.entry: dict[str, Any] | None = None
 
@@ -85,9 +91,9 @@ class ReasoningGymEnv:
         except Exception:  # a verifier that chokes on odd text scores it as wrong
             score = 0.0
         score = min(max(score, 0.0), 1.0)
-        info = {"valid_action": valid, "success": score >= self.success_threshold,
-                "score": score, "answer": entry.get("answer")}
-        return "", score, True, False, info
+        success = score >= self.success_threshold
+        info = {"valid_action": valid, "success": success, "score": score, "answer": entry.get("answer")}
+        return "", (float(success) if self.binary else score), True, False, info
 
     def legal_actions(self) -> None:
         """Free text."""
