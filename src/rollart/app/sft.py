@@ -53,9 +53,6 @@ from rollart.engines.provision import SFT_MODEL, model_dir
 from rollart.envs import make_env
 from rollart.envs.base import HELDOUT_SEED_OFFSET
 
-EVAL_SEED_OFFSET = HELDOUT_SEED_OFFSET
-"""Held-out task seeds start here (the scheduler's evaluation offset: training seeds start at 0)."""
-
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 """Files of a base model folder that ``save_pretrained`` replaces (the rest is copied)."""
 WRITTEN = {"config.json", "generation_config.json", "model.safetensors.index.json",
@@ -363,7 +360,7 @@ async def sft(cfg: RunConfig, rows: list[dict], run_path: Path, *, steps: int, b
                "final_token_acc": rows_out[-1]["token_acc"], "train_s": round(train_s, 3)}
     if eval_episodes:
         name = env or cfg.rollout.env
-        seeds = [EVAL_SEED_OFFSET + cfg.rollout.seed + i for i in range(eval_episodes)]
+        seeds = [HELDOUT_SEED_OFFSET + cfg.rollout.seed + i for i in range(eval_episodes)]
         summary["eval"] = await greedy_eval(run_path / SFT_MODEL, cfg.envs[name], seeds,
                                             threads=cfg.model.threads) | {"env": name}
     summary["wall_s"] = round(time.perf_counter() - t0, 3)

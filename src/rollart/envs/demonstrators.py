@@ -39,6 +39,7 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from rollart.envs.base import MOVES
+from rollart.envs.sokoban import Room
 
 
 class Demonstrator(Protocol):
@@ -184,13 +185,12 @@ register("frozenlake", "heuristic")(FrozenLakeHeuristic)
 # -- Sokoban ---------------------------------------------------------------------
 
 
-def sokoban_plan(observation: str, limit: int = 200_000) -> list[str] | None:
+def sokoban_plan(observation: str | Room, limit: int = 200_000) -> list[str] | None:
     """A shortest move sequence (letters of :data:`MOVES`) that solves the Sokoban room in
-    ``observation`` (the legend of :mod:`rollart.envs.sokoban`), ``[]`` when it is solved,
-    None when no solution exists within ``limit`` visited states."""
-    from rollart.envs.sokoban import Room
-
-    room = Room.parse([r for r in observation.strip().splitlines() if r])
+    ``observation`` (the legend of :mod:`rollart.envs.sokoban`, or a parsed :class:`Room`),
+    ``[]`` when it is solved, None when no solution exists within ``limit`` visited states.
+    Steps follow the env's own rule (:meth:`Room.after`)."""
+    room = observation if isinstance(observation, Room) else _room(observation)
     if room.solved():
         return []
     start = (room.player, frozenset(room.boxes))
@@ -198,22 +198,12 @@ def sokoban_plan(observation: str, limit: int = 200_000) -> list[str] | None:
     todo = deque([start])
     while todo and len(back) < limit:
         state = todo.popleft()
-        (pr, pc), boxes = state
-        for m, (dr, dc) in MOVES.items():
-            nxt = (pr + dr, pc + dc)
-            if not room.free(nxt):
-                continue
-            moved = boxes
-            if nxt in boxes:
-                beyond = (nxt[0] + dr, nxt[1] + dc)
-                if not room.free(beyond) or beyond in boxes:
-                    continue
-                moved = (boxes - {nxt}) | {beyond}
-            new = (nxt, moved)
-            if new in back:
+        for m, d in MOVES.items():
+            new = room.after(*state, d)
+            if new is None or new in back:
                 continue
             back[new] = (state, m)
-            if moved == room.targets:
+            if new[1] == room.targets:
                 path = []
                 while back[new] is not None:
                     new, m = back[new]
@@ -221,6 +211,10 @@ def sokoban_plan(observation: str, limit: int = 200_000) -> list[str] | None:
                 return path[::-1]
             todo.append(new)
     return None
+
+
+def _room(observation: str) -> Room:
+    return Room.parse([r for r in observation.strip().splitlines() if r])
 
 
 class SokobanBFS:
@@ -233,15 +227,13 @@ class SokobanBFS:
         pass
 
     def act(self, observation: str, legal: list[str] | None) -> str:
-        plan = sokoban_plan(observation)
+        room = _room(observation)
+        plan = sokoban_plan(room)
         if plan:
             return plan[0]
-        from rollart.envs.sokoban import Room
-
-        room = Room.parse([r for r in observation.strip().splitlines() if r])
-        for m, (dr, dc) in MOVES.items():  # unsolvable (or solved): a walk, not a push
-            q = (room.player[0] + dr, room.player[1] + dc)
-            if room.free(q) and q not in room.boxes:
+        for m, d in MOVES.items():  # unsolvable (or solved): a walk, not a push
+            out = room.after(room.player, room.boxes, d)
+            if out is not None and out[1] == room.boxes:
                 return m
         return next(iter(MOVES))
 

@@ -51,6 +51,8 @@ class ReasoningGymEnv:
             raise ValueError(f"reasoning_gym arg 'size' must be a positive int, got {size!r}")
         if not isinstance(heldout, int) or isinstance(heldout, bool) or heldout < 1:
             raise ValueError(f"reasoning_gym arg 'heldout' must be a positive int, got {heldout!r}")
+        if not isinstance(binary, bool):
+            raise ValueError(f"reasoning_gym arg 'binary' must be true or false, got {binary!r}")
         if dataset_args is not None and not isinstance(dataset_args, dict):
             raise ValueError("reasoning_gym arg 'dataset_args' must be a mapping")
         try:
@@ -64,8 +66,6 @@ class ReasoningGymEnv:
             raise ValueError(f"reasoning_gym arg 'dataset_args' rejected by {dataset!r}: {e}") from e
         self.name = dataset
         self.size, self.heldout = size, heldout
-        if not isinstance(binary, bool):
-            raise ValueError(f"reasoning_gym arg 'binary' must be true or false, got {binary!r}")
         self.success_threshold, self.binary = success_threshold, binary
         self.instruction = instruction or INSTRUCTION
         self.entry: dict[str, Any] | None = None

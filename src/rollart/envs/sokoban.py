@@ -65,17 +65,26 @@ class Room:
     def solved(self) -> bool:
         return self.boxes == self.targets
 
+    def after(self, player: Pos, boxes: Any, d: Pos) -> tuple[Pos, Any] | None:
+        """The (player, boxes) after a step in direction ``d`` from ``player`` with ``boxes``
+        (a set or frozenset, returned as the same kind) in this room's walls, walking or
+        pushing one box; None when the step is blocked. Changes nothing."""
+        nxt = (player[0] + d[0], player[1] + d[1])
+        if not self.free(nxt):
+            return None
+        if nxt in boxes:
+            beyond = (nxt[0] + d[0], nxt[1] + d[1])
+            if not self.free(beyond) or beyond in boxes:
+                return None
+            boxes = (boxes - {nxt}) | {beyond}
+        return nxt, boxes
+
     def move(self, d: Pos) -> bool:
         """Walk (and push) one step in direction ``d``; False if blocked."""
-        nxt = (self.player[0] + d[0], self.player[1] + d[1])
-        if not self.free(nxt):
+        out = self.after(self.player, self.boxes, d)
+        if out is None:
             return False
-        if nxt in self.boxes:
-            beyond = (nxt[0] + d[0], nxt[1] + d[1])
-            if not self.free(beyond) or beyond in self.boxes:
-                return False
-            self.boxes = (self.boxes - {nxt}) | {beyond}
-        self.player = nxt
+        self.player, self.boxes = out
         return True
 
     def render(self) -> str:
