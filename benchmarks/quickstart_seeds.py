@@ -79,6 +79,9 @@ VARIANTS: dict[str, dict] = {
     "entropy-target-0.2": {"trainer": {"entropy_target": 0.2}},
     "entropy-target-0.05": {"trainer": {"entropy_target": 0.05}},
     "adam-b2-0.95-entropy-target-0.2": {"trainer": {"adam_betas": [0.9, 0.95], "entropy_target": 0.2}},
+    # trainer.schedule_clock (issue 28 item 3): the cosine moves on every step, the recipe
+    # before the schedule held on steps without a signal
+    "clock-steps": {"trainer": {"schedule_clock": "steps"}},
     "skip-failed-16-lr-0.005": {"trainer": {"skip_uniform": 16, "skip_which": "failed", "lr": 0.005}},
     # trainer.lora on the quickstart (tests/e2e/test_learning_scale.py): adapters on the 7
     # projections and the head, rank = the model's width

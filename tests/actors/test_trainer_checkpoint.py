@@ -4,9 +4,11 @@ replay that joins them: the weights after a replay are the weights of the run, b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -244,3 +246,42 @@ async def test_object_store_holds_what_a_new_head_resumes_from(tmp_path, tiny_mo
     assert [json.loads(x)["step"] for x in new.metrics.read_text().splitlines()] == [1, 2, 3]
     assert _resume(tiny_model, new).weights_digest() == run.weights_digest()
     assert not await fetch_checkpoint(bus, "obj", new), "a folder with a checkpoint keeps its own"
+
+
+async def test_replay_holds_the_schedule_where_the_run_held_it(tmp_path, tiny_model):
+    """``trainer.schedule_clock: signal``: a step whose trajectories all failed alike does not
+    move the LR schedule; the journal's replay decides each step by the same rule, so a
+    resume has the run's weights and its next LR (a replay that moved it on every step
+    would not)."""
+    from rollart.actors.train_batch import advances_schedule
+
+    files = RunFiles(tmp_path / "run")
+    files.make()
+    tcfg = TrainerConfig(schedule_clock="signal", full_checkpoint_every=100)
+    ckpt = Checkpoints(files, tcfg)
+    kw = {"warmup_steps": 1, "total_steps": 6, "schedule": "cosine"}
+    run = _fresh(tiny_model, **kw)
+    held = []
+    for step in range(4):
+        gi, trajs = _batch(step)
+        if step in (1, 2):  # every member failed alike: no signal
+            trajs = [msgspec.structs.replace(t, reward=0.0, success=False) for t in trajs]
+        samples = build_samples(trajs, gi, "grpo")
+        advance = advances_schedule(tcfg, trajs, samples)
+        held.append(not advance)
+        rng = rng_state(run)
+        run.train_step(samples, loss_cfg=dataclasses.replace(LOSS, advance_schedule=advance))
+        ckpt.record(step, gi, trajs, rng)
+        await ckpt.commit(_ledger_state(run.version))
+    assert held == [False, True, True, False]
+    assert advances_schedule(TrainerConfig(schedule_clock="steps"), trajs, samples)
+    lr = run.scheduler.get_last_lr()[0]
+
+    again = _fresh(tiny_model, **kw)
+    replay(files, again, after=0, upto=4, advantage="grpo", loss_cfg=LOSS,
+           trainer_cfg=tcfg)
+    assert again.weights_digest() == run.weights_digest()
+    assert again.scheduler.get_last_lr()[0] == lr
+    every = _fresh(tiny_model, **kw)
+    replay(files, every, after=0, upto=4, advantage="grpo", loss_cfg=LOSS)
+    assert every.scheduler.get_last_lr()[0] != lr

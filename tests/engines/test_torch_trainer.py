@@ -196,3 +196,15 @@ def test_lr_schedule_and_validation(trainer_model_dir):
         tr.train_step(make_samples(2), loss_cfg={"clip": 0.2})
     with pytest.raises(ValueError, match="no response tokens"):
         tr.train_step([TrainSample([1, 2, 3], [0, 0, 0], [0.0] * 3, 1.0)])
+
+
+def test_a_step_that_does_not_advance_the_schedule_keeps_its_lr(trainer_model_dir):
+    """``advance_schedule=False`` (``trainer.schedule_clock: signal`` on a step with no
+    signal): the step is taken, the warm-up and cosine stand still."""
+    tr = TorchTrainBackend(trainer_model_dir, lr=0.01, warmup_steps=2, total_steps=6,
+                           schedule="cosine", threads=1)
+    held = LossConfig(advance_schedule=False)
+    lrs = [tr.train_step(make_samples(2, seed=s), loss_cfg=cfg)["lr"]
+           for s, cfg in enumerate([None, held, held, None, None, held, None])]
+    assert [round(x / 0.01, 6) for x in lrs] == [0.5, 1.0, 1.0, 1.0, 1.0, 0.853553, 0.853553]
+    assert tr.version == 7  # every step was taken

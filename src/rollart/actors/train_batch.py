@@ -51,14 +51,25 @@ def build_samples(trajs: list[m.RolloutCompleted], groups: list[int], kind: str)
             for t, a in zip(trajs, advs)]
 
 
-def loss_config(t: Any, entropy_coef: float | None = None):
+def loss_config(t: Any, entropy_coef: float | None = None, advance_schedule: bool = True):
     """The loss settings of trainer config ``t``; ``entropy_coef``: this step's coefficient
-    (``trainer.entropy_target`` adapts it), else the config's."""
+    (``trainer.entropy_target`` adapts it), else the config's; ``advance_schedule``: whether
+    the step moves the LR schedule (:func:`advances_schedule`)."""
     from rollart.algos.losses import LossConfig  # optional: imports torch (the train extra)
 
     coef = t.entropy_coef if entropy_coef is None else entropy_coef
     return LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, agg=t.agg, is_cap=t.is_cap,
-                      decoupled=t.decoupled, entropy_coef=coef, kl_coef=t.kl_coef)
+                      decoupled=t.decoupled, entropy_coef=coef, kl_coef=t.kl_coef,
+                      advance_schedule=advance_schedule)
+
+
+def advances_schedule(t: Any, trajs: list[m.RolloutCompleted], samples: list) -> bool:
+    """Whether a step on ``samples`` (built from ``trajs``) moves the LR schedule under
+    trainer config ``t``'s ``schedule_clock``: ``signal`` holds it on a step in which every
+    trajectory failed and every advantage is 0; ``steps`` always moves it."""
+    if getattr(t, "schedule_clock", "steps") != "signal":
+        return True
+    return any(s.advantage != 0 for s in samples) or any(tr.success for tr in trajs)
 
 
 def next_entropy_coef(t: Any, coef: float, entropy: float | None) -> float:

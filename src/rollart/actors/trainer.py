@@ -78,7 +78,8 @@ class Trainer(StepLoop, Actor):
     issued: int | None = field(default=None, init=False)
     """The highest issued-group count of the training scheduler seen in KV."""
     counts: dict[str, int] = field(
-        default_factory=lambda: {"eval_skipped": 0, "kv_restored": 0}, init=False)
+        default_factory=lambda: {"eval_skipped": 0, "kv_restored": 0, "schedule_held": 0},
+        init=False)
     unacked: list[asyncio.Future] = field(default_factory=list, init=False, repr=False)
     """Futures of the deliveries of closed groups: resolved (acked) by the next checkpoint."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
@@ -210,7 +211,8 @@ class Trainer(StepLoop, Actor):
 
             full_version = self.version
             took = replay(self.files, self.backend, after=held, upto=durable["seq"],
-                          advantage=self.cfg.trainer.advantage, loss_cfg=loss_config(self.cfg.trainer))
+                          advantage=self.cfg.trainer.advantage, loss_cfg=loss_config(self.cfg.trainer),
+                          trainer_cfg=self.cfg.trainer)
             if self.version != durable["version"]:
                 raise ValueError(
                     f"{self.files.state}: the journal's steps {held + 1}..{durable['seq']} trained "

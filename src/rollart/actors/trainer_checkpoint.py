@@ -129,13 +129,14 @@ def snapshot(obj: Any) -> Any:
 
 
 def replay(files: RunFiles, backend: Any, *, after: int, upto: int, advantage: str,
-           loss_cfg: Any) -> list[float]:
+           loss_cfg: Any, trainer_cfg: Any = None) -> list[float]:
     """Train the journal's steps ``after + 1 .. upto`` again, in order, on ``backend`` (loaded
     from the full checkpoint that holds step ``after``); returns each step's seconds.
-    Blocking. A missing or unreadable record, or a step that does not start from the version
+    ``trainer_cfg`` (``schedule_clock``): whether each step moved the LR schedule (None:
+    every step did). Blocking. A missing or unreadable record, or a step that does not start from the version
     it started from before, raises ``ValueError`` naming it: continuing would train on other
     weights than the run published."""
-    from rollart.actors.train_batch import build_samples  # optional: imports torch
+    from rollart.actors.train_batch import advances_schedule, build_samples  # imports torch
 
     took = []
     for seq in range(after + 1, upto + 1):
@@ -153,9 +154,13 @@ def replay(files: RunFiles, backend: Any, *, after: int, upto: int, advantage: s
                              f"the steps before it")
         t0 = time.perf_counter()
         set_rng_state(backend, rec.rng)
-        cfg = loss_cfg if rec.entropy_coef is None else dataclasses.replace(
-            loss_cfg, entropy_coef=rec.entropy_coef)
-        backend.train_step(build_samples(rec.trajectories, rec.groups, advantage), loss_cfg=cfg)
+        samples = build_samples(rec.trajectories, rec.groups, advantage)
+        # the schedule moved (or held) as it did the first time: decided by the same rule
+        cfg = dataclasses.replace(
+            loss_cfg, entropy_coef=loss_cfg.entropy_coef if rec.entropy_coef is None
+            else rec.entropy_coef,
+            advance_schedule=advances_schedule(trainer_cfg, rec.trajectories, samples))
+        backend.train_step(samples, loss_cfg=cfg)
         took.append(time.perf_counter() - t0)
     return took
 

@@ -248,8 +248,8 @@ class StepLoop:
 
     async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict | None:
         # optional dependency: train_batch imports torch (a trainer process has it)
-        from rollart.actors.train_batch import (build_samples, loss_config, next_entropy_coef,
-                                                trajectory_stats)
+        from rollart.actors.train_batch import (advances_schedule, build_samples, loss_config,
+                                                next_entropy_coef, trajectory_stats)
 
         k = self.cfg.rollout.group_size
         trajs = [t for g in batch for t, _ in g.members[:k]]
@@ -261,11 +261,12 @@ class StepLoop:
         otel_metrics.staleness(v - t.min_version for t in trajs)
         rng = rng_state(self.backend)  # the journal's replay starts the step from the same draws
         coef = self.entropy_coef
+        advance = advances_schedule(self.cfg.trainer, trajs, samples)
         t0 = time.perf_counter()
         try:
             with tracing.span("train", {"samples": len(samples)}):
                 tm = await asyncio.to_thread(self.backend.train_step, samples,
-                                             loss_cfg=loss_config(self.cfg.trainer, coef))
+                                             loss_cfg=loss_config(self.cfg.trainer, coef, advance))
         except TrainStepFailed as e:  # e.g. a trainer rank died: nothing of the step applied, no
             # checkpoint taken; its groups (and every later one) are handed back un-acked
             self.failure = f"training step {v + 1} failed: {e}"
@@ -275,6 +276,8 @@ class StepLoop:
         self.ckpt.record(v, [g.index for g in batch for _ in g.members[:k]], trajs, rng,
                          coef if self.cfg.trainer.entropy_target is not None else None)
         self.entropy_coef = next_entropy_coef(self.cfg.trainer, coef, tm.get("entropy"))
+        if not advance:
+            self.counts["schedule_held"] += 1
         counts = {**self.ledger.counts, **self.counts}
         out = {"step": self.version, "version": self.version, "train_s": train_s, "wait_s": wait_s,
                **trajectory_stats(trajs, v),
@@ -283,6 +286,7 @@ class StepLoop:
                "success": sum(t.success for t in settled) / len(settled),
                "groups_skipped": n_skipped,
                "entropy_coef": coef,
+               "schedule_held": float(not advance),
                **{k: float(x) for k, x in tm.items() if isinstance(x, (int, float))},
                **{f"count_{k}": x for k, x in counts.items()},
                # failed or dropped; skipped groups free admission places the same way, but

@@ -47,6 +47,9 @@ class LossConfig:
     """Entropy bonus: ``loss -= entropy_coef * agg(entropy)``."""
     kl_coef: float = 0.0
     """k3 KL penalty to the frozen initial policy: ``loss += kl_coef * agg(k3)``."""
+    advance_schedule: bool = True
+    """Whether this step moves the LR schedule (``trainer.schedule_clock``); the step itself
+    is taken either way."""
 
     def __post_init__(self) -> None:
         check_agg(self.agg)

@@ -408,6 +408,14 @@ class TrainerConfig(Base):
     """Linear LR warm-up steps."""
     schedule: Literal["constant", "cosine"] = "constant"
     """LR schedule after warm-up."""
+    schedule_clock: Literal["signal", "steps"] = "signal"
+    """What moves the LR schedule (warm-up and cosine): ``signal``, every step but one in
+    which every trained trajectory failed and no group carries a signal (all advantages 0):
+    such a step teaches nothing but the entropy bonus, and a decay that runs on while a
+    policy is stuck leaves it no learning rate to climb out with (a CI run of the quickstart
+    sat at success 0 for 70 steps while its cosine ran out; from the same weights a fresh
+    schedule climbed back within 10 steps). ``steps``: every optimizer step. Held steps are
+    counted (``schedule_held`` per step, ``count_schedule_held`` in all)."""
     clip_low: float = 0.2
     """PPO lower clip."""
     clip_high: float = 0.2

@@ -343,10 +343,12 @@ class TorchTrainBackend:
 
     def train_step(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
         """One optimizer step on ``samples``; returns metrics (loss, pg_loss, grad_norm (before
-        clipping), lr (used by this step), entropy, kl, clip_frac, ratio_mean, is_weight_mean,
+        clipping), lr (used by this step; the schedule moves after it unless ``loss_cfg``'s
+        ``advance_schedule`` is false), entropy, kl, clip_frac, ratio_mean, is_weight_mean,
         is_capped_frac, approx_kl, tokens, samples, seconds, version, skipped). A non-finite
         gradient norm skips the update (``skipped=1``, version unchanged)."""
         t0 = time.perf_counter()
+        loss_cfg = as_loss_config(loss_cfg)
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(samples, loss_cfg=loss_cfg)
         max_norm = self.grad_clip if self.grad_clip else math.inf
@@ -357,7 +359,8 @@ class TorchTrainBackend:
             log.warning("non-finite grad norm %s at version %d: update skipped", grad_norm, self.version)
         else:
             self.optimizer.step()
-            self.scheduler.step()
+            if loss_cfg.advance_schedule:
+                self.scheduler.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
         metrics.update(grad_norm=grad_norm, lr=lr, version=self.version, skipped=float(skipped),
