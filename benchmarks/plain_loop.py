@@ -17,7 +17,8 @@ of the same config, but no bus, no actors, no asyncio and no weight files: each 
    ids, masks and behaviour log-probs exactly as an EnvManager records them, built with
    :class:`rollart.actors.chat.ChatFormat`);
 3. takes one ``TorchTrainBackend.train_step`` with ``loss_config(cfg.trainer)`` (the
-   entropy coefficient adapted per step under ``trainer.entropy_target``, as the Trainer's);
+   entropy coefficient adapted per step under ``trainer.entropy_target``, and the LR
+   schedule moved or held by ``trainer.schedule_clock``, as the Trainer's);
 4. copies the trainer's state dict into the generation engine (in memory).
 
 This is what the rollart ``alpha = 0`` pipeline would cost with zero overhead; rollart with
@@ -179,8 +180,8 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
     weights are written to ``vNNNNNN.safetensors`` there with the clock stopped.
     """
     from rollart.actors.ledger import uniform
-    from rollart.actors.train_batch import (build_samples, loss_config, next_entropy_coef,
-                                            trajectory_stats)
+    from rollart.actors.train_batch import (advances_schedule, build_samples, loss_config,
+                                            next_entropy_coef, trajectory_stats)
     from rollart.engines.base import save_weights
 
     steps = cfg.trainer.steps if steps is None else steps
@@ -228,8 +229,10 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
                       rolled_trajectories=len(rolled))
         t1 = time.perf_counter()
         samples = build_samples(trajs, [t.group_index for t in trajs], cfg.trainer.advantage)
-        tm = backend.train_step(samples, loss_cfg=loss_config(cfg.trainer, coef))
+        advance = advances_schedule(cfg.trainer, trajs, samples)  # trainer.schedule_clock
+        tm = backend.train_step(samples, loss_cfg=loss_config(cfg.trainer, coef, advance))
         counts["entropy_coef"] = coef
+        counts["schedule_held"] = float(not advance)
         coef = next_entropy_coef(cfg.trainer, coef, tm.get("entropy"))
         t2 = time.perf_counter()
         cpu = time.process_time() - cpu0

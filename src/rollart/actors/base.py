@@ -82,6 +82,12 @@ class HandlerSettings:
     inactive_threshold: float | None = None
     """Seconds without a fetch after which the server deletes the durable (one-off
     consumers such as an evaluation's scheduler); None: kept for the run's lifetime."""
+    deliver_new: bool = False
+    """A new durable gets only the messages stored after it was created, not the stream's
+    backlog: for a one-off consumer whose messages all follow its own start (an
+    evaluation's scheduler binds before it publishes a request, and read every earlier
+    outcome of the run otherwise: one more delivery and ack per trajectory trained so far,
+    at every evaluation)."""
 
     def override(self, values: dict[str, Any]) -> "HandlerSettings":
         known = {f.name for f in dataclasses.fields(self)} - {"kind", "subject"}

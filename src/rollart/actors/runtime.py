@@ -108,6 +108,7 @@ class ConsumerLoop:
             max_deliver=s.max_deliver + 1 if s.max_deliver > 0 else -1,
             max_ack_pending=s.max_ack_pending or max(s.max_inflight * 4, 64),
             inactive_threshold=s.inactive_threshold,
+            deliver_all=not s.deliver_new,
         )
         # transient: e.g. a cluster electing a leader
         self.consumer = await retry(

@@ -146,10 +146,11 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     if prefix != TRAINING_PREFIX:  # a second scheduler on the same run reads every outcome itself
         name = f"scheduler-{prefix.strip('-')}"
         # one-off durables: the server deletes them once idle (a long run's evaluations
-        # would otherwise leave three each on the run's stream)
+        # would otherwise leave three each on the run's stream); they start at the stream's
+        # end, since the scheduler binds them before it publishes its first request
         sched_args.update(name=name, settings={
             h: {"durable": f"{name}-{h}".replace("_", "-"),
-                "inactive_threshold": TRANSIENT_DURABLE_IDLE_S}
+                "inactive_threshold": TRANSIENT_DURABLE_IDLE_S, "deliver_new": True}
             for h in ("on_completed", "on_cancelled", "on_dead")})
     if eval:
         sched_args.update(seed_offset=HELDOUT_SEED_OFFSET,  # held-out tasks: training seeds start at 0
