@@ -128,3 +128,21 @@ def test_held_out_items_are_found_once_per_process_and_only_as_far_as_asked():
     found = [h for k, h in reasoning._HELD.items() if k[2] == 3 and k[3] == 3000]
     assert len(found) == 1 and len(found[0].found) == 64, "scanned past what was asked"
     assert found[0].next - found[0].start < 64 * 30  # about 10 per held-out item at share 0.1
+
+
+def test_only_the_evaluations_seed_window_is_held_out():
+    """Held-out seeds are [HELDOUT_SEED_OFFSET, 2 * HELDOUT_SEED_OFFSET): a demonstration
+    played from seed 5,000,000 (``beyond_demo.py``'s) is a training task. Before, every seed
+    from the offset on was held out, so such demonstrations were the evaluation's questions:
+    SFT memorised the held-out set (greedy 0.625) and RL then trained on questions SFT had
+    never seen (sampled success 0.02)."""
+    from rollart.envs.base import HELDOUT_SEED_OFFSET, is_heldout_seed
+
+    assert not is_heldout_seed(HELDOUT_SEED_OFFSET - 1) and not is_heldout_seed(0)
+    assert is_heldout_seed(HELDOUT_SEED_OFFSET) and is_heldout_seed(2 * HELDOUT_SEED_OFFSET - 1)
+    assert not is_heldout_seed(2 * HELDOUT_SEED_OFFSET) and not is_heldout_seed(5_000_000)
+    env = ReasoningGymEnv(dataset="chain_sum", size=1000, heldout=50)
+    held = {env.reset(HELDOUT_SEED_OFFSET + i)[0] for i in range(50)}
+    demo = [env.reset(5_000_000 + i) for i in range(200)]
+    assert all(info["heldout"] is False and info["index"] < 1000 for _, info in demo)
+    assert not held & {q for q, _ in demo}

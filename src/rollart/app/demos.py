@@ -248,7 +248,9 @@ def register(sub) -> None:
     d.add_argument("--env", default=None, help="env name of the config (default rollout.env)")
     d.add_argument("--seed", type=int, default=None, metavar="S",
                    help="first task seed; episode i uses S + i (default rollout.seed, else 0: the "
-                        "training seeds; evaluations use 1000000 + i)")
+                        "training seeds; evaluations use 1000000 + i: seeds 1000000-1999999 are "
+                        "held out, and demonstrations played on them train on the evaluation's "
+                        "tasks)")
     d.add_argument("--args", default=None, metavar="JSON",
                    help="env arguments when ENV_OR_CONFIG is an env type, e.g. "
                         "'{\"random_map\": true}'")

@@ -70,7 +70,14 @@ def legal_actions_of(env: Any) -> list[str] | None:
 HELDOUT_SEED_OFFSET = 1_000_000
 """Task seeds of held-out evaluations start here (the evaluation scheduler's offset; training
 seeds start at ``rollout.seed``, far below): an env with a finite item set keeps the items of
-these seeds out of training (``reasoning_gym``'s ``heldout``)."""
+these seeds out of training (``reasoning_gym``'s ``heldout``). The held-out window is
+``[HELDOUT_SEED_OFFSET, 2 * HELDOUT_SEED_OFFSET)`` (:func:`is_heldout_seed`); every other seed
+is a training task (demonstrations played from seed 5,000,000 are)."""
+
+
+def is_heldout_seed(seed: int) -> bool:
+    """Whether task ``seed`` is a held-out evaluation's (see :data:`HELDOUT_SEED_OFFSET`)."""
+    return HELDOUT_SEED_OFFSET <= seed < 2 * HELDOUT_SEED_OFFSET
 
 MOVES: dict[str, tuple[int, int]] = {"L": (0, -1), "D": (1, 0), "R": (0, 1), "U": (-1, 0)}
 """Letter -> (d_row, d_col). The order L, D, R, U matches gymnasium's FrozenLake."""

@@ -6,7 +6,7 @@ import hashlib
 import threading
 from typing import Any
 
-from rollart.envs.base import HELDOUT_SEED_OFFSET
+from rollart.envs.base import HELDOUT_SEED_OFFSET, is_heldout_seed
 
 #: Items scanned past the training range, per held-out item wanted, to find held-out questions.
 HELDOUT_SCAN = 50
@@ -64,8 +64,8 @@ class ReasoningGymEnv:
         dataset_args: keyword arguments for the dataset config (difficulty knobs).
         size: number of training items; ``reset(seed)`` serves item ``seed % size``, or the
             next one whose question is not held out.
-        heldout: held-out items for evaluation (default 1000): a task seed from
-            :data:`~rollart.envs.base.HELDOUT_SEED_OFFSET` on (the evaluation's) serves the
+        heldout: held-out items for evaluation (default 1000): a task seed in the held-out
+            window (:func:`~rollart.envs.base.is_heldout_seed`, the evaluation's) serves the
             ``(seed - offset) % n``-th item past the training range whose question is held
             out (n: how many of those a scan of ``heldout * 50`` items finds, at most
             ``heldout``).
@@ -129,7 +129,7 @@ class ReasoningGymEnv:
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         """Serve a training item, or a held-out one for an evaluation's seed (see the class
         docstring); deterministic."""
-        held = seed >= HELDOUT_SEED_OFFSET
+        held = is_heldout_seed(seed)
         if held:
             with _HELD_LOCK:  # found once per process and configuration, as far as asked
                 found = _HELD.get(self._held_key)
