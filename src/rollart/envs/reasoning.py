@@ -21,17 +21,22 @@ _HELD_LOCK = threading.Lock()
 
 class _HeldOut:
     """The held-out items of one dataset configuration, found as far as asked for: the
-    ``j``-th item past the training range whose question is held out."""
+    ``j``-th item past the training range whose question is held out and not asked by an
+    earlier one (a generator that repeats questions would otherwise fill the evaluation
+    with a few frequent ones: sums of 0-99 draw a one-digit number half the time)."""
 
     def __init__(self, start: int, limit: int) -> None:
         self.found: list[int] = []
+        self.questions: set[str] = set()
         self.start = self.next = start
         self.limit = limit
 
     def item(self, j: int, dataset: Any, is_heldout) -> int:
         while len(self.found) <= j and self.next < self.limit:
-            if is_heldout(dataset[self.next]["question"]):
+            q = dataset[self.next]["question"]
+            if q not in self.questions and is_heldout(q):
                 self.found.append(self.next)
+                self.questions.add(q)
             self.next += 1
         if len(self.found) > j:
             return self.found[j]
@@ -66,9 +71,9 @@ class ReasoningGymEnv:
             next one whose question is not held out.
         heldout: held-out items for evaluation (default 1000): a task seed in the held-out
             window (:func:`~rollart.envs.base.is_heldout_seed`, the evaluation's) serves the
-            ``(seed - offset) % n``-th item past the training range whose question is held
-            out (n: how many of those a scan of ``heldout * 50`` items finds, at most
-            ``heldout``).
+            ``(seed - offset) % n``-th item past the training range that asks a held-out
+            question no earlier one asks (n: how many of those a scan of ``heldout * 50``
+            items finds, at most ``heldout``).
         heldout_share: the share of the question space held out (default 0.1): a question is
             held out when a hash of its text falls below it (:func:`heldout_bucket`). Training
             never asks a held-out question, so evaluation measures questions never seen, even
