@@ -74,6 +74,22 @@ def test_a_resume_keeps_the_evaluations_of_the_versions_it_keeps(tmp_path):
     assert [e["version"] for e in read_evals(tmp_path)] == [2]
 
 
+@pytest.mark.slow
+async def test_the_sampled_half_can_ask_fewer_tasks(tmp_path, tiny_model):
+    """``trainer.eval_sampled_groups``: the greedy half plays every held-out task, the sampled
+    half a group on each of the first N only."""
+    cfg = _config(tmp_path, tiny_model, eval_every=2, eval_groups=3, eval_sampled_groups=1,
+                  steps=4)
+    await train(cfg, nats="memory", resume=False, quiet=True)
+    evals = read_evals(Path(cfg.run_dir) / cfg.run)
+    assert evals and all("eval_error" not in e for e in evals), evals
+    k = cfg.rollout.group_size + cfg.rollout.redundancy
+    assert all(e["trajectories"] == 3 + 1 * k for e in evals), evals
+    (tmp_path / "c.yaml").write_text("trainer: {eval_sampled_groups: 0}\n")
+    with pytest.raises(Exception, match="trainer.eval_sampled_groups"):
+        load(tmp_path / "c.yaml", RunConfig)
+
+
 def test_eval_every_must_not_be_negative(tmp_path):
     (tmp_path / "c.yaml").write_text("trainer: {eval_every: -1}\n")
     with pytest.raises(Exception, match="trainer.eval_every"):

@@ -82,11 +82,14 @@ async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
 
 async def evaluate_version(bus, cfg: RunConfig, version: int, *, proxies=(),
                            pool: str = "default") -> dict:
-    """One row: greedy then sampled success of ``version`` on the held-out groups."""
+    """One row: greedy then sampled success of ``version`` on the held-out groups
+    (``trainer.eval_groups``; the sampled half on ``trainer.eval_sampled_groups`` of them)."""
     t0 = time.perf_counter()
     greedy = await evaluate(bus, cfg, version, cfg.trainer.eval_groups, proxies, pool=pool,
                             served=True)
-    sampled = await evaluate(bus, cfg, version, cfg.trainer.eval_groups, proxies, pool=pool,
+    t = cfg.trainer
+    sampled_groups = t.eval_groups if t.eval_sampled_groups is None else t.eval_sampled_groups
+    sampled = await evaluate(bus, cfg, version, sampled_groups, proxies, pool=pool,
                              greedy=False, served=True)
     served = [min(greedy["served"][0], sampled["served"][0]),
               max(greedy["served"][1], sampled["served"][1])]

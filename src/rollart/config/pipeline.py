@@ -514,6 +514,11 @@ class TrainerConfig(Base):
     held-out groups, greedy and sampled, beside training (the trainer does not wait for it,
     and its time is in no step's): a row of ``eval.jsonl``, the plot, ``rollart report`` and
     the loggers (``eval/``). 0: only the final evaluation."""
+    eval_sampled_groups: int | None = None
+    """Held-out tasks of the sampled half of each ``eval_every`` evaluation (a group of
+    ``rollout.group_size`` trajectories each, the first of the greedy half's tasks); None:
+    ``eval_groups``. The sampled half is most of an evaluation's cost (256 tasks: 256 greedy
+    and 2048 sampled trajectories), so a smaller one makes frequent evaluations cheap."""
     expect_success: float | None = None
     """The final greedy success a run of this config should reach (None: no expectation).
     Below it the run says it did not learn: one line with the last sampled success values and
@@ -551,7 +556,7 @@ class TrainerConfig(Base):
                              "head on another host serves the weights from the store too)")
         k = "trainer."
         in_range(self, k, "steps micro_batch_tokens checkpoint_every full_checkpoint_every "
-                          "keep_weights eval_groups", ge=1)
+                          "keep_weights eval_groups eval_sampled_groups", ge=1)
         in_range(self, k, "full_checkpoint_s", gt=0)
         in_range(self, k, "lr grad_clip is_cap stall_after eval_timeout", gt=0)
         in_range(self, k, "weight_decay warmup_steps clip_high entropy_coef kl_coef seed skip_uniform "
