@@ -79,6 +79,7 @@ def is_heldout_seed(seed: int) -> bool:
     """Whether task ``seed`` is a held-out evaluation's (see :data:`HELDOUT_SEED_OFFSET`)."""
     return HELDOUT_SEED_OFFSET <= seed < 2 * HELDOUT_SEED_OFFSET
 
+
 MOVES: dict[str, tuple[int, int]] = {"L": (0, -1), "D": (1, 0), "R": (0, 1), "U": (-1, 0)}
 """Letter -> (d_row, d_col). The order L, D, R, U matches gymnasium's FrozenLake."""
 
