@@ -13,7 +13,9 @@ Per seed ``s``, as a user runs it, each a fresh ``python -m rollart`` process:
    run's held-out maps (seeds 1,000,000 + 1000 s + i, the ones ``trainer.eval_groups`` uses),
    which is the bar to beat;
 2. ``rollart sft CONFIG --data demos.jsonl --success-only`` (``--sft-steps`` x ``--sft-batch``;
-   ``--all-demos``: the failed episodes too), with a greedy evaluation on the same held-out maps;
+   ``--all-demos``: the failed episodes too), with a greedy evaluation on the same held-out maps
+   and a sampled one (``--eval-sampled``: ``rollout.group_size`` episodes on each of the
+   config's ``trainer.eval_sampled_groups`` first tasks, as the RL run's evaluations sample);
 3. ``rollart run CONFIG --init-from <sft>`` (*warm*, ``configs/frozenlake-warm.yaml``) and,
    unless ``--no-cold``, RL alone (*cold*, ``--cold-config``: ``configs/frozenlake-random.yaml``,
    its cold-start recipe), with ``trainer.eval_every`` so that held-out greedy success is known
@@ -122,8 +124,13 @@ def one_seed(args, seed: int, work: Path) -> dict:
     out["demos"] = demos
     sft_dir = work / "runs" / f"sft-{tag}"
     t0 = time.perf_counter()
-    sft_args = ["sft", str(config), "--data", str(work / f"demos-{tag}.jsonl"), "--steps", str(args.sft_steps),
-                "--batch", str(args.sft_batch), "--eval", str(args.eval_groups), "--out", str(sft_dir), "--quiet"]
+    raw = yaml.safe_load(config.read_text())
+    sampled = min(raw.get("trainer", {}).get("eval_sampled_groups") or args.eval_groups, args.eval_groups)
+    sft_config = work / f"sft-{tag}.yaml"  # rollout.seed as the RL runs': the same held-out tasks
+    sft_config.write_text(yaml.safe_dump(merged(raw, {"rollout": {"seed": 1000 * seed}}), sort_keys=False))
+    sft_args = ["sft", str(sft_config), "--data", str(work / f"demos-{tag}.jsonl"), "--steps", str(args.sft_steps),
+                "--batch", str(args.sft_batch), "--eval", str(args.eval_groups),
+                "--eval-sampled", str(sampled), "--out", str(sft_dir), "--quiet"]
     if args.sft_lr:
         sft_args += ["--lr", str(args.sft_lr)]
     if not args.all_demos:
@@ -132,8 +139,10 @@ def one_seed(args, seed: int, work: Path) -> dict:
     sft = json.loads((sft_dir / "summary.json").read_text())
     out["sft"] = {"wall_s": round(time.perf_counter() - t0, 1), "final_loss": sft["final_loss"],
                   "final_token_acc": sft["final_token_acc"],
-                  "heldout_greedy": sft.get("eval", {}).get("greedy_success")}
-    say(f"seed {seed}: SFT {out['sft']['wall_s']} s, held-out greedy {out['sft']['heldout_greedy']}")
+                  "heldout_greedy": sft.get("eval", {}).get("greedy_success"),
+                  "heldout_sampled": sft.get("eval", {}).get("sampled_success")}
+    say(f"seed {seed}: SFT {out['sft']['wall_s']} s, held-out greedy {out['sft']['heldout_greedy']}, "
+        f"sampled {out['sft']['heldout_sampled']}")
     arms = [("warm", config, sft_dir)] + ([] if args.no_cold else [("cold", Path(args.cold_config), None)])
     for arm, cfg, init in arms:
         try:
@@ -146,18 +155,28 @@ def one_seed(args, seed: int, work: Path) -> dict:
     return out
 
 
-def curve(r: dict, arm: str) -> list[tuple[float, float]]:
-    """(wall s since the arm's start, held-out greedy success): a warm run's clock includes
-    its demonstrations and SFT, and starts at the SFT model's success."""
+def curve(r: dict, arm: str, kind: str = "greedy") -> list[tuple[float, float]]:
+    """(wall s since the arm's start, held-out ``kind`` success, greedy or sampled): a warm
+    run's clock includes its demonstrations and SFT, and starts at the SFT model's success.
+    The final evaluation is greedy only, so a sampled curve ends at the last periodic one."""
     if arm == "warm":
         lead = r["demos"]["wall_s"] + r["sft"]["wall_s"]
-        pts = [(lead, r["sft"]["heldout_greedy"] or 0.0)]
+        start = r["sft"].get(f"heldout_{kind}")
+        pts = [] if start is None else [(lead, start)]
     else:  # from its first evaluation: a random-init model's success is not measured
         lead, pts = 0.0, []
     run = r[arm]
-    pts += [(lead + e["wall_s"], e["greedy_success"]) for e in run["evals"]]
-    pts.append((lead + run["wall_s"], run["greedy_success"]))
+    pts += [(lead + e["wall_s"], e[f"{kind}_success"]) for e in run["evals"]]
+    if kind == "greedy":
+        pts.append((lead + run["wall_s"], run["greedy_success"]))
     return pts
+
+
+def last_sampled(r: dict, arm: str) -> float | None:
+    """Held-out sampled success of an RL arm's last periodic evaluation (the final one is
+    greedy only)."""
+    evals = r[arm]["evals"]
+    return evals[-1]["sampled_success"] if evals else None
 
 
 def first_at(pts: list[tuple[float, float]], bar: float) -> float | None:
@@ -170,40 +189,44 @@ def band_plot(results: list[dict], arms: list[str], path: Path, title: str) -> N
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for arm, colour in zip(arms, ("tab:blue", "tab:orange")):
-        curves = [curve(r, arm) for r in results if arm in r]
-        if not curves:  # every run of this arm failed
-            continue
-        end = min(c[-1][0] for c in curves)
-        grid = np.linspace(0.0, end, 200)
-        ys = np.array([np.interp(grid, [t for t, _ in c], [y for _, y in c], left=np.nan) for c in curves])
-        ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=colour, alpha=0.2)
-        ax.plot(grid, np.nanmedian(ys, axis=0), color=colour,
-                label=f"{arm} (median, min-max over {len(curves)} seeds)")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     bar = statistics.fmean(r["demonstrator_heldout"]["success"] for r in results)
-    ax.axhline(bar, color="grey", linestyle="--", label=f"demonstrator {bar:.2f}")
-    ax.set_xlabel("wall s (warm: demos + SFT + RL)")
-    ax.set_ylabel("held-out greedy success")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    for ax, kind in zip(axes, ("greedy", "sampled")):
+        for arm, colour in zip(arms, ("tab:blue", "tab:orange")):
+            curves = [c for c in (curve(r, arm, kind) for r in results if arm in r) if len(c) > 1]
+            if not curves:  # every run of this arm failed (or has no sampled evaluation)
+                continue
+            # each seed's curve where it exists (seeds run at once take longer than one alone)
+            grid = np.linspace(min(c[0][0] for c in curves), max(c[-1][0] for c in curves), 200)
+            ys = np.array([np.interp(grid, [t for t, _ in c], [y for _, y in c], left=np.nan,
+                                     right=np.nan) for c in curves])
+            ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=colour, alpha=0.2)
+            ax.plot(grid, np.nanmedian(ys, axis=0), color=colour,
+                    label=f"{arm} (median, min-max over {len(curves)} seeds)")
+        ax.axhline(bar, color="grey", linestyle="--", label=f"demonstrator {bar:.2f} (greedy)")
+        ax.set_xlabel("wall s (warm: demos + SFT + RL)")
+        ax.set_ylabel(f"held-out {kind} success")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def table(results: list[dict], arms: list[str], target: float) -> str:
-    def band(xs: list[float]) -> str:
+    def band(xs: list[float | None]) -> str:
         xs = [x for x in xs if x is not None]
         return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
 
-    rows = ["| | held-out greedy success: median (min-max) | wall s | seeds at >= "
-            f"{target} | first wall s at >= {target} (per seed) |", "|---|---|---|---|---|"]
+    rows = ["| | held-out greedy success: median (min-max) | held-out sampled success | wall s | "
+            f"seeds at >= {target} | first wall s at >= {target} (per seed) |", "|---|---|---|---|---|---|"]
     bar = [r["demonstrator_heldout"]["success"] for r in results]
-    rows.append(f"| demonstrator | {band(bar)} | - | - | - |")
+    rows.append(f"| demonstrator | {band(bar)} | - | - | - | - |")
     sft = [r["sft"]["heldout_greedy"] for r in results]
-    rows.append(f"| SFT on it | {band(sft)} | {band([r['demos']['wall_s'] + r['sft']['wall_s'] for r in results])} | "
+    sft_sampled = [r["sft"].get("heldout_sampled") for r in results]
+    rows.append(f"| SFT on it | {band(sft)} | {band(sft_sampled)} | "
+                f"{band([r['demos']['wall_s'] + r['sft']['wall_s'] for r in results])} | "
                 f"{sum((x or 0) >= target for x in sft)}/{len(sft)} | - |")
     for arm in arms:
         got = [r for r in results if arm in r]
@@ -213,7 +236,11 @@ def table(results: list[dict], arms: list[str], target: float) -> str:
         name = "SFT, then RL" if arm == "warm" else "RL alone (cold start)"
         failed = sum(f"{arm}_error" in r for r in results)
         name += f" ({failed} run(s) failed, see the JSON)" if failed else ""
-        rows.append(f"| {name} | {band(finals)} | {band(walls)} | {sum((x or 0) >= target for x in finals)}/"
+        sampled = [last_sampled(r, arm) for r in got]
+        at = sorted({r[arm]["evals"][-1]["version"] for r in got if r[arm]["evals"]})
+        sampled_s = band(sampled) + (f" (v{', v'.join(map(str, at))})" if at else "")
+        rows.append(f"| {name} | {band(finals)} | {sampled_s} | {band(walls)} | "
+                    f"{sum((x or 0) >= target for x in finals)}/"
                     f"{len(finals)} | {', '.join('-' if f is None else f'{f:.0f}' for f in firsts)} |")
     return "\n".join(rows)
 
@@ -246,33 +273,56 @@ def main() -> int:
                    help="seconds one RL run may take (a run past it is recorded as failed)")
     p.add_argument("--label", default="frozenlake-random")
     p.add_argument("--write", action="store_true")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="run nothing: the JSON this script printed (or wrote), re-tabled, and with "
+                        "--write its plot and README section (under its own arguments and date)")
     args = p.parse_args()
+    arms = ["warm"] + ([] if args.no_cold else ["cold"])
+    if args.from_json:
+        text = Path(args.from_json).read_text()
+        out = json.loads(text[text.index("\n{") + 1:] if not text.startswith("{") else text)
+        write = args.write
+        args = p.parse_args(out["argv"])
+        arms = ["warm"] + ([] if args.no_cold else ["cold"])
+        out["table"] = table(out["results"], arms, args.target)
+        print(out["table"])
+        if write:
+            write_results(out, args, arms)
+        return 0
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     host = machine()
     with tempfile.TemporaryDirectory(prefix="rollart-beyond-") as tmp, \
             ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         results = list(pool.map(lambda s: one_seed(args, s, Path(tmp)), seeds))
-    arms = ["warm"] + ([] if args.no_cold else ["cold"])
     out = {"label": args.label, "argv": sys.argv[1:], "config": args.config, "policy": args.policy,
            "date": time.strftime("%Y-%m-%d"), "host": host, "target": args.target,
            "results": results, "table": table(results, arms, args.target)}
     print(json.dumps(out, indent=1))
     if args.write:
-        name = f"beyond_demo_{args.label}"
-        png = HERE / "results" / f"{name}.png"
-        png.parent.mkdir(parents=True, exist_ok=True)
-        band_plot(results, arms, png, f"{Path(args.config).stem}: {args.policy} demos -> SFT -> RL, "
-                                      f"{args.eval_groups} held-out tasks")
-        section = (f"<!-- beyond_demo:{args.label}:begin -->\n"
-                   f"#### RL beyond its demonstrator: {args.label}\n\n"
-                   f"`python benchmarks/beyond_demo.py {' '.join(sys.argv[1:])}` on {out['date']}, "
-                   f"{host['cpu_count']} cores (load {host['loadavg_start'][0]} at the start), "
-                   f"{'one seed at a time' if args.parallel <= 1 else f'{args.parallel} seeds at once'}; "
-                   f"held-out greedy success on {args.eval_groups} tasks (maps, rooms) no run trains on.\n\n"
-                   f"{out['table']}\n\n![held-out success against wall time](results/{name}.png)\n"
-                   f"<!-- beyond_demo:{args.label}:end -->")
-        store(HERE / "results" / f"{name}.json", out, f"beyond_demo:{args.label}", section)
+        write_results(out, args, arms)
     return 0
+
+
+def write_results(out: dict, args, arms: list[str]) -> None:
+    """``benchmarks/results/beyond_demo_<label>.{json,png}`` and the README section."""
+    host, results = out["host"], out["results"]
+    argv = [a for a in out["argv"] if a != "--write"] + ["--write"]
+    name = f"beyond_demo_{args.label}"
+    png = HERE / "results" / f"{name}.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    band_plot(results, arms, png, f"{Path(args.config).stem}: {args.policy} demos -> SFT -> RL, "
+                                  f"{args.eval_groups} held-out tasks")
+    section = (f"<!-- beyond_demo:{args.label}:begin -->\n"
+               f"#### RL beyond its demonstrator: {args.label}\n\n"
+               f"`python benchmarks/beyond_demo.py {' '.join(argv)}` on {out['date']}, "
+               f"{host['cpu_count']} cores (load {host['loadavg_start'][0]} at the start), "
+               f"{'one seed at a time' if args.parallel <= 1 else f'{args.parallel} seeds at once'}; "
+               f"held-out success on {args.eval_groups} tasks (maps, rooms, questions) no run "
+               f"trains on: greedy, and sampled as the run samples (the SFT model's, and the "
+               f"last periodic evaluation's of an RL run; older runs did not measure it).\n\n"
+               f"{out['table']}\n\n![held-out success against wall time](results/{name}.png)\n"
+               f"<!-- beyond_demo:{args.label}:end -->")
+    store(HERE / "results" / f"{name}.json", out, f"beyond_demo:{args.label}", section)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def sft_run(tmp_path_factory) -> Path:
                     "--out", "demos.jsonl", cwd=cwd))
     assert json.loads(r.stdout)["success_rate"] == 1.0
     _ok(rollart("sft", "quickstart", "--data", "demos.jsonl", "--steps", "40", "--batch", "8",
-                "--eval", "2", "--out", "runs/qs-sft", cwd=cwd))
+                "--eval", "2", "--eval-sampled", "1", "--out", "runs/qs-sft", cwd=cwd))
     return cwd / "runs" / "qs-sft"
 
 
@@ -150,12 +150,29 @@ def test_sft_on_bfs_demos_lowers_its_loss_and_solves_the_map(sft_run):
     assert rows[-1]["token_acc"] == 1.0
     summary = json.loads((sft_run / "summary.json").read_text())
     assert summary["eval"]["greedy_success"] == 1.0 and summary["trained_tokens_per_conversation"] == 6
+    # --eval-sampled 1: the first held-out task played group_size (8) times at temperature 1:
+    # it samples (greedy solves every time; 40 steps leave the policy soft) and it is the
+    # trained policy (a random-init one solves ~1% of episodes)
+    assert summary["eval"]["sampled_episodes"] == 8
+    assert 0.125 < summary["eval"]["sampled_success"] < 1.0
     assert (sft_run / "learning.png").stat().st_size > 1000
     model = sft_run / "model"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in model.iterdir()}
     assert not (model / "rollart_tiny.json").exists()  # no longer the tiny build it came from
     solved, moves = _greedy_hf(model, QUICKSTART_MAP)
     assert solved and len(moves) == 6, moves
+
+
+def test_sft_eval_sampled_needs_eval(tmp_path):
+    """--eval-sampled samples on the first of --eval's tasks: without --eval, or below 0, it is
+    refused naming the flag, before anything is trained."""
+    (tmp_path / "d.jsonl").write_text("")
+    r = rollart("sft", "quickstart", "--data", "d.jsonl", "--eval-sampled", "2", cwd=tmp_path)
+    assert r.returncode == 2 and "--eval-sampled needs --eval N" in r.stderr, r.stderr[-2000:]
+    r = rollart("sft", "quickstart", "--data", "d.jsonl", "--eval", "2", "--eval-sampled", "-1",
+                cwd=tmp_path)
+    assert r.returncode == 2 and "--eval-sampled must be >= 0" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()
 
 
 def _rl_config(cwd: Path, init_from: str) -> Path:

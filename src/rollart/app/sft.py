@@ -25,7 +25,9 @@ token accuracy, lr, grad norm, tokens, wall time), ``learning.png``, ``summary.j
 ``model/`` (``save_pretrained`` plus the base folder's tokenizer files: a complete HF model
 folder, which ``trainer.init_from`` or ``model.path`` loads). ``--eval N`` plays N held-out
 episodes greedily (task seeds ``1000000 + rollout.seed + i``, those of ``rollart run``'s final
-evaluation) through the torch generation engine, as the RL generators decode.
+evaluation) through the torch generation engine, as the RL generators decode;
+``--eval-sampled K`` also samples the first K of them ``rollout.group_size`` times each at the
+env's temperature, as the sampled half of ``rollart run``'s periodic evaluations does.
 """
 
 from __future__ import annotations
@@ -224,19 +226,22 @@ def plot(rows: list[dict], out: Path, *, title: str) -> Path:
 
 
 async def greedy_eval(folder: str | Path, cfg: EnvConfig, seeds: list[int], *, threads: int = 1,
-                      batch: int = 64) -> dict:
+                      batch: int = 64, greedy: bool = True, seed: int = 0) -> dict:
     """Greedy success of the model in ``folder`` on one episode per task seed, played as the
     RL generators and EnvManager do: torch generation engine, prompts by ChatFormat, decoding
     constrained to the legal actions (else free text up to ``sampling.max_new_tokens``), the
-    episodes of a batch advancing turn by turn together."""
+    episodes of a batch advancing turn by turn together. ``greedy=False``: sampled at the
+    env's ``sampling.temperature`` and ``top_p`` (engine seed ``seed``), as the RL run's
+    periodic evaluation's sampled half; keys ``sampled_*``. A seed may repeat (a group)."""
     from rollart.actors.chat import ChatFormat
     from rollart.engines.base import GenInput
     from rollart.engines.torch_engine import TorchGenerationEngine
 
-    engine = TorchGenerationEngine(folder, threads=threads)
+    engine = TorchGenerationEngine(folder, threads=threads, seed=seed)
     chat = ChatFormat.load(folder)
     ok = reward = turns = 0.0
     t0 = time.perf_counter()
+    samp = cfg.sampling
     for i in range(0, len(seeds), batch):
         eps = [Episode(make_env(cfg.type, cfg.args), cfg, s) for s in seeds[i:i + batch]]
         ids: list[list[int]] = []
@@ -247,7 +252,8 @@ async def greedy_eval(folder: str | Path, cfg: EnvConfig, seeds: list[int], *, t
         while live:
             legal = [eps[k].legal() for k in live]
             inputs = [GenInput(prompt_ids=ids[k], choices=[chat.encode(a) for a in lg] if lg else None,
-                               max_new_tokens=cfg.sampling.max_new_tokens, greedy=True)
+                               max_new_tokens=samp.max_new_tokens, greedy=greedy,
+                               temperature=samp.temperature, top_p=samp.top_p)
                       for k, lg in zip(live, legal)]
             outs = engine.generate(inputs)
             still = []
@@ -265,9 +271,28 @@ async def greedy_eval(folder: str | Path, cfg: EnvConfig, seeds: list[int], *, t
             if callable(close):
                 close()
     n = max(1, len(seeds))
-    return {"episodes": len(seeds), "seeds": [seeds[0], seeds[-1]] if seeds else [],
-            "greedy_success": ok / n, "greedy_reward": reward / n, "mean_turns": turns / n,
-            "wall_s": round(time.perf_counter() - t0, 3)}
+    kind = "greedy" if greedy else "sampled"
+    out = {"episodes": len(seeds), "seeds": [seeds[0], seeds[-1]] if seeds else [],
+           f"{kind}_success": ok / n, f"{kind}_reward": reward / n, "mean_turns": turns / n,
+           "wall_s": round(time.perf_counter() - t0, 3)}
+    return out
+
+
+async def heldout_eval(folder: str | Path, cfg: RunConfig, env: str, episodes: int,
+                       sampled_tasks: int = 0) -> dict:
+    """The SFT model on the held-out tasks of ``rollart run``'s evaluations: greedy on
+    ``episodes`` tasks (task seeds ``1000000 + rollout.seed + i``), then, with
+    ``sampled_tasks``, sampled on the first ``sampled_tasks`` of them, ``rollout.group_size``
+    episodes each (the sampled half of a periodic evaluation, ``trainer.eval_sampled_groups``)."""
+    seeds = [HELDOUT_SEED_OFFSET + cfg.rollout.seed + i for i in range(episodes)]
+    out = await greedy_eval(folder, cfg.envs[env], seeds, threads=cfg.model.threads) | {"env": env}
+    if sampled_tasks:
+        group = [s for s in seeds[:sampled_tasks] for _ in range(cfg.rollout.group_size)]
+        got = await greedy_eval(folder, cfg.envs[env], group, threads=cfg.model.threads,
+                                greedy=False, seed=cfg.trainer.seed)
+        out |= {"sampled_success": got["sampled_success"], "sampled_reward": got["sampled_reward"],
+                "sampled_episodes": got["episodes"], "wall_s": out["wall_s"] + got["wall_s"]}
+    return out
 
 
 # -- the command --------------------------------------------------------------------------
@@ -304,7 +329,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 async def sft(cfg: RunConfig, rows: list[dict], run_path: Path, *, steps: int, batch: int,
               lr: float | None = None, eot: str = "auto", eval_episodes: int = 0,
-              env: str | None = None, quiet: bool = False, data: str = "") -> dict:
+              eval_sampled: int = 0, env: str | None = None, quiet: bool = False,
+              data: str = "") -> dict:
     """Fine-tune ``cfg``'s model on the conversations ``rows`` for ``steps`` steps of
     ``batch`` conversations (shuffled epochs); write the run folder; return the summary."""
     import asyncio
@@ -359,16 +385,16 @@ async def sft(cfg: RunConfig, rows: list[dict], run_path: Path, *, steps: int, b
                "first_loss": rows_out[0]["loss"], "final_loss": rows_out[-1]["loss"],
                "final_token_acc": rows_out[-1]["token_acc"], "train_s": round(train_s, 3)}
     if eval_episodes:
-        name = env or cfg.rollout.env
-        seeds = [HELDOUT_SEED_OFFSET + cfg.rollout.seed + i for i in range(eval_episodes)]
-        summary["eval"] = await greedy_eval(run_path / SFT_MODEL, cfg.envs[name], seeds,
-                                            threads=cfg.model.threads) | {"env": name}
+        summary["eval"] = await heldout_eval(run_path / SFT_MODEL, cfg, env or cfg.rollout.env,
+                                             eval_episodes, min(eval_sampled, eval_episodes))
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     _write_json(run_path / "summary.json", summary)
     title = f"{run_path.name}: SFT on {len(samples)} conversations"
     if "eval" in summary:
         title += f"   greedy success {summary['eval']['greedy_success']:.3f} " \
                  f"on {summary['eval']['episodes']} held-out episodes"
+        if "sampled_success" in summary["eval"]:
+            title += f", sampled {summary['eval']['sampled_success']:.3f}"
     await asyncio.to_thread(plot, rows_out, run_path / "learning.png", title=title)
     return summary
 
@@ -377,6 +403,10 @@ async def sft_main(args) -> int:
     cfg = load(resolve_config(args.config), RunConfig)
     if args.steps < 1 or args.batch < 1:
         raise ConfigError("--steps and --batch must be >= 1")
+    if args.eval_sampled < 0:
+        raise ConfigError(f"--eval-sampled must be >= 0, got {args.eval_sampled}")
+    if args.eval_sampled and not args.eval:
+        raise ConfigError("--eval-sampled needs --eval N: it samples on the first of those tasks")
     name = args.env or cfg.rollout.env
     if args.eval and name not in cfg.envs:
         raise ConfigError(f"--env {name!r}: the config has no such env; it has {', '.join(sorted(cfg.envs))}")
@@ -391,7 +421,8 @@ async def sft_main(args) -> int:
           file=sys.stderr, flush=True)
     (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
     summary = await sft(cfg, rows, run_path, steps=args.steps, batch=args.batch, lr=args.lr,
-                        eot=args.eot, eval_episodes=args.eval, env=args.env, quiet=args.quiet,
+                        eot=args.eot, eval_episodes=args.eval, eval_sampled=args.eval_sampled,
+                        env=args.env, quiet=args.quiet,
                         data=str(args.data))
     print(json.dumps(summary, indent=2))
     print(f"rollart sft: start RL from it with `trainer.init_from: {run_path}` in a config, or "
@@ -423,6 +454,11 @@ def register(sub) -> None:
     s.add_argument("--eval", type=int, default=0, metavar="N",
                    help="then play N held-out episodes greedily (task seeds 1000000 + i) and "
                         "report the success (default 0: none)")
+    s.add_argument("--eval-sampled", type=int, default=0, metavar="K",
+                   help="with --eval: also play the first K of those tasks rollout.group_size "
+                        "times each, sampled at the env's temperature, as a periodic evaluation "
+                        "of `rollart run` does (trainer.eval_sampled_groups), and report the "
+                        "sampled success (default 0: none)")
     s.add_argument("--env", default=None, help="env of the config for --eval (default rollout.env)")
     s.add_argument("--out", default=None, metavar="DIR",
                    help="run folder (default runs/<run>-sft, suffixed when taken)")
