@@ -225,10 +225,10 @@ def plot(rows: list[dict], out: Path, *, title: str) -> Path:
 # -- evaluation ---------------------------------------------------------------------------
 
 
-async def greedy_eval(folder: str | Path, cfg: EnvConfig, seeds: list[int], *, threads: int = 1,
+async def play_eval(folder: str | Path, cfg: EnvConfig, seeds: list[int], *, threads: int = 1,
                       batch: int = 64, greedy: bool = True, seed: int = 0) -> dict:
-    """Greedy success of the model in ``folder`` on one episode per task seed, played as the
-    RL generators and EnvManager do: torch generation engine, prompts by ChatFormat, decoding
+    """Success of the model in ``folder`` on one episode per task seed (greedy by default),
+    played as the RL generators and EnvManager do: torch generation engine, prompts by ChatFormat, decoding
     constrained to the legal actions (else free text up to ``sampling.max_new_tokens``), the
     episodes of a batch advancing turn by turn together. ``greedy=False``: sampled at the
     env's ``sampling.temperature`` and ``top_p`` (engine seed ``seed``), as the RL run's
@@ -272,10 +272,9 @@ async def greedy_eval(folder: str | Path, cfg: EnvConfig, seeds: list[int], *, t
                 close()
     n = max(1, len(seeds))
     kind = "greedy" if greedy else "sampled"
-    out = {"episodes": len(seeds), "seeds": [seeds[0], seeds[-1]] if seeds else [],
-           f"{kind}_success": ok / n, f"{kind}_reward": reward / n, "mean_turns": turns / n,
-           "wall_s": round(time.perf_counter() - t0, 3)}
-    return out
+    return {"episodes": len(seeds), "seeds": [seeds[0], seeds[-1]] if seeds else [],
+            f"{kind}_success": ok / n, f"{kind}_reward": reward / n, "mean_turns": turns / n,
+            "wall_s": round(time.perf_counter() - t0, 3)}
 
 
 async def heldout_eval(folder: str | Path, cfg: RunConfig, env: str, episodes: int,
@@ -285,10 +284,10 @@ async def heldout_eval(folder: str | Path, cfg: RunConfig, env: str, episodes: i
     ``sampled_tasks``, sampled on the first ``sampled_tasks`` of them, ``rollout.group_size``
     episodes each (the sampled half of a periodic evaluation, ``trainer.eval_sampled_groups``)."""
     seeds = [HELDOUT_SEED_OFFSET + cfg.rollout.seed + i for i in range(episodes)]
-    out = await greedy_eval(folder, cfg.envs[env], seeds, threads=cfg.model.threads) | {"env": env}
+    out = await play_eval(folder, cfg.envs[env], seeds, threads=cfg.model.threads) | {"env": env}
     if sampled_tasks:
         group = [s for s in seeds[:sampled_tasks] for _ in range(cfg.rollout.group_size)]
-        got = await greedy_eval(folder, cfg.envs[env], group, threads=cfg.model.threads,
+        got = await play_eval(folder, cfg.envs[env], group, threads=cfg.model.threads,
                                 greedy=False, seed=cfg.trainer.seed)
         out |= {"sampled_success": got["sampled_success"], "sampled_reward": got["sampled_reward"],
                 "sampled_episodes": got["episodes"], "wall_s": out["wall_s"] + got["wall_s"]}
