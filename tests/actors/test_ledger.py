@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, given as hypothesis_given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rollart import messages as m
@@ -343,3 +343,70 @@ def test_skipping_keeps_steps_coming_and_the_bound(alpha):
                 led.close(g, "trained")
             v += 1
     assert v >= 50 and skipped_total > v, (v, skipped_total)
+
+
+def _one_step(kinds: list[str], order: list[int], *, eager: bool, batch: int, skip: int,
+              group_size: int = 2) -> tuple[list[int], list[int]]:
+    """One step's selection (``stale: wait``) with the members of groups of ``kinds``
+    (``uniform``, ``mixed`` or ``failed``) arriving in ``order`` (indices into the members),
+    the selection made after every arrival as the trainer does; with ``eager``,
+    :meth:`GroupLedger.skim` first. Returns (trained, skipped) group indices."""
+    led = ledger(batch_groups=batch, group_size=group_size)
+    members = [(g, i) for g in range(len(kinds)) for i in range(group_size)]
+    skipped: list[int] = []
+    for k in order:
+        g, i = members[k]
+        if kinds[g] == "failed":
+            led.add_dead(f"g{g}-{i}", g, "env_setup: boom", LOOP.create_future())
+        else:
+            reward = float(kinds[g] == "mixed" and i == 0)
+            led.add_completed(completed(g, i, 0, reward=reward), LOOP.create_future())
+        if eager:
+            for grp in led.skim(0, skip=skip - len(skipped)):
+                led.close(grp, "skipped")
+                skipped.append(grp.index)
+        sel = led.select(0, skip=skip - len(skipped))
+        for grp in sel.skipped:
+            led.close(grp, "skipped")
+            skipped.append(grp.index)
+        for grp in sel.failed:
+            led.close(grp, "failed")
+        if sel.batch:
+            return [grp.index for grp in sel.batch], skipped
+    return [], skipped
+
+
+@settings(max_examples=300, deadline=None)
+@hypothesis_given(data=st.data())
+def test_skim_skips_only_what_selection_in_order_would(data):
+    """``stale: wait`` takes groups in index order, so a uniform group that is in before the
+    groups ahead of it waited for them to be skipped (and replaced). :meth:`skim` skips it at
+    once when selection is sure to: whatever order the members arrive in, the step trains
+    and skips exactly the groups it did without skimming."""
+    batch = data.draw(st.integers(1, 4), label="batch")
+    skip = data.draw(st.integers(1, 5), label="skip")
+    kinds = data.draw(st.lists(st.sampled_from(["uniform", "mixed", "mixed", "failed"]),
+                               min_size=batch + skip + 2, max_size=batch + skip + 6), label="kinds")
+    order = data.draw(st.permutations(range(2 * len(kinds))), label="order")
+    lazy = _one_step(kinds, order, eager=False, batch=batch, skip=skip)
+    eager = _one_step(kinds, order, eager=True, batch=batch, skip=skip)
+    assert eager[0] == lazy[0]
+    assert sorted(eager[1]) == sorted(lazy[1])
+
+
+def test_skim_does_not_wait_for_the_groups_ahead():
+    """The measured case: group 1 is uniform and in while group 0 still runs. Selection in
+    order skips it only once group 0 is in; skim skips it now, and never past the budget or
+    a batch that the groups ahead could fill."""
+    led = ledger(batch_groups=2)
+    _fill(led, 0, [0.0])  # one member still running
+    _fill(led, 1, [0.0, 0.0])
+    _fill(led, 2, [0.0, 0.0])
+    assert not led.select(0, skip=4).skipped, "in order: waits for group 0"
+    assert [g.index for g in led.skim(0, skip=4)] == [1, 2]
+    assert [g.index for g in led.skim(0, skip=2)] == [1], "group 0 may take the budget's last place"
+    assert led.skim(0, skip=1) == [], "group 0 may be uniform: the one place is its"
+    narrow = ledger(batch_groups=1)
+    _fill(narrow, 0, [0.0])
+    _fill(narrow, 1, [0.0, 0.0])
+    assert narrow.skim(0, skip=4) == [], "group 0 may fill the batch: group 1 is then not this step's"

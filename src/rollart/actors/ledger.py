@@ -326,6 +326,40 @@ class GroupLedger:
             return Selection([], stale, failed, skipped)
         return Selection(in_bound[: self.batch_groups], stale, failed, skipped)
 
+    def skim(self, version: int, skip: int = 0, which: str = "all") -> list[Group]:
+        """Ready :meth:`uniform` groups that :meth:`select` is sure to skip on its way to the
+        batch of the step from ``version``, whatever the groups not ready yet turn out to be:
+        skipped now, their replacements are admitted now rather than when the groups before
+        them are in (``stale: wait`` takes groups in index order), or, while a step trains,
+        rather than after it. Pure, like :meth:`select`.
+
+        ``stale: wait``: group ``j`` is sure to be skipped when, with ``p`` groups before it
+        still open and not ready, ``skipped + p < skip`` (the budget lasts even if all of
+        them are uniform) and ``batched + p < batch_groups`` (the batch is not full before
+        ``j`` even if none of them is). Other modes: the groups :meth:`select` skips now
+        (it takes ready groups in index order, the groups not ready are not waited for)."""
+        if skip <= 0:
+            return []
+        if self.stale != "wait":
+            return self.select(version, skip, which).skipped
+        out: list[Group] = []
+        batched = pending = 0  # before the next group: sure to be trained / either way
+        i, last = self.next_index, max(self.open, default=-1)
+        while i <= last and len(out) + pending < skip and batched + pending < self.batch_groups:
+            g = self.open.get(i)
+            i += 1
+            if g is None:
+                pending += (i - 1) not in self.closed  # nothing received yet
+            elif not self._ready(g):
+                pending += 1
+            elif self._failed(g):
+                continue  # closed as failed: neither trained nor skipped
+            elif self.uniform(g, which):
+                out.append(g)
+            else:
+                batched += 1
+        return out
+
     def close(self, g: Group, state: str) -> list[asyncio.Future]:
         """Close ``g`` as ``trained``, ``failed``, ``dropped``, ``restarted`` or ``skipped``
         (uniform rewards: lost, so admission replaces it); returns the futures of its

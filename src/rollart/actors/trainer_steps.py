@@ -10,6 +10,7 @@ group beyond it (see :class:`rollart.config.RolloutConfig`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -132,10 +133,11 @@ class StepLoop:
         next_report = t0 + self.cfg.trainer.stall_after
         async with self.changed:
             while True:
+                skimmed = self._skim(self.version)
                 left_to_skip = self.cfg.trainer.skip_uniform - len(self.skipped)
                 sel = self.ledger.select(self.version, skip=max(0, left_to_skip),
                                          which=self.cfg.trainer.skip_which)
-                changed = bool(sel.failed or sel.stale or sel.skipped)
+                changed = bool(skimmed or sel.failed or sel.stale or sel.skipped)
                 for g in sel.skipped:  # admission replaces them (lost)
                     self.unacked += self.ledger.close(g, "skipped")
                     self.skipped.append(g)
@@ -169,6 +171,46 @@ class StepLoop:
                     await asyncio.wait_for(self.changed.wait(), left)
                 except TimeoutError:
                     pass
+
+    def _skim(self, version: int) -> bool:
+        """Skip now the ready uniform groups that the selection of the step from ``version``
+        is sure to skip (:meth:`GroupLedger.skim`), so that admission replaces them now;
+        True when any was. The caller publishes the ledger summary."""
+        t = self.cfg.trainer
+        groups = self.ledger.skim(version, skip=t.skip_uniform - len(self.skipped),
+                                  which=t.skip_which)
+        for g in groups:
+            self.unacked += self.ledger.close(g, "skipped")
+            self.skipped.append(g)
+        return bool(groups)
+
+    @contextlib.asynccontextmanager
+    async def _skimming(self):
+        """While the body runs (a step trains, its loop free), the next step's groups that
+        are sure to be skipped are skipped as they come in and the ledger summary goes out,
+        so that admission replaces them while the step trains, not after it (with α >= 1
+        the next step's groups are out already). Stops before the body's checkpoint: every
+        group closed here is in the state that checkpoint writes."""
+        if self.cfg.trainer.skip_uniform <= 0:
+            yield
+            return
+        on = [True]
+
+        async def loop() -> None:
+            async with self.changed:
+                while on[0]:
+                    if self._skim(self.version + 1):
+                        await self._publish_ledger()
+                    await self.changed.wait()
+
+        task = asyncio.create_task(loop(), name=f"{self.name}: skim while training")
+        try:
+            yield
+        finally:
+            async with self.changed:
+                on[0] = False
+                self.changed.notify_all()
+            await task
 
     async def _stop_run(self, reason: str) -> None:
         self.failure = reason
@@ -265,8 +307,10 @@ class StepLoop:
         t0 = time.perf_counter()
         try:
             with tracing.span("train", {"samples": len(samples)}):
-                tm = await asyncio.to_thread(self.backend.train_step, samples,
-                                             loss_cfg=loss_config(self.cfg.trainer, coef, advance))
+                async with self._skimming():
+                    tm = await asyncio.to_thread(self.backend.train_step, samples,
+                                                 loss_cfg=loss_config(self.cfg.trainer, coef,
+                                                                      advance))
         except TrainStepFailed as e:  # e.g. a trainer rank died: nothing of the step applied, no
             # checkpoint taken; its groups (and every later one) are handed back un-acked
             self.failure = f"training step {v + 1} failed: {e}"
