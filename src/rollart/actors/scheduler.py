@@ -253,43 +253,69 @@ class RolloutScheduler(Actor):
         return (self.total_groups is not None and self.admitted >= self.total_groups
                 and self.groups_settled >= self.admitted)
 
+    def _admissible_now(self, cap: int) -> int:
+        """How many groups (at most ``cap``) :meth:`_may_admit` lets in one after the other
+        now."""
+        start, n = self.admitted, 0
+        try:
+            while n < cap and self._may_admit():
+                n += 1
+                self.admitted += 1
+        finally:
+            self.admitted = start
+        return n
+
     async def _admit_loop(self) -> None:
+        cap = max(1, self.rollout.batch_groups)
         while True:  # a fixed-size rollout may grow while it settles (replaced groups)
             async with self.changed:
                 await self.changed.wait_for(lambda: self._may_admit() or self._settled())
                 if self._settled():
                     break
-            await self._admit_group(self.admitted)
+                n = self._admissible_now(cap)
+            await self._admit_groups(self.admitted, n)
         self.all_done.set()
 
-    async def _admit_group(self, g: int) -> None:
+    async def _admit_groups(self, first: int, n: int) -> None:
+        """Admit groups ``first .. first + n - 1``: the issued count goes to KV before any of
+        their requests exists, then the requests are published together (a step's groups
+        all start within a few ms, not one group per JetStream round trips), then the
+        admission count."""
         r = self.rollout
-        gid = group_id(g, self.prefix)
-        n = r.group_size + r.redundancy
-        if g >= self.issued:  # stored before any request of the group exists
-            self.issued = g + 1
+        if first + n > self.issued:  # stored before any request of the groups exists
+            self.issued = first + n
             await self._put_issued()
-        members = [f"{gid}-{i}" for i in range(n)]
-        self.groups[gid] = GroupState(members=members, need=r.group_size)
-        wave = g // r.batch_groups if r.mode == "batch" else -1
-        wave_size = n * min(r.batch_groups, (self.total_groups or 1 << 30) - wave * r.batch_groups) \
-            if wave >= 0 else 0
-        self.admitted += 1
-        self.max_admitted_ahead = max(self.max_admitted_ahead,
-                                      self.admitted - (self.version + 1) * r.batch_groups)
-        for i, tid in enumerate(members):
-            seed = member_seed(r, g, i, self.seed_offset)
-            req = m.RolloutRequested(
-                traj_id=tid, group_id=gid, env=self.env or r.env, seed=seed, index_in_group=i,
-                admitted_version=self.version,
-                min_version=self._min_version(),
-                group_index=g,
-                eval=self.eval, greedy=self.greedy, created_at=time.time(),
-                wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
-            pool = self._pick_pool()
-            self._opened(tid, pool, req)
-            await self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{tid}",
-                                         pool=pool)
+        out: list[tuple[m.RolloutRequested, str | None]] = []
+        for g in range(first, first + n):
+            gid = group_id(g, self.prefix)
+            size = r.group_size + r.redundancy
+            members = [f"{gid}-{i}" for i in range(size)]
+            self.groups[gid] = GroupState(members=members, need=r.group_size)
+            wave = g // r.batch_groups if r.mode == "batch" else -1
+            wave_size = size * min(r.batch_groups,
+                                   (self.total_groups or 1 << 30) - wave * r.batch_groups) \
+                if wave >= 0 else 0
+            self.admitted += 1
+            self.max_admitted_ahead = max(self.max_admitted_ahead,
+                                          self.admitted - (self.version + 1) * r.batch_groups)
+            for i, tid in enumerate(members):
+                seed = member_seed(r, g, i, self.seed_offset)
+                req = m.RolloutRequested(
+                    traj_id=tid, group_id=gid, env=self.env or r.env, seed=seed, index_in_group=i,
+                    admitted_version=self.version,
+                    min_version=self._min_version(),
+                    group_index=g,
+                    eval=self.eval, greedy=self.greedy, created_at=time.time(),
+                    wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
+                pool = self._pick_pool()
+                self._opened(tid, pool, req)
+                out.append((req, pool))
+        results = await asyncio.gather(*(
+            self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{req.traj_id}",
+                                   pool=pool) for req, pool in out), return_exceptions=True)
+        failed = next((e for e in results if isinstance(e, BaseException)), None)
+        if failed is not None:  # every publish has ended (each within its own deadline)
+            raise failed
         await self._put_admitted()
 
     # -- env pools -----------------------------------------------------------------

@@ -112,7 +112,27 @@ connection is down)."""
 def _can_drain(sub) -> bool:
     """The nats-py internals :meth:`NatsPullConsumer._drain` uses are there (else fetch
     falls back to nats-py's own, lingering, batch pull)."""
-    return all(hasattr(sub, a) for a in ("_nms", "_deliver", "_sub"))
+    inner = getattr(sub, "_sub", None)
+    return (all(hasattr(sub, a) for a in ("_nms", "_deliver"))
+            and all(hasattr(inner, a) for a in ("_pending_queue", "_pending_size")))
+
+
+def _consumed(sub, msg) -> None:
+    """The accounting nats-py's ``next_msg`` does for a message taken off the queue."""
+    sub._sub._pending_size -= len(msg.data)
+    sub._sub._pending_queue.task_done()
+
+
+def _take_queued(sub, n: int) -> list:
+    """Up to ``n`` messages already in the subscription's queue (status messages of earlier
+    pulls are dropped, as nats-py's fetch does)."""
+    queue, out = sub._sub._pending_queue, []
+    while len(out) < n and not queue.empty():
+        msg = queue.get_nowait()
+        _consumed(sub, msg)
+        if not (msg.headers and msg.headers.get("Status")):
+            out.append(msg)
+    return out
 
 
 class NatsPullConsumer(PullConsumer):
@@ -162,11 +182,15 @@ class NatsPullConsumer(PullConsumer):
             await self.bind()
         sub = self._sub
         try:
-            if batch <= 1 or sub.pending_msgs or not _can_drain(sub):
+            if not _can_drain(sub):
                 msgs = await sub.fetch(max(1, batch), timeout=max(timeout, 0.01))
-            else:  # idle: wait for one, then take what else is there without waiting
-                msgs = await sub.fetch(1, timeout=max(timeout, 0.01))
-                msgs += await self._drain(sub, batch - 1)
+            else:
+                msgs = _take_queued(sub, batch)  # delivered under an earlier pull
+                if not msgs:  # idle: wait for one (a lingering pull for one message)
+                    msgs = await sub.fetch(1, timeout=max(timeout, 0.01))
+                    msgs += _take_queued(sub, batch - len(msgs))
+                if len(msgs) < batch:  # and take what else is there, without waiting
+                    msgs += await self._drain(sub, batch - len(msgs))
         except (TimeoutError, nats.errors.TimeoutError):
             return []  # nothing there (or the server is unreachable right now)
         except nats.errors.Error as err:
@@ -181,24 +205,28 @@ class NatsPullConsumer(PullConsumer):
 
         nats-py's ``fetch(n)`` on an empty client queue sends its pull with ``expires`` as
         well as ``no_wait``; the server then keeps the request open, and the messages that
-        come in meanwhile are returned only when ``n`` are in or the request expires: on a
-        trainer run, the last completion of a step waited up to the fetch timeout (0.1-0.45
-        s measured). A pull with ``no_wait`` and no ``expires`` is answered at once: what
-        the consumer has, then a 404 (or 408) status that ends it."""
+        come in meanwhile are returned only when ``n`` are in or some pull's status comes:
+        on a trainer run the last completion of a step reached the trainer up to 0.45 s
+        after it was stored (fetch timeout 0.5 s). A pull with ``no_wait`` and no
+        ``expires`` is answered at once: what the consumer has, then a 404 (or 408) status
+        that ends it. The messages are read off the subscription's queue directly
+        (nats-py's ``next_msg`` makes a task, a uuid4 and a ``wait_for`` for each)."""
         await self._bus._client().publish(sub._nms, json.dumps({"batch": n, "no_wait": True}).encode(),
                                           reply=sub._deliver)
-        out: list = []
-        while len(out) < n:
-            try:
-                msg = await sub._sub.next_msg(timeout=DRAIN_TIMEOUT_S)
-            except (TimeoutError, nats.errors.TimeoutError):
-                break  # no answer (a reconnect): the rest comes with a later fetch
-            status = msg.headers.get("Status") if msg.headers else None
-            if status is None:
-                out.append(msg)
-            elif status in ("404", "408"):
-                break  # the end of this pull (or of an older one: the rest comes later)
-            # other statuses (heartbeats, 409 limits) say nothing about this pull's end
+        queue, out = sub._sub._pending_queue, []
+        try:
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                while len(out) < n:
+                    msg = queue.get_nowait() if not queue.empty() else await queue.get()
+                    _consumed(sub, msg)
+                    status = msg.headers.get("Status") if msg.headers else None
+                    if status is None:
+                        out.append(msg)
+                    elif status in ("404", "408"):
+                        break  # the end of this pull (or of an older one: the rest comes later)
+                    # other statuses (heartbeats, 409 limits) say nothing about this pull's end
+        except TimeoutError:
+            pass  # no answer (a reconnect): the rest comes with a later fetch
         return out
 
     async def _unbind(self) -> None:
