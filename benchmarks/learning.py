@@ -94,6 +94,9 @@ VARIANTS = {
     "alpha0-mp2": {"label": "rollart α = 0, 3 processes (generation; envs, reward)", "alpha": 0,
                    "nats": "embedded", "single": False,
                    "node": {"local_processes": [["generate"], ["env", "reward"]]}},
+    "alpha1-mp-skim": {"label": "rollart α = 1, default run, trainer.skip_while_training",
+                       "alpha": 1, "nats": "embedded", "single": False,
+                       "trainer": {"skip_while_training": True}},
     "alpha1-mp2": {"label": "rollart α = 1, 3 processes (generation; envs, reward)", "alpha": 1,
                    "nats": "embedded", "single": False,
                    "node": {"local_processes": [["generate"], ["env", "reward"]]}},
@@ -284,6 +287,8 @@ def child(variant: str, config: str, workdir: str, steps: int | None, tag: str,
                                                              **spec.get("rollout", {})})
         if "node" in spec:
             cfg = with_overrides(cfg, node=spec["node"])
+        if "trainer" in spec:
+            cfg = with_overrides(cfg, trainer=spec["trainer"])
         run_path = Path(cfg.run_dir) / run
         run_path.mkdir(parents=True, exist_ok=True)
         (run_path / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))

@@ -78,7 +78,8 @@ class Trainer(StepLoop, Actor):
     issued: int | None = field(default=None, init=False)
     """The highest issued-group count of the training scheduler seen in KV."""
     counts: dict[str, int] = field(
-        default_factory=lambda: {"eval_skipped": 0, "kv_restored": 0, "schedule_held": 0},
+        default_factory=lambda: {"eval_skipped": 0, "kv_restored": 0, "schedule_held": 0,
+                                 "skipped_while_training": 0},
         init=False)
     unacked: list[asyncio.Future] = field(default_factory=list, init=False, repr=False)
     """Futures of the deliveries of closed groups: resolved (acked) by the next checkpoint."""

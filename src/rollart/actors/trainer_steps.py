@@ -186,12 +186,13 @@ class StepLoop:
 
     @contextlib.asynccontextmanager
     async def _skimming(self):
-        """While the body runs (a step trains, its loop free), the next step's groups that
-        are sure to be skipped are skipped as they come in and the ledger summary goes out,
-        so that admission replaces them while the step trains, not after it (with α >= 1
-        the next step's groups are out already). Stops before the body's checkpoint: every
-        group closed here is in the state that checkpoint writes."""
-        if self.cfg.trainer.skip_uniform <= 0:
+        """``trainer.skip_while_training``: while the body runs (a step trains, its loop
+        free), the next step's groups that are sure to be skipped are skipped as they come in
+        and the ledger summary goes out, so that admission replaces them while the step
+        trains, not after it (with α >= 1 the next step's groups are out already). Stops
+        before the body's checkpoint: every group closed here is in the state that
+        checkpoint writes."""
+        if self.cfg.trainer.skip_uniform <= 0 or not self.cfg.trainer.skip_while_training:
             yield
             return
         on = [True]
@@ -199,7 +200,9 @@ class StepLoop:
         async def loop() -> None:
             async with self.changed:
                 while on[0]:
+                    n = len(self.skipped)
                     if self._skim(self.version + 1):
+                        self.counts["skipped_while_training"] += len(self.skipped) - n
                         await self._publish_ledger()
                     await self.changed.wait()
 
