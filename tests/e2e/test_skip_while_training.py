@@ -30,7 +30,9 @@ async def test_skipping_while_a_step_trains(tmp_path, on):
     rows = [json.loads(x) for x in (tmp_path / "runs" / "skim" / "metrics.jsonl").read_text().splitlines()]
     # the random start fails almost every group: each step skips up to its budget
     assert all(0 <= r["groups_skipped"] <= budget for r in rows), [r["groups_skipped"] for r in rows]
-    assert sum(r["groups_skipped"] for r in rows) == rows[-1]["count_uniform_skipped"] > 0
+    in_rows, total = sum(r["groups_skipped"] for r in rows), rows[-1]["count_uniform_skipped"]
+    # while the last step trained, groups of a step that never came may be skipped too
+    assert 0 < in_rows <= total <= in_rows + (budget if on else 0), (in_rows, total)
     early = rows[-1]["count_skipped_while_training"]
     if on:  # step k trains while step k+1's groups come in
         assert 0 < early <= rows[-1]["count_uniform_skipped"], early
