@@ -286,9 +286,9 @@ class RolloutScheduler(Actor):
             self.issued = first + n
             await self._put_issued()
         out: list[tuple[m.RolloutRequested, str | None]] = []
+        size = r.group_size + r.redundancy
         for g in range(first, first + n):
             gid = group_id(g, self.prefix)
-            size = r.group_size + r.redundancy
             members = [f"{gid}-{i}" for i in range(size)]
             self.groups[gid] = GroupState(members=members, need=r.group_size)
             wave = g // r.batch_groups if r.mode == "batch" else -1

@@ -138,9 +138,7 @@ class StepLoop:
                 sel = self.ledger.select(self.version, skip=max(0, left_to_skip),
                                          which=self.cfg.trainer.skip_which)
                 changed = bool(skimmed or sel.failed or sel.stale or sel.skipped)
-                for g in sel.skipped:  # admission replaces them (lost)
-                    self.unacked += self.ledger.close(g, "skipped")
-                    self.skipped.append(g)
+                self._close_skipped(sel.skipped)  # admission replaces them (lost)
                 for g in sel.failed:
                     self.unacked += self.ledger.close(g, "failed")
                     log.warning("group %d failed: %s", g.index,
@@ -179,10 +177,14 @@ class StepLoop:
         t = self.cfg.trainer
         groups = self.ledger.skim(version, skip=t.skip_uniform - len(self.skipped),
                                   which=t.skip_which)
+        self._close_skipped(groups)
+        return bool(groups)
+
+    def _close_skipped(self, groups: list[Group]) -> None:
+        """Close ``groups`` as skipped (lost: admission replaces them), counted in this step."""
         for g in groups:
             self.unacked += self.ledger.close(g, "skipped")
             self.skipped.append(g)
-        return bool(groups)
 
     @contextlib.asynccontextmanager
     async def _skimming(self):
@@ -195,11 +197,11 @@ class StepLoop:
         if self.cfg.trainer.skip_uniform <= 0 or not self.cfg.trainer.skip_while_training:
             yield
             return
-        on = [True]
+        on = True
 
         async def loop() -> None:
             async with self.changed:
-                while on[0]:
+                while on:
                     n = len(self.skipped)
                     if self._skim(self.version + 1):
                         self.counts["skipped_while_training"] += len(self.skipped) - n
@@ -211,7 +213,7 @@ class StepLoop:
             yield
         finally:
             async with self.changed:
-                on[0] = False
+                on = False
                 self.changed.notify_all()
             await task
 
