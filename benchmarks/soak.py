@@ -14,7 +14,7 @@ from the child's one-line-per-step output) it samples, for every process of the 
 rollart process and its descendants, e.g. ``nats-server``): RSS and thread count from
 ``/proc``; the live bytes of the events stream and the KV bucket (a short-lived client asks
 the server); and on disk: the store (``runs/<run>/nats``), the checkpoint
-(``checkpoints/latest.pt``), the weights folder and ``metrics.jsonl``.
+(``checkpoints/full-<step>.safetensors``), the weights folder and ``metrics.jsonl``.
 
 A resource is *flat* when the median of its samples in the last 10% of the steps is within
 10% of the median in the 10% of the steps right after the warm-up. The warm-up is the first
@@ -160,7 +160,7 @@ def sample(root: int, run_path: Path, step: int, t0: float, url: str | None = No
         key = name if name not in procs else f"{name}-{pid}"
         procs[key] = {"pid": pid, "rss_mib": int(st["VmRSS"].split()[0]) / 1024,
                       "threads": int(st["Threads"])}
-    ckpt = run_path / "checkpoints" / "latest.pt"
+    ckpt = max((run_path / "checkpoints").glob("full-*.safetensors"), default=run_path / "none")
     metrics = run_path / "metrics.jsonl"
     return {
         "step": step, "t_s": round(time.monotonic() - t0, 2), "processes": procs,

@@ -311,7 +311,7 @@ def measure(size: str, dtype: str, model_dir: Path, bucket_mb: int, transports: 
 
                 srv = WeightServer(store, host="127.0.0.1")
                 srv.start_sync()
-                where = srv.base_uri
+                where = f"{srv.base_uri}/{srv.token}"  # the child has no run store to read it from
             else:  # a server of its own, its store removed afterwards (GBs per model)
                 from rollart.bus.server import EmbeddedServer
 

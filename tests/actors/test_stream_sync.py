@@ -59,7 +59,11 @@ async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp
                 raw = await store.get(name)
             else:  # the trainer's weight server, on the loopback of a local NATS server
                 srv = trainer.weights.stream.server
-                assert pub.uri == f"tcp://127.0.0.1:{srv.port}/{srv.token}/{name}"
+                # no token in what every role reads: it is in the weights store (issue 43)
+                assert pub.uri == f"tcp://127.0.0.1:{srv.port}/{name}" and srv.token not in pub.uri
+                from rollart.engines.weight_tcp import TOKEN_OBJECT
+
+                assert bytes(await store.get(TOKEN_OBJECT)).decode() == srv.token
                 raw = (trainer.files.weights / "stream" / name).read_bytes()
             man = msgspec.json.decode(raw, type=Manifest)
             kinds.append(man.kind)

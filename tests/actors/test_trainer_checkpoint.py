@@ -127,7 +127,7 @@ async def test_replay_from_the_initial_model_and_a_missing_record(tmp_path, tiny
         _train(run, ckpt, step)
         if step != 1:  # checkpoint_every 2-like: step 1's record waits for the next commit
             await ckpt.commit(_ledger_state(run.version))
-    assert files.journal_seqs() == [1, 2, 3] and not files.checkpoint.exists()
+    assert files.journal_seqs() == [1, 2, 3] and files.full_seqs() == []
     assert _resume(tiny_model, files).weights_digest() == run.weights_digest()
     files.journal_path(2).unlink()
     with pytest.raises(ValueError, match=r"00000002\.msgpack is missing.*counts step 2"):
@@ -209,12 +209,13 @@ async def test_a_full_checkpoint_waits_for_the_previous_one(tmp_path, tiny_model
     await ckpt.commit(_ledger_state(run.version))
     second = asyncio.create_task(ckpt.start_full(lambda: _full(run), run.version))
     await asyncio.sleep(0)
-    assert not second.done() and not files.checkpoint.exists()
+    assert not second.done() and files.full_seqs() == []
     release.set()
     await second
     await ckpt.wait()
     assert most[0] == 1
     assert files.load_checkpoint()["journal_seq"] == 2 and files.journal_seqs() == []
+    assert files.full_seqs() == [2], "the previous full checkpoint is deleted once the state names the new one"
     done = ckpt.take_done()
     assert done["full_checkpoint_version"] == 2 and done["full_checkpoint_bytes"] > 0
 

@@ -313,7 +313,9 @@ def test_quickstart_steps_through_rollart_run(tmp_path):
     names = set(load_file(weights[-1]))
     assert "model.layers.0.self_attn.q_proj.weight" in names and not any("decoder." in n for n in names)
     # the trainer that made them was the megatron GPTModel (its checkpoint says so)
-    state = torch.load(folder / "checkpoints" / "latest.pt", weights_only=True)
+    from rollart.actors.trainer_files import RunFiles
+
+    state = RunFiles(folder).load_checkpoint()
     assert any(k.startswith("gpt.decoder.layers.0.") for k in state["backend"]["model"])
     assert "Apex is not installed" not in r.stderr, r.stderr[-2000:]  # megatron's import noise is kept quiet
 

@@ -2,7 +2,8 @@
 
 Here, on any machine: the pure translation between rollart and SGLang's native HTTP API,
 checked with real inputs (the tiny model's logits and the torch engine's outputs, real
-safetensors files, the processor unpickled as the server does it). With a CUDA GPU and
+safetensors files, the logit bias applied as the server applies it), and the launch against
+a stand-in ``sglang`` package whose server checks the API key as SGLang's does. With a CUDA GPU and
 sglang installed (``$ROLLART_SGLANG_PYTHON`` may name another interpreter that has it): a
 real server launched on a tiny model, checked against a float32 forward pass in torch.
 """
@@ -153,12 +154,10 @@ def test_choice_step_payload():
     body = sgp.choice_step_payload(inp, "r.1", [5], [6, 7])
     assert body["input_ids"] == [*PROMPT, 5]
     assert body["sampling_params"] == {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0,
-                                       "custom_params": {"allowed": [6, 7]}}
+                                       "logit_bias": {"6": sgp.ALLOWED_BIAS,
+                                                      "7": sgp.ALLOWED_BIAS}}
     assert body["token_ids_logprob"] == [6, 7] and body["return_logprob"] is True
-    # SGLang's CustomLogitProcessor.to_str() format: {"callable": <hex of a pickle>}
-    data = json.loads(body["custom_logit_processor"])
-    assert set(data) == {"callable"} and bytes.fromhex(data["callable"])
-    assert body["custom_logit_processor"] == sgp.processor_string()  # one string: cached there
+    assert "custom_logit_processor" not in body  # no pickle crosses the wire
     json.dumps(body)
 
 
@@ -172,77 +171,49 @@ def test_allowed_next_and_complete_choices():
     assert sgp.is_complete_choice(choices, [5, 7, 8]) and sgp.is_complete_choice(choices, [9])
 
 
-# -- the processor and the renormalisation, on the tiny model's logits -----------------------------
+# -- the logit bias and the renormalisation, on the tiny model's logits -------------------------
 ACTIONS = [[10], [11], [12], [13]]
 
 
-def test_processor_and_renormalisation_match_the_torch_engine(hf_model, engine):
+def biased(logits: torch.Tensor, allowed: list[int]) -> torch.Tensor:
+    """What SGLang does with ``logit_bias`` (``apply_logits_bias``): float32 ``add_``."""
+    bias = torch.zeros_like(logits)
+    for k, v in sgp.allowed_bias(allowed).items():
+        bias[int(k)] = v
+    return logits.float().clone().add_(bias)
+
+
+def test_logit_bias_and_renormalisation_match_the_torch_engine(hf_model, engine):
     """A constrained greedy step: the torch engine's token and log-prob (the contract:
     ``logits[t] - logsumexp(logits[allowed])``) equal what the SGLang path computes from the
-    same logits, whether the server's log-probs are of the masked logits or not."""
+    same logits biased as the server biases them, whether the server's log-probs are of the
+    biased logits or not; the other tokens keep no probability worth a float32."""
     out = engine.generate([GenInput(prompt_ids=PROMPT, choices=ACTIONS, greedy=True)])[0]
     assert out.finish_reason == FINISH_CHOICE and len(out.token_ids) == 1
     tok, want = out.token_ids[0], out.logprobs[0]
     allowed = sgp.allowed_next(ACTIONS, [])
     logits = next_logits(hf_model, PROMPT)
-    proc = sgp.build_processor()
-    masked = proc(logits[None].clone(), [{"allowed": allowed}])[0]
-    assert int(masked.argmax()) == tok
-    assert torch.isinf(masked[[i for i in range(512) if i not in allowed]]).all()
+    lp_biased = torch.log_softmax(biased(logits, allowed), -1)
+    assert int(lp_biased.argmax()) == tok
+    assert torch.exp(lp_biased[[i for i in range(512) if i not in allowed]]).sum() == 0.0
     by_torch = torch.log_softmax(logits[allowed], -1)[allowed.index(tok)].item()
     assert want == pytest.approx(by_torch, abs=1e-5)
-    # the server reports log_softmax of the masked logits (mask applied first) ...
-    lp_masked = torch.log_softmax(masked, -1)
-    assert lp_masked[tok].item() == pytest.approx(want, abs=1e-5)
-    assert sgp.renormalized_logprob(tok, triples(lp_masked, allowed)) == pytest.approx(want,
-                                                                                      abs=1e-5)
-    # ... and renormalising the full distribution gives the same
-    lp_full = torch.log_softmax(logits, -1)
+    assert lp_biased[tok].item() == pytest.approx(want, abs=1e-4)  # float32 rounding of +1000
+    assert sgp.renormalized_logprob(tok, triples(lp_biased, allowed)) == pytest.approx(want,
+                                                                                       abs=1e-4)
+    lp_full = torch.log_softmax(logits, -1)  # renormalising the unbiased ones gives the same
     assert lp_full[tok].item() < want - 1.0  # over 512 tokens, not 4
     assert sgp.renormalized_logprob(tok, triples(lp_full, allowed)) == pytest.approx(want,
                                                                                     abs=1e-5)
 
 
-def test_processor_rows_and_batches(hf_model):
-    """As SGLang calls it: the rows that carry this processor, one params dict per row
-    (``__req__`` added by the scheduler; rows without ``allowed`` left alone)."""
-    proc = sgp.build_processor()
-    rows = torch.stack([next_logits(hf_model, PROMPT), next_logits(hf_model, PROMPT[:3]),
-                        next_logits(hf_model, PROMPT[1:])])
-    before = rows.clone()
-    out = proc(rows, [{"allowed": [3, 9], "__req__": object()}, {"__req__": object()},
-                      {"allowed": [100]}])
-    assert torch.equal(out[1], before[1])
-    assert torch.equal(out[0, [3, 9]], before[0, [3, 9]]) and torch.isinf(out[0]).sum() == 510
-    assert torch.equal(out[2, [100]], before[2, [100]]) and torch.isinf(out[2]).sum() == 511
-    assert proc(before[:1].clone(), None).equal(before[:1])
-
-
-def test_processor_unpickles_without_rollart():
-    """The server (no rollart there) turns the string into the class, with pickle or with
-    dill (what SGLang's ``CustomLogitProcessor.from_str`` uses)."""
-    code = f"""
-import json, pickle, sys
-sys.modules["rollart"] = None  # importing rollart fails from here on
-s = {sgp.processor_string()!r}
-loaders = [pickle.loads]
-try:
-    import dill
-    loaders.append(dill.loads)
-except ImportError:
-    pass
-import torch
-for loads in loaders:
-    proc = loads(bytes.fromhex(json.loads(s)["callable"]))()
-    x = torch.zeros(2, 6)
-    y = proc(x, [{{"allowed": [1, 4]}}, None])
-    assert torch.isinf(y[0]).tolist() == [True, False, True, True, False, True], y
-    assert not torch.isinf(y[1]).any()
-print(type(proc).__name__, len(loaders))
-"""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split()[0] == sgp.PROCESSOR_CLASS
+def test_the_protocol_holds_no_pickle():
+    """Nothing in the client builds or reads a pickle (the custom logit processor path is
+    gone); the server flag that enables it is refused."""
+    src = Path(sgp.__file__).read_text() + Path(sg.__file__).read_text()
+    assert "import pickle" not in src and "dill" not in src.replace("``dill.loads``", "")
+    with pytest.raises(ValueError, match="unpickle"):
+        sgs.server_command("m", port=1, args={"enable_custom_logit_processor": True})
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -290,7 +261,7 @@ def test_parse_choice_step(hf_model):
     got_tok, got_lp, finish = sgp.parse_choice_step(body, allowed)
     want = torch.log_softmax(logits[allowed], -1)[allowed.index(tok)].item()
     assert (got_tok, finish) == (tok, "length") and got_lp == pytest.approx(want, abs=1e-6)
-    with pytest.raises(RuntimeError, match="--enable-custom-logit-processor"):
+    with pytest.raises(RuntimeError, match="logit bias was not applied"):
         sgp.parse_choice_step(body, [20, 21])
     gone = {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}}}
     assert sgp.parse_choice_step(gone, allowed) == (None, None, "abort")
@@ -317,10 +288,11 @@ def test_server_command(tiny_model_dir):
                                    "enable_metrics": False, "cuda_graph_bs": [1, 2, 4],
                                    "json_model_override_args": {"a": 1}},
                              head_dim=32)
-    assert cmd[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert cmd[:3] == ["/opt/sgl/bin/python", "-c", sgs.BOOTSTRAP]
     flat = " ".join(cmd)
+    assert not {"--enable-custom-logit-processor", "--api-key"} & set(cmd[3:])  # key: env
     for part in (f"--model-path {tiny_model_dir}", "--host 127.0.0.1", "--port 31234",
-                 "--skip-tokenizer-init", "--enable-custom-logit-processor",
+                 "--skip-tokenizer-init",
                  "--mem-fraction-static 0.3", "--disable-cuda-graph", "--cuda-graph-bs 1 2 4",
                  "--random-seed 7", "--attention-backend triton",
                  '--json-model-override-args {"a": 1}'):
@@ -334,6 +306,133 @@ def test_server_command(tiny_model_dir):
     assert "--attention-backend" not in " ".join(sgs.server_command("m", port=1, head_dim=128))
     with pytest.raises(ValueError, match="model_path"):
         sgs.server_command(tiny_model_dir, port=1, args={"model-path": "x"})
+    with pytest.raises(ValueError, match="api_key"):
+        sgs.server_command(tiny_model_dir, port=1, args={"api-key": "mine"})
+
+
+FAKE_SERVER = r'''
+"""A stand-in for ``python -m sglang.launch_server``: SGLang's HTTP API as rollart uses it,
+with SGLang's API-key rule (``add_api_key_middleware``: every path but /health* and /metrics
+needs ``Authorization: Bearer <key>``, else 401). Each request is a line in $FAKE_SGLANG_LOG."""
+import argparse, json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ap = argparse.ArgumentParser()
+for flag in ("--model-path", "--host", "--port", "--api-key", "--random-seed"):
+    ap.add_argument(flag)
+args, rest = ap.parse_known_args()
+LOG = os.environ["FAKE_SGLANG_LOG"]
+print(f"server_args=ServerArgs(api_key={args.api_key!r}, rest={rest!r})", flush=True)
+
+
+def record(**kw):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(kw) + "\n")
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def answer(self, status, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def handle_any(self, body):
+        auth = self.headers.get("Authorization")
+        record(path=self.path, auth=auth, body=body, argv=sys.argv[1:],
+               env_key=os.environ.get("ROLLART_SGLANG_API_KEY"))
+        if not self.path.startswith(("/health", "/metrics")) and (
+                not args.api_key or auth != "Bearer " + args.api_key):
+            return self.answer(401, {"error": "Unauthorized"})
+        if self.path == "/get_server_info":
+            return self.answer(200, {"version": "stand-in"})
+        if self.path == "/generate":
+            sp = body.get("sampling_params") or {}
+            ids = body.get("token_ids_logprob") or [3]
+            bias = sp.get("logit_bias") or {}
+            tok = int(max(bias, key=bias.get)) if bias else 3
+            lps = [[-1.0 - 0.1 * i, int(t), None] for i, t in enumerate(ids)]
+            return self.answer(200, {"output_ids": [tok], "meta_info": {
+                "finish_reason": {"type": "length", "length": 1},
+                "output_token_logprobs": [[-0.5, tok, None]],
+                "output_token_ids_logprobs": [lps]}})
+        return self.answer(200, {"success": True})
+
+    def do_GET(self):
+        self.handle_any(None)
+
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        self.handle_any(json.loads(self.rfile.read(n) or b"null"))
+
+
+ThreadingHTTPServer((args.host, int(args.port)), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    """(engine_args that launch the stand-in server, the file its requests are logged in):
+    a ``sglang`` package with a ``launch_server`` module, found through an interpreter
+    wrapper (``engine_args.python``) that puts it on the path."""
+    pkg = tmp_path / "fake" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(FAKE_SERVER)
+    log = tmp_path / "requests.jsonl"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nexport PYTHONPATH={pkg.parent}\nexport "
+                       f"FAKE_SGLANG_LOG={log}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return {"python": str(wrapper), "startup_timeout_s": 60, "weights_dir": str(tmp_path / "w"),
+            "check_logprobs": True}, log
+
+
+async def test_a_launched_server_takes_requests_only_with_its_key(tiny_model_dir, stand_in):
+    """Issue 43 finding 5: the launched server gets an API key no other process knows (not
+    on its command line), every request of the engine carries it, a request without it is
+    refused, constrained turns go through logit_bias, and no pickle is ever sent."""
+    aiohttp = pytest.importorskip("aiohttp")
+    args, log = stand_in
+    eng = sg.SglangEngine(tiny_model_dir, engine_args=args)
+    await eng.start()
+    try:
+        key = eng._api_key
+        assert key and len(key) >= 32
+        cmdline = Path(f"/proc/{eng._proc.pid}/cmdline").read_bytes()
+        assert key.encode() not in cmdline and b"--enable-custom-logit-processor" not in cmdline
+        assert oct(eng.log_path.stat().st_mode & 0o777) == "0o600"
+        assert eng.logit_bias_ok is True
+        out = await eng.generate(GenInput(prompt_ids=PROMPT, choices=ACTIONS, greedy=True), "c")
+        assert out.token_ids in ACTIONS and out.finish_reason == FINISH_CHOICE
+        async with aiohttp.ClientSession() as anyone:  # another local process
+            for path in ("/generate", "/update_weights_from_disk"):
+                async with anyone.post(eng.url + path, json={"model_path": "/tmp/evil"}) as r:
+                    assert r.status == 401
+        reqs = [json.loads(line) for line in log.read_text().splitlines()]
+        ours = reqs[:-2]
+        assert ours and all(r["auth"] == f"Bearer {key}" for r in ours), ours
+        assert reqs[0]["argv"][-2:] == ["--api-key", key] and reqs[0]["env_key"] is None
+        assert not any("custom_logit_processor" in json.dumps(r["body"]) for r in reqs)
+        assert sgs.tail(eng.log_path, secret=key).count("***") >= 1
+        assert key not in sgs.tail(eng.log_path, secret=key)
+    finally:
+        await eng.close()
+
+
+def test_api_key_args(tiny_model_dir, monkeypatch):
+    with pytest.raises(ValueError, match="attached server"):
+        sg.SglangEngine(tiny_model_dir, engine_args={"api_key": "k"})
+    monkeypatch.setenv(sgs.API_KEY_ENV, "from-env")
+    assert sg.SglangEngine(tiny_model_dir, engine_args={"url": "http://h:1"})._api_key == "from-env"
+    assert sg.SglangEngine(tiny_model_dir, engine_args={"url": "http://h:1",
+                                                        "api_key": "k"})._api_key == "k"
+    assert sg.SglangEngine(tiny_model_dir)._api_key is None  # made at launch
 
 
 def test_gpu_check_cpu_side():

@@ -78,9 +78,9 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
     for r in rows:  # the α rule on recorded data: step v+1 uses min_version >= v - alpha
         assert all(mv >= (r["step"] - 1) - 1 for mv in r["traj_min_versions"])
 
-    import torch
+    from rollart.actors.trainer_files import RunFiles
 
-    state = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
+    state = RunFiles(run_dir).load_checkpoint()
     ledger = state["ledger"]  # every trained group closed, none lost, nothing else open
     assert ledger["trained"] == 16 and ledger["lost"] == 0 and ledger["closed"]["low"] == 16
     assert state["backend"]["version"] == 8
@@ -88,15 +88,15 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
 
 def _journal_state(run_dir: Path) -> tuple[int, int] | None:
     """``(steps the durable state holds, steps the full checkpoint holds)``; None: not both yet."""
-    import torch
+    from rollart.actors.trainer_files import RunFiles
 
-    ck = run_dir / "checkpoints"
     try:
-        seq = json.loads((ck / "state.json").read_text())["seq"]
-        full = torch.load(ck / "latest.pt", weights_only=False, mmap=True)["journal_seq"]
-    except (FileNotFoundError, ValueError, RuntimeError, EOFError):
+        state = RunFiles(run_dir).load_state()
+    except (FileNotFoundError, ValueError):
         return None
-    return seq, full
+    if not state or not state.get("full"):
+        return None
+    return state["seq"], state["full"]["seq"]
 
 
 def test_kill_between_full_checkpoints_replays_the_journal(tmp_path, tiny_model):
@@ -267,7 +267,8 @@ def test_resume_finished_run_and_train_further(tmp_path, tiny_model):
     assert _start(tmp_path, log, "run", str(cfg), "--quiet").wait(timeout=180) == 0, log.read_text()
     before = _weights(run_dir)
     assert set(before) == {"v000001.safetensors", "v000002.safetensors"}
-    ckpt = (run_dir / "checkpoints" / "latest.pt").stat().st_mtime_ns
+    ckpt = {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").glob("full-*")}
+    assert ckpt
     for extra in ([], ["--steps", "2"]):
         t0 = time.monotonic()
         p = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet", *extra)
@@ -275,7 +276,7 @@ def test_resume_finished_run_and_train_further(tmp_path, tiny_model):
         assert time.monotonic() - t0 < 30, "a finished run's resume starts nothing"
         assert "is finished" in log.read_text().rsplit("=== rollart", 1)[-1]
         assert _weights(run_dir) == before
-        assert (run_dir / "checkpoints" / "latest.pt").stat().st_mtime_ns == ckpt
+        assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").glob("full-*")} == ckpt
 
     p = _start(tmp_path, log, "run", "--resume", str(run_dir), "--quiet", "--steps", "3")
     assert p.wait(timeout=180) == 0, log.read_text()[-4000:]

@@ -237,15 +237,16 @@ class Actor:
 
     async def publish(self, name: str, msg: m.Message, *, msg_id: str | None = None,
                       pool: str | None = None, headers: dict[str, str] | None = None,
-                      once: bool = False, inline_max: int = -1, store_ttl: float = 0.0) -> int:
+                      once: bool = False, inline_max: int = -1, store_ttl: float = 0.0,
+                      store_max_bytes: int = payloads.TRAJ_STORE_MAX_BYTES) -> int:
         """Publish ``msg`` durably on subject ``name``; checks the subject's type. With
         tracing on, the headers carry the current span's ``traceparent`` (unless given).
         ``once`` (with a ``msg_id``): :meth:`rollart.bus.Bus.publish_once`, which raises
         :class:`rollart.bus.DuplicateConflict` when other data holds the id.
         ``inline_max`` >= 0 (:func:`rollart.actors.payloads.inline_limit`): an encoded message
         larger than that goes to the run's trajectory object store (objects kept
-        ``store_ttl`` seconds) and the stream gets a reference (:mod:`rollart.actors.payloads`);
-        -1: always inline."""
+        ``store_ttl`` seconds, ``store_max_bytes`` in all) and the stream gets a reference
+        (:mod:`rollart.actors.payloads`); -1: always inline."""
         d = m.SUBJECTS[name]
         if not isinstance(msg, d.type):
             raise TypeError(f"{name} carries {d.type.__name__}, not {type(msg).__name__}")
@@ -255,7 +256,8 @@ class Actor:
             headers = tracing.inject(dict(headers or {})) or None
         data = encode(msg)
         if d.stream is not None and 0 <= inline_max < len(data):
-            data, extra = await payloads.offload(self.bus, self.run, msg, data, ttl=store_ttl)
+            data, extra = await payloads.offload(self.bus, self.run, msg, data, ttl=store_ttl,
+                                                 max_bytes=store_max_bytes)
             headers = {**(headers or {}), **extra}
         kw = {"headers": headers} if headers else {}  # none: the call as before tracing
         if d.stream is None:
@@ -268,13 +270,15 @@ class Actor:
     async def publish_patiently(self, name: str, msg: m.Message, *, msg_id: str | None = None,
                                 pool: str | None = None, deadline: float = 300.0,
                                 headers: dict[str, str] | None = None, once: bool = False,
-                                inline_max: int = -1, store_ttl: float = 0.0) -> int:
+                                inline_max: int = -1, store_ttl: float = 0.0,
+                                store_max_bytes: int = payloads.TRAJ_STORE_MAX_BYTES) -> int:
         """:meth:`publish`, retrying bus errors with backoff for up to ``deadline`` seconds
         (a msg id makes the retries safe); logs once, raises the last error after that. A
         :class:`rollart.bus.DuplicateConflict` (``once``) is raised at once."""
         return await retry(
             lambda: self.publish(name, msg, msg_id=msg_id, pool=pool, headers=headers, once=once,
-                                 inline_max=inline_max, store_ttl=store_ttl),
+                                 inline_max=inline_max, store_ttl=store_ttl,
+                                 store_max_bytes=store_max_bytes),
             retry_on=BusError, fatal=DuplicateConflict, what=f"{self.name}: publish on {name}",
             deadline=deadline, base=0.2, cap=5.0, logger=log)
 

@@ -31,14 +31,14 @@ from rollart.actors.base import Actor, Reject, Retry, consume, replica_suffix
 from rollart.actors.cancelled import CancelledGroups
 from rollart.actors.chat import ChatFormat
 from rollart.actors.lockstep import LockStep, WaveIncomplete
-from rollart.actors.payloads import inline_limit
+from rollart.actors.payloads import TRAJ_STORE_MAX_BYTES, inline_limit
 from rollart.actors.policy import current_policy
 from rollart.actors.policy_gate import PolicyGate, follow_policy
 from rollart.actors.runtime import decode_core
 from rollart.actors.service_client import ServiceClient
 from rollart.actors.trajectory import (Cancelled, Deliveries, RunningTrajectories, Trace,
                                        reset_runner, reward_request, unless_cancelled)
-from rollart.agents.trajectory import run_agent_trajectory
+from rollart.agents.trajectory import AgentThreads, run_agent_trajectory
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
@@ -77,6 +77,8 @@ class EnvManager(Actor):
     store_ttl: float = 0.0
     """Seconds the run's trajectory object store keeps a completion too large for one
     message (``node.events_max_age``: as long as the events stream keeps its reference)."""
+    store_max_bytes: int = TRAJ_STORE_MAX_BYTES
+    """Bytes that store may hold (``node.traj_store_max_bytes``)."""
 
     # -- state made by setup() (and by the handlers) ---------------------------------
     chat: ChatFormat = field(default=None, init=False, repr=False)
@@ -109,6 +111,11 @@ class EnvManager(Actor):
     """The OpenAI-compatible endpoint of agent envs (:mod:`rollart.agents`), started when
     the first agent trajectory runs here."""
     _agents_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    agent_threads: AgentThreads = field(default=None, init=False, repr=False)
+    """The threads plain ``def`` agents run on (``rollout.agent_threads``), this actor's own:
+    none of them ever waits behind asyncio's default executor or holds it."""
+    prompt_threads: AgentThreads = field(default=None, init=False, repr=False)
+    """One thread that tokenises an agent's long request off the event loop."""
 
     @property
     def running(self) -> RunningTrajectories:
@@ -134,12 +141,16 @@ class EnvManager(Actor):
         check_context(run_cfg, folder)  # a trajectory must fit what the engine holds
         return cls(run=run_cfg.run, pool=pool, name=f"env-{pool}-{replica_suffix()}-{index}", settings=settings,
                    envs=dict(run_cfg.envs), rollout=r, model_dir=str(folder),
-                   store_ttl=run_cfg.node.events_max_age, **{**placed, **actor_cfg.args})
+                   store_ttl=run_cfg.node.events_max_age,
+                   store_max_bytes=run_cfg.node.traj_store_max_bytes, **{**placed, **actor_cfg.args})
 
     async def setup(self) -> None:
         self.chat = await asyncio.to_thread(ChatFormat.load, self.model_dir)
         self.gate = PolicyGate()
         self._max_inflight = self.settings_of("on_request").max_inflight
+        self.agent_threads = AgentThreads(self.rollout.agent_threads or self._max_inflight,
+                                          name=f"{self.name}-agent")
+        self.prompt_threads = AgentThreads(1, name=f"{self.name}-prompts")
         self.lockstep = LockStep(fill_timeout=self.wave_fill_timeout,
                                  room=lambda: self._max_inflight - len(self._running))
         r = self.rollout
@@ -154,6 +165,8 @@ class EnvManager(Actor):
         await self._cancel_sub.unsubscribe()
         if self._agents is not None:
             await self._agents.stop()
+        self.agent_threads.close()  # agents stuck in user code are daemons: not waited for
+        self.prompt_threads.close()
         await self.services.stop()
 
     async def agent_endpoint(self) -> Any:
@@ -163,7 +176,11 @@ class EnvManager(Actor):
             if self._agents is None:
                 from rollart.agents.endpoint import AgentEndpoint
 
-                endpoint = AgentEndpoint(host=self.rollout.agent_host)
+                r = self.rollout
+                endpoint = AgentEndpoint(
+                    host=r.agent_host, max_connections=r.agent_max_connections
+                    or 4 * self._max_inflight + 64, request_timeout=r.agent_request_timeout,
+                    max_request_bytes=r.agent_max_request_bytes)
                 await endpoint.start()
                 self._agents = endpoint
         return self._agents
@@ -295,7 +312,7 @@ class EnvManager(Actor):
         """How a completion too large for one message is published: through the run's
         trajectory object store (:mod:`rollart.actors.payloads`)."""
         return {"inline_max": inline_limit(self.bus, self.rollout.inline_max_bytes),
-                "store_ttl": self.store_ttl}
+                "store_ttl": self.store_ttl, "store_max_bytes": self.store_max_bytes}
 
     async def _traced(self, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event,
                       delivery) -> m.RolloutCompleted:

@@ -48,6 +48,7 @@ from rollart.engines.base import (
 )
 from rollart.engines.batched import BatchedEngine
 from rollart.engines.provision import model_dir
+from rollart.engines.weight_stream import StreamLimits
 from rollart.telemetry import tracing
 
 __all__ = ["GroupCancelled", "LLMProxy", "StalePolicy"]
@@ -94,6 +95,10 @@ class LLMProxy(PolicyLoading, Actor):
     ``max_batch``; the proxy never closes it)."""
     progress_every: float = 1.0
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
+    stream_limits: Any = None
+    """What a streamed version may make this replica allocate and stage
+    (:class:`rollart.engines.weight_stream.StreamLimits`, from ``trainer.sync``; None: the
+    defaults)."""
 
     # -- state made by setup() (and by the handlers) ---------------------------------
     async_engine: AsyncEngine | None = field(default=None, init=False, repr=False)
@@ -147,7 +152,7 @@ class LLMProxy(PolicyLoading, Actor):
                   engine_args=dict(px.engine_args), on_update=px.on_update,
                   gather_ms=px.gather_ms, max_batch=px.max_batch, dtype=px.dtype,
                   threads=run_cfg.model.threads,
-                  seed=index)
+                  seed=index, stream_limits=StreamLimits.of(run_cfg.trainer.sync))
         kw.update(actor_cfg.args)
         name = f"generate-{pool}-{replica_suffix()}-{index}"  # unique across hosts
         settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}

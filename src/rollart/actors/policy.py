@@ -49,21 +49,61 @@ async def set_policy(bus: Bus, run: str, pub: m.PolicyPublished) -> None:
                      attempts=1, logger=log)
 
 
-async def fetch_weights(bus: Bus, pub: m.PolicyPublished) -> bytes:
+MAX_WEIGHT_FILE_BYTES = 1 << 40
+"""The largest ``file://`` or ``obj://`` weight version a holder reads (1 TiB): the record
+names the file, so without a bound a forged ``file:///dev/zero`` would be read forever."""
+
+
+def _read_weight_file(path: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file at ``path``, refused before anything is read when it
+    is a link, not a regular file (a device, a FIFO) or larger than ``max_bytes``. The
+    refusal names the path the record gave, never the content or size of what is there."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise DigestMismatch(f"cannot open {path!r} ({type(e).__name__})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DigestMismatch(f"{path!r} is not a regular file")
+        if st.st_size > max_bytes:
+            raise DigestMismatch(f"{path!r} is larger than the {max_bytes}-byte cap")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(st.st_size + 1)
+        if len(data) != st.st_size:
+            raise DigestMismatch(f"{path!r} changed while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
+async def fetch_weights(bus: Bus, pub: m.PolicyPublished, *,
+                        max_bytes: int = MAX_WEIGHT_FILE_BYTES) -> bytes:
     """The bytes behind ``pub.uri`` (``file://`` or ``obj://bucket/name``), digest-checked
-    (a content digest, or the older file-bytes ``sha256:``); reads and hashes off the loop."""
+    (a content digest, or the older file-bytes ``sha256:``); reads and hashes off the loop.
+
+    The record comes from another process, so what it names is untrusted: a file must be a
+    regular file (no link followed, no device) within ``max_bytes``; a refusal says that the
+    bytes do not match, never what they are (their size, digest or tensor names would tell a
+    forger about a local file: the detail goes to this process's debug log only)."""
     u = urlparse(pub.uri)
     if u.scheme == "file":
-        data = await asyncio.to_thread(Path(unquote(u.path)).read_bytes)
+        data = await asyncio.to_thread(_read_weight_file, unquote(u.path), max_bytes)
     elif u.scheme == "obj":
         data = await (await bus.object_store(u.netloc)).get(u.path.lstrip("/"))
+        if len(data) > max_bytes:
+            raise DigestMismatch(f"{pub.uri} is larger than the {max_bytes}-byte cap")
     else:
         raise ValueError(f"unsupported weight uri {pub.uri!r}: use file:// or obj://")
     try:
         await asyncio.to_thread(check_digest, data, pub.digest)
     except DigestMismatch as e:
+        log.debug("weights of version %d at %s: %s", pub.version, pub.uri, e)
         raise DigestMismatch(
-            f"weights of version {pub.version} at {pub.uri}: {e}, "
-            f"published digest {pub.digest}: refusing to load"
+            f"weights of version {pub.version} at {pub.uri} do not match the published digest "
+            f"{pub.digest} (or are not a safetensors file): refusing to load"
         ) from None
     return data

@@ -33,7 +33,7 @@ class PolicyGate:
     version, so it is a second, independent record of how far training got), and ``h`` the
     highest version this holder accepted (``None``: a fresh holder that found a record
     already there when it started; ``0``: one that watched the run from before its first
-    announcement). The latest record ``p`` (version ``v'``, digest ``d``) is
+    announcement). The latest record ``p`` (version ``v'``, digest ``d``, ``uri``) is
 
     1. **refused** when ``0 < S < v'``: beyond any version of the run;
     2. **waiting** while ``v' > L``: the trainer's own ledger does not report that version
@@ -52,7 +52,7 @@ class PolicyGate:
           permissions of :mod:`rollart.security.permissions` grant generate, env and
           scheduler; a holder that has seen no announcement at all, e.g. one whose
           credential lacks it, skips the rule): a ``policy.published`` message with
-          ``(v', d)`` was seen (the trainer publishes it before the KV record; a record seen
+          ``(v', d, uri)`` was seen (the trainer publishes it before the KV record; a record seen
           first is judged again when its announcement arrives, and one whose announcement was
           missed, say in a reconnect, settles in ``settle_s``);
     4. otherwise **settling**: accepted only once the latest records have stayed
@@ -83,8 +83,10 @@ class PolicyGate:
         self.digest_of: dict[int, str] = {}
         """Version -> digest of the weights loaded (recent versions; :meth:`loaded`)."""
         self.ledger: m.LedgerSummary | None = None
-        self.announced: dict[tuple[int, str], None] = {}
-        """``(version, digest)`` of the ``policy.published`` messages seen (the newest)."""
+        self.announced: dict[tuple[int, str, str], None] = {}
+        """``(version, digest, uri)`` of the ``policy.published`` messages seen (the newest):
+        a record is the trainer's only with the URI the trainer published for it (another
+        URI with the same digest would send holders to a forger's weight server)."""
         self._doubt: tuple[float, int] | None = None
         """``(since, version)`` of the latest run of doubtful records (rule 4)."""
         self.reports: dict[str, int] = {}
@@ -100,7 +102,7 @@ class PolicyGate:
         self.ledger = summary
 
     def see_announcement(self, pub: m.PolicyPublished) -> None:
-        self.announced[(pub.version, pub.digest)] = None
+        self.announced[(pub.version, pub.digest, pub.uri)] = None
         while len(self.announced) > 256:
             del self.announced[next(iter(self.announced))]
 
@@ -126,8 +128,9 @@ class PolicyGate:
                 doubts.append(f"a jump from v{self.held} (at most +{self.max_jump} at once)")
             if self.digests and self.digest_of.get(v, pub.digest) != pub.digest:
                 doubts.append(f"it replaces the loaded weights of v{v} ({self.digest_of[v]})")
-            if s is not None and self.announced and (v, pub.digest) not in self.announced:
-                doubts.append("no policy.published announcement of it was seen")
+            if s is not None and self.announced and (v, pub.digest, pub.uri) not in self.announced:
+                doubts.append("no policy.published announcement of it (version, digest and "
+                              "uri) was seen")
         if not doubts:
             self._doubt = None
             return "accept", "", None

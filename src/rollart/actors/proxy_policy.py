@@ -49,6 +49,9 @@ class PolicyLoading:
     loads: list[tuple[int, float]]
     pauses: list[tuple[int, float]]
     _stage: StreamStage | None
+    stream_limits: Any
+    """What a streamed version may make this replica allocate and stage
+    (:class:`~rollart.engines.weight_stream.StreamLimits`; None: the defaults)."""
     publish_patiently: Any
 
     @property
@@ -113,7 +116,9 @@ class PolicyLoading:
                     # the engine serves meanwhile
                     if pub.layout == "stream":
                         if self._stage is None:
-                            self._stage = await asyncio.to_thread(StreamStage, self.name)
+                            self._stage = await asyncio.to_thread(
+                                StreamStage, self.name, token_bucket=m.object_bucket(self.run),
+                                limits=self.stream_limits)
                         staged = await self._stage.fetch(self.bus, pub)
                         source: Any = staged.path
                     else:
@@ -223,8 +228,13 @@ class StreamStage:
     (:func:`rollart.engines.weight_stream.assemble_version`) before the engine loads it, and
     the staged file of the version loaded, kept as the base of the next delta."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, token_bucket: str | None = None, limits: Any = None):
         self.dir = Path(tempfile.mkdtemp(prefix=f"rollart-stage-{name[:40]}-"))
+        self.token_bucket = token_bucket
+        """The run's weights store: where the trainer's weight server token is
+        (``trainer.weights: tcp``)."""
+        self.limits = limits
+        """:class:`~rollart.engines.weight_stream.StreamLimits` (None: the defaults)."""
         self.base: Any = None
         """The :class:`~rollart.engines.weight_stream.Assembled` version the engine holds."""
         self.last = ""
@@ -233,14 +243,15 @@ class StreamStage:
     async def fetch(self, bus: Any, pub: m.PolicyPublished) -> Any:
         """Assemble ``pub`` into the staging folder (off the loop; the engine serves)."""
         from rollart.engines.weight_decode import assemble_version
-        from rollart.engines.weight_stream import blobs_for_uri
+        from rollart.engines.weight_stream import DEFAULT_LIMITS, blobs_for_uri
 
         if pub.kind != "full":
             raise ValueError(f"policy v{pub.version} is a {pub.kind!r} version in the stream "
                              f"layout: LoRA versions travel as single files")
         t0 = time.perf_counter()
-        blobs, name = await blobs_for_uri(bus, pub.uri)
-        got, info = await assemble_version(blobs, name, self.dir, base=self.base, digest=pub.digest)
+        blobs, name = await blobs_for_uri(bus, pub.uri, token_bucket=self.token_bucket)
+        got, info = await assemble_version(blobs, name, self.dir, base=self.base, digest=pub.digest,
+                                           limits=self.limits or DEFAULT_LIMITS)
         self.last = (f"{info['path']}, {info['manifests']} manifest(s), "
                      f"{info['wire_bytes'] / 2**20:.2f} MiB fetched, {time.perf_counter() - t0:.3f}s")
         return got

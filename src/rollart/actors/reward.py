@@ -8,12 +8,13 @@ many trajectories into one forward pass of a local causal LM.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from rollart import messages as m
 from rollart.actors.base import Actor, serve
@@ -46,12 +47,47 @@ def reasoning_gym_score(response: str, answer: str, metadata: dict[str, str]) ->
     key = metadata["env_args"]
     env = _rg_envs.get(key)
     if env is None:
+        args = _rg_args(key)
         if len(_rg_envs) >= 64:  # bounded: the keys come from requests
             _rg_envs.pop(next(iter(_rg_envs)))
-        env = _rg_envs[key] = ReasoningGymEnv(**json.loads(key))
-    env.reset(int(metadata["seed"]))
+        env = _rg_envs[key] = ReasoningGymEnv(**msgspec.structs.asdict(args))
+    seed = metadata["seed"]
+    if len(seed) > 20 or not seed.lstrip("-").isdigit():
+        raise ValueError("reasoning_gym scorer: metadata 'seed' is not an integer")
+    env.reset(int(seed))
     _, reward, *_ = env.step(response)
     return float(reward)
+
+
+_Scalar = (bool | Annotated[int, msgspec.Meta(ge=-10**6, le=10**6)] | float
+           | Annotated[str, msgspec.Meta(max_length=256)] | None)
+_Knob = _Scalar | Annotated[list[_Scalar], msgspec.Meta(max_length=64)]
+
+
+class _RGArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The env arguments a reward request may name (they come from another process: a
+    ``heldout`` of 10**9 would have the scorer scan 5·10**10 items, so each is bounded)."""
+
+    dataset: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_]{1,64}$")]
+    dataset_args: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], _Knob],
+                            msgspec.Meta(max_length=32)] | None = None
+    size: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
+    heldout: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
+    heldout_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
+    dataset_seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    success_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.99
+    binary: bool = False
+    instruction: Annotated[str, msgspec.Meta(max_length=8192)] | None = None
+
+
+def _rg_args(key: str) -> _RGArgs:
+    """``env_args`` decoded typed and bounded; a clear ``ValueError`` names what is wrong."""
+    if len(key) > 16384:
+        raise ValueError(f"reasoning_gym scorer: env_args is {len(key)} characters (max 16384)")
+    try:
+        return msgspec.json.decode(key, type=_RGArgs)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"reasoning_gym scorer: bad env_args: {e}") from None
 
 
 _rg_envs: dict[str, Any] = {}

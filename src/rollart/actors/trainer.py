@@ -201,7 +201,7 @@ class Trainer(StepLoop, Actor):
         state = self.files.load_checkpoint()
         durable = self.files.load_state()
         if state is None and durable is None:
-            log.warning("no checkpoint at %s: starting from scratch", self.files.checkpoint.parent)
+            log.warning("no checkpoint at %s: starting from scratch", self.files.folder)
             self.files.rewrite_metrics(self.version)  # rows of steps no checkpoint holds are trained again
             return
         if state is not None:

@@ -16,8 +16,11 @@ settings, same RNG draws; bit for bit on CPU, where the kernels are deterministi
 - every ``trainer.full_checkpoint_every`` steps (or ``trainer.full_checkpoint_s`` seconds)
   it copies model, optimizer, scheduler and RNG to CPU memory (the only part the step waits
   for) and a thread writes them while the next steps train (:meth:`Checkpoints.start_full`);
-  one write at a time: the next full checkpoint waits for the previous one. Once a full
-  checkpoint is durable the records it holds are deleted;
+  one write at a time: the next full checkpoint waits for the previous one. It is a new
+  file (safetensors and a msgspec record, :mod:`rollart.engines.checkpoint_codec`: never a
+  pickle); once it is durable the durable state is written again naming it with its SHA-256,
+  and only then are the previous one and the records it holds deleted: a crash at any point
+  leaves a state whose full checkpoint and records are there;
 - on resume the trainer loads the last full checkpoint and retrains the journal's steps after
   it (:func:`replay`), then continues. Nothing is trained twice (the ledger of the durable
   state closed those groups; the replay is the same steps, not new ones) and nothing is lost
@@ -48,7 +51,7 @@ from typing import Any
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.trainer_files import RunFiles
+from rollart.actors.trainer_files import FullRef, RunFiles
 from rollart.config import TrainerConfig
 
 log = logging.getLogger("rollart.actors.trainer")
@@ -182,6 +185,15 @@ class Checkpoints:
         self.full_seq = 0
         """The last step the latest durable full checkpoint holds (0: none, the initial model)."""
         self.full_version = 0
+        self.full: FullRef | None = None
+        """The durable full checkpoint the durable state names (None: the initial model)."""
+        self.durable_seq = 0
+        """The last step the durable state counts."""
+        self.last_state: dict[str, Any] | None = None
+        """The state of the last commit (written again naming a new full checkpoint)."""
+        self.state_lock = asyncio.Lock()
+        """One durable state write (and its put in the object store) at a time: a commit and
+        a finished full checkpoint never write the state over each other."""
         self.started = (0, 0)
         """``(seq, version)`` of the latest full checkpoint started (written or being written):
         the next one is due counting from it."""
@@ -195,8 +207,15 @@ class Checkpoints:
         """Full checkpoints finished since :meth:`take_done` (for the metrics row)."""
 
     def resumed(self, *, seq: int, full_seq: int, full_version: int) -> None:
-        """Continue after step ``seq``, the full checkpoint holding step ``full_seq``."""
+        """Continue after step ``seq``, the full checkpoint holding step ``full_seq`` (the
+        one the durable state names)."""
         self.seq, self.full_seq, self.full_version = seq, full_seq, full_version
+        loaded = self.files.load_state_head()
+        self.full = loaded[1].full if loaded is not None else None
+        self.durable_seq = seq
+        if loaded is not None:
+            self.last_state = {k: v for k, v in loaded[0].items()
+                               if k not in ("format", "seq", "journal_from", "full")}
         self.started = (full_seq, full_version)
 
     def record(self, version: int, groups: list[int], trajectories: list[m.RolloutCompleted],
@@ -212,25 +231,35 @@ class Checkpoints:
         records, then ``state.json`` (and with the object store, their objects): after it
         returns the deliveries they cover may be acked. Returns its seconds."""
         t0 = time.perf_counter()
-        pending, self.pending = self.pending, []
-        seqs = [r.seq for r in pending]
-        durable = {**state, "seq": self.seq, "journal_from": self.full_seq + 1}
+        async with self.state_lock:
+            pending, self.pending = self.pending, []
+            try:
+                await self._write_state(state, pending, self.seq)
+            except BaseException:
+                self.pending = pending + self.pending  # written again by the next commit
+                raise
+        return time.perf_counter() - t0
+
+    async def _write_state(self, state: dict[str, Any], pending: list[StepRecord],
+                           seq: int) -> None:
+        """The records ``pending``, then ``state`` counting steps up to ``seq`` and naming the
+        current full checkpoint (and with the object store, their objects). Under
+        :attr:`state_lock`."""
+        durable = {**state, "seq": seq, "journal_from": self.full_seq + 1,
+                   "full": msgspec.to_builtins(self.full) if self.full is not None else None}
 
         def write() -> None:
             for rec in pending:
                 self.files.write_journal(rec.seq, _encoder.encode(rec))
             self.files.save_state(durable)
 
-        try:
-            await asyncio.to_thread(write)
-        except BaseException:
-            self.pending = pending + self.pending  # written again by the next commit
-            raise
+        await asyncio.to_thread(write)
+        self.last_state, self.durable_seq = state, seq
         if self.object_store:
             from rollart.actors.checkpoint_store import put_state
 
-            await put_state(self.bus, self.run, self.files, seqs, what=self.name)
-        return time.perf_counter() - t0
+            await put_state(self.bus, self.run, self.files, [r.seq for r in pending],
+                            what=self.name)
 
     def full_due(self, version: int, *, final: bool = False) -> bool:
         """Whether this checkpoint is a full one: the last step, ``trainer.full_checkpoint_every``
@@ -251,6 +280,9 @@ class Checkpoints:
         memory)."""
         t0 = time.perf_counter()
         await self.wait()
+        if self.pending:
+            raise RuntimeError("a full checkpoint is taken after the commit of the steps it "
+                               "holds (their records would be missing from the durable state)")
         seq = self.seq
         live = {**make_state(), "journal_seq": seq}
         state = await asyncio.to_thread(snapshot, live)
@@ -265,21 +297,28 @@ class Checkpoints:
     async def _write_full(self, state: dict[str, Any], seq: int, version: int,
                           blocked: float) -> None:
         t0 = time.perf_counter()
-        size = await asyncio.to_thread(self.files.save_checkpoint, state)
+        ref = await asyncio.to_thread(self.files.save_checkpoint, state)
+        size = ref.bytes
         del state  # the CPU copy: freed before the object store reads the file
         write_s = time.perf_counter() - t0
         if self.object_store:
             from rollart.actors.checkpoint_store import put_full
 
-            await put_full(self.bus, self.run, self.files, what=self.name)
+            await put_full(self.bus, self.run, self.files, ref, what=self.name)
+        prev, prev_ref = self.full_seq, self.full
+        async with self.state_lock:  # the state names the new one: the old one may go
+            self.full_seq, self.full_version, self.full = seq, version, ref
+            if self.last_state is not None:
+                await self._write_state(self.last_state, [], self.durable_seq)
         took = time.perf_counter() - t0
-        prev = self.full_seq
-        self.full_seq, self.full_version = seq, version
         gone = await asyncio.to_thread(self.files.prune_journal, seq)
+        await asyncio.to_thread(self.files.prune_full, seq)
         if self.object_store:
-            from rollart.actors.checkpoint_store import delete_journal
+            from rollart.actors.checkpoint_store import delete_full, delete_journal
 
             await delete_journal(self.bus, self.run, sorted(set(gone) | set(range(prev + 1, seq + 1))))
+            if prev_ref is not None and prev_ref.seq != seq:
+                await delete_full(self.bus, self.run, prev_ref.seq)
         log.info("%s: full checkpoint at version %d: %d bytes in %.2fs (written %.2fs, the step "
                  "waited %.2fs for the copy); %d journaled steps dropped", self.name, version,
                  size, took, write_s, blocked, len(gone))

@@ -4,12 +4,76 @@ the trainer calls them off the event loop."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-STATE_FORMAT = 1
+import msgspec
+
+from rollart.engines.checkpoint_codec import CheckpointRefused, load_file, save_file
+
+STATE_FORMAT = 2
+"""2: the state names its full checkpoint (:class:`FullRef`); 1 (read, never written): it
+does not, the full checkpoint was ``latest.pt``, a pickle that is refused."""
+MAX_STATE_BYTES = 64 << 20
+"""Bytes a durable state may have (its ledger is a few ranges: kilobytes)."""
+LEGACY = "latest.pt"
+
+
+class FullRef(msgspec.Struct, forbid_unknown_fields=True):
+    """The full checkpoint a durable state counts on: the file ``full-<seq>.safetensors``
+    and the size and SHA-256 the trainer wrote it with; it is loaded only if they match."""
+
+    seq: Annotated[int, msgspec.Meta(ge=0, le=10**12)]
+    """The last step it holds."""
+    sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+    bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
+
+
+class StateHead(msgspec.Struct):
+    """The fields of a durable state that name files and objects (validated before any is
+    opened); the rest (ledger, counts) is the trainer's."""
+
+    format: int
+    version: Annotated[int, msgspec.Meta(ge=0)]
+    seq: Annotated[int, msgspec.Meta(ge=0, le=10**12)] = 0
+    journal_from: Annotated[int, msgspec.Meta(ge=1, le=10**12 + 1)] = 1
+    full: FullRef | None = None
+
+
+def parse_state(data: bytes, what: str) -> tuple[dict[str, Any], StateHead]:
+    """A durable state's bytes as the dict and its validated head; ``CheckpointRefused``
+    naming ``what`` when they are not one this trainer reads."""
+    if len(data) > MAX_STATE_BYTES:
+        raise CheckpointRefused(f"{what}: {len(data)} bytes, a durable state has at most "
+                                f"{MAX_STATE_BYTES}")
+    try:
+        state = json.loads(data)
+        head = msgspec.convert(state, StateHead)
+    except (ValueError, RecursionError, msgspec.ValidationError) as e:
+        raise CheckpointRefused(f"{what}: not a durable state ({type(e).__name__}: "
+                                f"{str(e)[:200]})") from None
+    if head.format not in (1, STATE_FORMAT):
+        raise CheckpointRefused(f"{what}: format {head.format!r}, this trainer reads format "
+                                f"{STATE_FORMAT}")
+    if head.full is not None and head.journal_from != head.full.seq + 1:
+        raise CheckpointRefused(f"{what}: the journal starts at step {head.journal_from}, its "
+                                f"full checkpoint holds steps up to {head.full.seq}")
+    if head.seq + 1 < head.journal_from:
+        raise CheckpointRefused(f"{what}: step {head.seq} is before the journal's start "
+                                f"({head.journal_from})")
+    return state, head
+
+
+def legacy_refusal(path: Path | str) -> CheckpointRefused:
+    return CheckpointRefused(
+        f"{path} is a full checkpoint in the old pickle format (rollart before the safetensors "
+        f"checkpoint), which is never loaded: unpickling runs code the file names. Start the "
+        f"run again in a new folder, or, if you wrote that file yourself, convert it with "
+        f"`python -m rollart.actors.trainer_files {Path(path).parent.parent}` (torch's "
+        f"restricted weights_only loader) and resume")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,24 +124,30 @@ class RunFiles:
     checkpoint in ``checkpoints/``:
 
     - ``state.json``, the durable state, rewritten at every checkpoint (``trainer.checkpoint_every``):
-      the ledger, counters, the version and the step sequence number it reached;
+      the ledger, counters, the version and the step sequence number it reached, and the
+      full checkpoint it counts on (``full``: a :class:`FullRef`, None before the first);
     - ``journal/<seq>.msgpack``, one per step since the last full checkpoint: the
       trajectories the step trained on, in order, and the RNG state it started from
       (:class:`rollart.actors.trainer_checkpoint.StepRecord`), written before the state
       that counts it;
-    - ``latest.pt``, the full checkpoint (model, optimizer, scheduler, RNG, and
-      ``journal_seq``: the last step it holds), every ``trainer.full_checkpoint_every`` steps.
+    - ``full-<seq>.safetensors``, the full checkpoint (model, optimizer, scheduler, RNG, and
+      ``journal_seq``: the last step it holds; :mod:`rollart.engines.checkpoint_codec`), every
+      ``trainer.full_checkpoint_every`` steps. A new one gets a new name: the one the durable
+      state names stays until a state naming the new one is durable.
 
-    A resume loads ``latest.pt`` and trains the journal's steps after its ``journal_seq``
-    again (:mod:`rollart.actors.trainer_checkpoint`).
+    A resume loads the full checkpoint the state names, only if its bytes have the SHA-256
+    recorded there, and trains the journal's steps after its ``journal_seq`` again
+    (:mod:`rollart.actors.trainer_checkpoint`). A ``latest.pt`` (the pickle format of older
+    versions) is refused, never unpickled.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.weights = self.path / "weights"
-        self.checkpoint = self.path / "checkpoints" / "latest.pt"
-        self.state = self.path / "checkpoints" / "state.json"
-        self.journal = self.path / "checkpoints" / "journal"
+        self.folder = self.path / "checkpoints"
+        self.legacy = self.folder / LEGACY
+        self.state = self.folder / "state.json"
+        self.journal = self.folder / "journal"
         self.metrics = self.path / "metrics.jsonl"
         self.evals = self.path / EVAL_FILE
 
@@ -92,52 +162,84 @@ class RunFiles:
                 if p.name[1:7].isdigit()]
 
     def has_checkpoint(self) -> bool:
-        """Whether the folder holds anything a resume continues from."""
-        return self.state.exists() or self.checkpoint.exists()
+        """Whether the folder holds anything a resume continues from (or refuses to)."""
+        return self.state.exists() or self.legacy.exists()
 
     # -- the full checkpoint ---------------------------------------------------------
+    def full_path(self, seq: int) -> Path:
+        return self.folder / f"full-{int(seq):08d}.safetensors"
+
+    def full_seqs(self) -> list[int]:
+        """The steps of the full checkpoint files in the folder, in order."""
+        return sorted(int(p.name[5:13]) for p in self.folder.glob("full-*.safetensors")
+                      if len(p.name) == 25 and p.name[5:13].isdigit())
+
     def load_checkpoint(self) -> dict[str, Any] | None:
-        """The saved full checkpoint, None when there is none."""
-        if not self.checkpoint.exists():
+        """The full checkpoint the durable state names, None when it names none;
+        :class:`CheckpointRefused` when its bytes are not the ones recorded, or the folder
+        holds an old pickle checkpoint."""
+        loaded = self.load_state_head()
+        if loaded is None or loaded[1].full is None:
+            if self.legacy.exists():
+                raise legacy_refusal(self.legacy)
             return None
-        import torch  # optional dependency: only a training process reads checkpoints
+        ref = loaded[1].full
+        path = self.full_path(ref.seq)
+        state = load_file(path, sha256=ref.sha256, size=ref.bytes)
+        if not isinstance(state, dict) or state.get("journal_seq") != ref.seq:
+            raise CheckpointRefused(f"{path}: it does not hold step {ref.seq}, which the "
+                                    f"durable state names")
+        return state
 
-        return torch.load(self.checkpoint, weights_only=False)
+    def save_checkpoint(self, state: dict[str, Any]) -> FullRef:
+        """Write ``state`` (its ``journal_seq``: the last step it holds) as a new full
+        checkpoint file (atomically); returns what a durable state names it by."""
+        seq = int(state["journal_seq"])
+        size, digest = save_file(state, self.full_path(seq))
+        return FullRef(seq=seq, sha256=digest, bytes=size)
 
-    def save_checkpoint(self, state: dict[str, Any]) -> int:
-        """Write ``state`` as the full checkpoint (a temp file, fsynced, renamed over the old
-        one); returns its bytes."""
-        import torch  # optional dependency: only a training process writes checkpoints
+    def write_full(self, ref: FullRef, data: bytes) -> None:
+        """Write ``data``, fetched from elsewhere, as the full checkpoint ``ref`` names: only
+        if they are its bytes."""
+        if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise CheckpointRefused(f"full checkpoint of step {ref.seq}: {len(data)} bytes "
+                                    f"whose SHA-256 is not the one the durable state recorded")
+        write_atomic(self.full_path(ref.seq), data)
 
-        tmp = self.checkpoint.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        size = tmp.stat().st_size
-        os.replace(tmp, self.checkpoint)
-        _fsync_dir(self.checkpoint.parent)
-        return size
+    def prune_full(self, keep: int) -> list[int]:
+        """Delete the full checkpoint files other than step ``keep``'s (and temp files a
+        crash left); returns their steps."""
+        gone = [s for s in self.full_seqs() if s != keep]
+        for s in gone:
+            self.full_path(s).unlink(missing_ok=True)
+        for p in self.folder.glob("full-*.safetensors.tmp*"):
+            p.unlink(missing_ok=True)
+        return gone
 
     # -- the durable state and the journal ---------------------------------------------
+    def load_state_head(self) -> tuple[dict[str, Any], StateHead] | None:
+        """The durable state and its validated head, None when there is none."""
+        try:
+            fd = os.open(self.state, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        with open(fd, "rb") as f:
+            data = f.read(MAX_STATE_BYTES + 1)
+        return parse_state(data, str(self.state))
+
     def load_state(self) -> dict[str, Any] | None:
         """The durable state (``state.json``), None when there is none."""
-        if not self.state.exists():
-            return None
-        state = json.loads(self.state.read_text())
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"{self.state}: format {state.get('format')!r}, this trainer reads "
-                             f"format {STATE_FORMAT}")
-        return state
+        loaded = self.load_state_head()
+        return None if loaded is None else loaded[0]
 
     def save_state(self, state: dict[str, Any]) -> int:
         """Write the durable state atomically; returns its bytes."""
-        data = json.dumps({"format": STATE_FORMAT, **state}).encode()
+        data = json.dumps({**state, "format": STATE_FORMAT}).encode()
         write_atomic(self.state, data)
         return len(data)
 
     def journal_path(self, seq: int) -> Path:
-        return self.journal / f"{seq:08d}.msgpack"
+        return self.journal / f"{int(seq):08d}.msgpack"
 
     def write_journal(self, seq: int, data: bytes) -> None:
         """Write step ``seq``'s record (durable before the state that counts it is written)."""
@@ -162,16 +264,14 @@ class RunFiles:
         return gone
 
     def durable_version(self) -> int | None:
-        """The policy version a resume continues from (the durable state's, or an older run
-        folder's full checkpoint's); None: nothing to continue from."""
-        if self.state.exists():
-            return int(self.load_state()["version"])
-        if not self.checkpoint.exists():
-            return None
-        import torch  # optional dependency: the train extra (a trainer's host has it)
-
-        state = torch.load(self.checkpoint, map_location="cpu", weights_only=False, mmap=True)
-        return int(state["backend"]["version"])
+        """The policy version a resume continues from (the durable state's); None: nothing to
+        continue from. A folder with only an old pickle checkpoint is refused."""
+        loaded = self.load_state_head()
+        if loaded is not None:
+            return loaded[1].version
+        if self.legacy.exists():
+            raise legacy_refusal(self.legacy)
+        return None
 
     # -- the metrics record ----------------------------------------------------------
     def rewrite_metrics(self, version: int) -> None:
@@ -201,3 +301,35 @@ class RunFiles:
         """Append one step's row to the record."""
         with self.metrics.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
+
+
+def convert_legacy(run_path: str | Path) -> FullRef:
+    """Convert ``<run>/checkpoints/latest.pt`` (the pickle format of older versions) into a
+    full checkpoint file and a durable state naming it; ``latest.pt`` is renamed
+    ``latest.pt.converted``. It is read with torch's restricted loader (``weights_only=True``:
+    tensors, containers and numbers only, no constructor the file names); run it only on a
+    file your own trainer wrote."""
+    import torch  # optional dependency: only a training process reads checkpoints
+
+    files = RunFiles(run_path)
+    state = torch.load(files.legacy, map_location="cpu", weights_only=True)
+    loaded = files.load_state_head()
+    seq = int(state.get("journal_seq", state["backend"]["version"]))
+    ref = files.save_checkpoint({**state, "journal_seq": seq})
+    durable = {k: v for k, v in (loaded[0] if loaded else state).items()
+               if k in ("version", "ledger", "counts", "wall_s", "entropy_coef")}
+    durable.setdefault("version", int(state["backend"]["version"]))
+    files.save_state({**durable, "seq": max(seq, loaded[1].seq if loaded else seq),
+                      "journal_from": seq + 1, "full": msgspec.to_builtins(ref)})
+    os.replace(files.legacy, files.legacy.with_name(f"{LEGACY}.converted"))
+    return ref
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m rollart.actors.trainer_files <run folder>")
+    ref = convert_legacy(sys.argv[1])
+    print(f"converted: checkpoints/full-{ref.seq:08d}.safetensors ({ref.bytes} bytes, "
+          f"sha256 {ref.sha256})")

@@ -280,17 +280,22 @@ class StreamPublisher:
             elif t.weights == "shm":
                 self._blobs = ws.DirBlobs(ws.shm_dir(a.run))
             elif t.weights == "tcp":
-                from rollart.engines.weight_tcp import WeightServer, advertised_host
+                from rollart.engines.weight_tcp import TOKEN_OBJECT, WeightServer, advertised_host
 
                 root = self.owner.weights / "stream"
                 await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
                 s = t.sync
-                self.server = WeightServer(root, host=s.host, port=s.port,
-                                           advertise=s.advertise or advertised_host(
-                                               getattr(a.bus, "url", None)))
+                advertise = s.advertise or advertised_host(getattr(a.bus, "url", None))
+                self.server = WeightServer(root, host=s.host or advertise, port=s.port,
+                                           advertise=advertise, max_connections=s.max_connections)
                 await self.server.start()
-                log.info("%s: weight server for generators at %s", a.name,
-                         self.server.base_uri.rsplit("/", 1)[0])
+                # The token goes where only the roles that read weights may read (the weights
+                # store, permissions.OBJECTS), not into the version's URI, which every role
+                # reads (KV policy.version, policy.published).
+                store = await a.bus.object_store(m.object_bucket(a.run))
+                await store.put(TOKEN_OBJECT, self.server.token.encode())
+                log.info("%s: weight server for generators at %s (listening on %s)", a.name,
+                         self.server.base_uri, self.server.host)
                 self._blobs = ws.ServedDirBlobs(root, self.server)
             else:
                 self._blobs = ws.DirBlobs(self.owner.weights / "stream")

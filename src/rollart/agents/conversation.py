@@ -35,8 +35,30 @@ ROLES = ("system", "user", "assistant", "tool")
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
+CHARS_PER_TOKEN = 16
+"""A request's text may have at most this many characters per token of the env's
+``max_context_tokens`` (real text averages 2-6): a longer one cannot fit, and is refused
+by its size before it is tokenised (10 MB once took 10 s on the EnvManager's loop)."""
+
+
 class ContractError(ValueError):
     """The request breaks the endpoint's contract; its message says how."""
+
+
+def text_size(*parts: Any) -> int:
+    """Characters in every string (keys too) of ``parts``: what a request gives the chat
+    template to render, counted without rendering or tokenising it."""
+    n, stack = 0, list(parts)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            n += len(o)
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return n
 
 
 def content_text(msg: dict, where: str) -> str:
@@ -134,8 +156,12 @@ class Conversation:
         return sum(1 for m in self._seen if m[0] == "assistant")
 
     def _render(self, messages: list[dict], tools: Any) -> str:
-        return self.chat.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                 add_generation_prompt=True)
+        try:
+            return self.chat.tok.apply_chat_template(messages, tools=tools or None,
+                                                     tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the model's template refuses them (its raise_exception)
+            raise ContractError(f"the model's chat template cannot render these messages: "
+                                f"{type(e).__name__}: {e}"[:500]) from None
 
     def prompt(self, messages: Any, tools: Any = None) -> list[int]:
         """The ids to append before generating for ``messages`` (a whole request's)."""

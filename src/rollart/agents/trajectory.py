@@ -8,7 +8,10 @@ An env of type ``agent:pkg.module:function`` names an agent::
 give it to ``openai.AsyncOpenAI(base_url=..., api_key="-")`` or any OpenAI client);
 ``task`` is the env's ``args`` plus ``seed``, ``traj_id`` and ``env`` (the env's name). The
 agent returns its reward (a number), or ``{"reward": r, "success": bool}``, or None when the
-env's ``scorer`` scores the last reply. A plain (not async) function runs in a thread.
+env's ``scorer`` scores the last reply. A plain (not async) function runs on a thread of the
+EnvManager's :class:`AgentThreads` (``rollout.agent_threads``), never on asyncio's default
+executor: blocking agents there once held every thread that the policy loader, payload
+hashing and reward scoring wait for (issue 43).
 
 The trajectory is everything the agent asked its endpoint for (one turn per request, see
 :class:`~rollart.agents.conversation.Conversation`), trained like any other. Limits of the
@@ -31,9 +34,14 @@ Failures, as for env trajectories:
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import inspect
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -41,12 +49,89 @@ import msgspec
 from rollart import messages as m
 from rollart.actors.base import Reject
 from rollart.actors.trajectory import Cancelled, Trace, unless_cancelled
-from rollart.agents.conversation import ContractError, Conversation
+from rollart.agents.conversation import CHARS_PER_TOKEN, ContractError, Conversation, text_size
 from rollart.agents.endpoint import MODEL_NAME, EndpointError
 from rollart.aio import settle
 from rollart.envs.agent_type import resolve_agent
 
 log = logging.getLogger("rollart.actors.env_manager")
+
+INLINE_PROMPT_CHARS = 16384
+"""A request with more text than this is tokenised on the EnvManager's ``prompt_threads``,
+not on its event loop (~20 ms of a fast tokenizer at this size)."""
+
+
+class AgentThreads:
+    """The bounded pool of daemon threads that plain ``def`` agents run on, one pool per
+    EnvManager (which sizes it by ``rollout.agent_threads`` and closes it at teardown).
+
+    Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, and an agent
+    stuck in user code would then hold a stopping node until SIGKILL. A thread here is a
+    daemon; a cancelled caller stops waiting at once while its thread runs the agent to its
+    end (a thread cannot be interrupted), holding its slot until then, so at most ``size``
+    agents run and a hung one never takes more than its one thread. Threads start on demand
+    and stay for the next agent; :meth:`close` waits for none of them."""
+
+    def __init__(self, size: int, name: str) -> None:
+        if size < 1:
+            raise ValueError(f"AgentThreads needs at least one thread, got {size}")
+        self.size, self.name = size, name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        """Released by a thread each time it is free for the next job."""
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    @property
+    def threads(self) -> int:
+        """Threads started (at most ``size``)."""
+        return len(self._threads)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a thread of the pool (in the caller's context, as
+        :func:`asyncio.to_thread` runs it); waits for a free thread."""
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the agent threads are closed")
+        fut = asyncio.get_running_loop().create_future()
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        self._jobs.put((fut, call))
+        if not self._idle.acquire(blocking=False) and len(self._threads) < self.size:
+            t = threading.Thread(target=self._serve, name=f"{self.name}-{len(self._threads)}",
+                                 daemon=True)
+            self._threads.append(t)
+            t.start()
+        return await fut
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, call = job
+            if not fut.cancelled():  # nobody waits for a job cancelled before it started
+                try:
+                    res, err = call(), None
+                except BaseException as e:  # handed to the awaiting coroutine
+                    res, err = None, e
+                try:
+                    fut.get_loop().call_soon_threadsafe(_settle_future, fut, res, err)
+                except RuntimeError:  # the loop is closed: nobody is left to tell
+                    pass
+            del job, fut, call  # no reference to the agent's objects while idle
+            self._idle.release()
+
+    def close(self) -> None:
+        """Stop the threads once their current agent returns; waits for none of them."""
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _settle_future(fut: asyncio.Future, res: Any, err: BaseException | None) -> None:
+    if fut.done():  # the caller stopped waiting (its deadline, a cancel)
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(res)
+
 
 class AgentTrajectory:
     """One agent trajectory: the endpoint's session (:meth:`complete`) and its record."""
@@ -82,7 +167,7 @@ class AgentTrajectory:
 
     async def _complete(self, body: dict) -> dict:
         cfg, tr = self.cfg, self.tr
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):
             raise ContractError("n must be 1 (one reply per request)")
         cap = body.get("max_completion_tokens", body.get("max_tokens"))
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
@@ -98,7 +183,17 @@ class AgentTrajectory:
         if turn > cfg.max_turns:
             self._end(stop="max_turns")
             raise EndpointError(400, f"max_turns ({cfg.max_turns}) reached: this trajectory is over")
-        ids = self.conv.prompt(messages, tools)
+        size, most = text_size(messages, tools), cfg.max_context_tokens * CHARS_PER_TOKEN
+        if size > most:  # it cannot fit: refused by its size, never tokenised
+            self._end(stop="max_context")
+            raise EndpointError(400, f"the request's text ({size} characters) is more than "
+                                     f"max_context_tokens ({cfg.max_context_tokens}) can hold "
+                                     f"(at most {CHARS_PER_TOKEN} characters a token): this "
+                                     f"trajectory is over", "context_length_exceeded")
+        if size > INLINE_PROMPT_CHARS:
+            ids = await self.mgr.prompt_threads.run(self.conv.prompt, messages, tools)
+        else:
+            ids = self.conv.prompt(messages, tools)
         if len(tr.token_ids) + len(ids) >= cfg.max_context_tokens:
             self._end(stop="max_context")
             raise EndpointError(400, f"the conversation reached max_context_tokens "
@@ -188,7 +283,7 @@ async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
     if inspect.iscoroutinefunction(fn):
         agent = asyncio.ensure_future(fn(base_url, task))
     else:
-        agent = asyncio.ensure_future(asyncio.to_thread(fn, base_url, task))
+        agent = asyncio.ensure_future(mgr.agent_threads.run(fn, base_url, task))
     over = asyncio.ensure_future(traj.over.wait())
     stopped = asyncio.ensure_future(cancel.wait())
     timed_out = False
@@ -226,6 +321,9 @@ async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
     if not tr.turns and timed_out:
         raise Reject(f"agent_error: TimeoutError: no request to its endpoint within the "
                      f"trajectory's deadline ({cap:g} s: max_trajectory_s)")
+    if not tr.turns and stop == "max_context":
+        raise Reject(f"agent_contract: the agent's first request is longer than the env's "
+                     f"max_context_tokens ({cfg.max_context_tokens})")
     if not tr.turns:
         raise Reject("agent_contract: the agent made no request to its endpoint")
     if cfg.scorer:

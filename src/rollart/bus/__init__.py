@@ -11,6 +11,7 @@ from rollart.bus.base import (
     KVEntry,
     NoResponders,
     ObjectStore,
+    ObjectTooLarge,
     PullConsumer,
     Request,
     Retention,
@@ -20,6 +21,6 @@ from rollart.bus.base import (
 
 __all__ = [
     "Bus", "BusError", "BusTimeout", "ConsumerSpec", "Delivery", "DuplicateConflict", "KeyValue", "KVEntry",
-    "NoResponders", "ObjectStore", "PullConsumer", "Request", "Retention", "StreamSpec",
+    "NoResponders", "ObjectStore", "ObjectTooLarge", "PullConsumer", "Request", "Retention", "StreamSpec",
     "Subscription",
 ]

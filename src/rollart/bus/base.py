@@ -26,6 +26,11 @@ class NoResponders(BusError):
     """A request was sent to a subject nobody serves."""
 
 
+class ObjectTooLarge(BusError):
+    """An object read with ``max_bytes`` refused: the object is larger (by its info or by
+    the chunks that came), or a link, whose target's size the bound cannot cover."""
+
+
 class DuplicateConflict(BusError):
     """A publish whose msg id the stream already holds for *other* data (``seq``): someone
     else published under that id first, and the server's dedupe dropped this message."""
@@ -200,8 +205,10 @@ class ObjectStore(abc.ABC):
     async def put(self, name: str, data: bytes) -> None: ...
 
     @abc.abstractmethod
-    async def get(self, name: str) -> bytes:
-        """Raise ``KeyError`` when the object does not exist."""
+    async def get(self, name: str, *, max_bytes: int | None = None) -> bytes:
+        """Raise ``KeyError`` when the object does not exist. ``max_bytes``: refuse
+        (:class:`ObjectTooLarge`) an object larger than that before reading more of it, and
+        read it into one buffer of its size (a ``bytearray``), not chunks and a copy."""
 
     @abc.abstractmethod
     async def delete(self, name: str) -> None: ...
@@ -334,7 +341,10 @@ class Bus(abc.ABC):
     async def key_value(self, bucket: str) -> KeyValue: ...
 
     @abc.abstractmethod
-    async def object_store(self, bucket: str, *, ttl: float = 0.0) -> ObjectStore:
+    async def object_store(self, bucket: str, *, ttl: float = 0.0,
+                           max_bytes: int = 0) -> ObjectStore:
         """Object store ``bucket``, created when missing; ``ttl``: seconds an object created
         in a new bucket is kept (0: forever; an existing bucket keeps its own; MemoryBus keeps
-        every object while the process lives)."""
+        every object while the process lives); ``max_bytes``: bytes a new bucket may hold
+        (0: no limit; MemoryBus: none), past which a put is refused (the bucket keeps what it
+        has)."""

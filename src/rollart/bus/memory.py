@@ -348,7 +348,8 @@ class MemoryBus(Bus):
             kv = self._kv[bucket] = MemoryKV(self, bucket)
         return kv
 
-    async def object_store(self, bucket: str, *, ttl: float = 0.0) -> ObjectStore:
+    async def object_store(self, bucket: str, *, ttl: float = 0.0,
+                           max_bytes: int = 0) -> ObjectStore:
         self.check_connected()
         if not _BUCKET.fullmatch(bucket or ""):
             raise BusError(f"invalid bucket name {bucket!r}")

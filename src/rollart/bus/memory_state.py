@@ -12,7 +12,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from rollart.bus.base import BusError, KeyValue, KVEntry, ObjectStore
+from rollart.bus.base import BusError, KeyValue, KVEntry, ObjectStore, ObjectTooLarge
 from rollart.bus.subjects import check_subject, compile_matcher
 
 _KV_KEY = re.compile(r"[-/_=.a-zA-Z0-9]+")
@@ -116,12 +116,16 @@ class MemoryObjects(ObjectStore):
         self._bus.check_connected()
         self._blobs[name] = as_bytes(data)
 
-    async def get(self, name: str) -> bytes:
+    async def get(self, name: str, *, max_bytes: int | None = None) -> bytes:
         self._bus.check_connected()
         try:
-            return self._blobs[name]
+            blob = self._blobs[name]
         except KeyError:
             raise KeyError(name) from None
+        if max_bytes is not None and len(blob) > max_bytes:
+            raise ObjectTooLarge(f"object {name}: {len(blob)} bytes, larger than the "
+                                 f"{max_bytes} asked for")
+        return blob
 
     async def exists(self, name: str) -> bool:
         self._bus.check_connected()

@@ -147,8 +147,9 @@ class NatsBus(NatsConnection, Bus):
     async def key_value(self, bucket: str) -> KeyValue:
         return await open_key_value(self, bucket, self.replicas)
 
-    async def object_store(self, bucket: str, *, ttl: float = 0.0) -> ObjectStore:
-        return await open_object_store(self, bucket, self.replicas, ttl=ttl)
+    async def object_store(self, bucket: str, *, ttl: float = 0.0,
+                           max_bytes: int = 0) -> ObjectStore:
+        return await open_object_store(self, bucket, self.replicas, ttl=ttl, max_bytes=max_bytes)
 
     @property
     def max_payload(self) -> int:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import nats.errors
 import nats.js.errors
 
-from rollart.bus.base import BusError, BusTimeout, KVEntry, KeyValue, ObjectStore
+from rollart.bus.base import BusError, BusTimeout, KVEntry, KeyValue, ObjectStore, ObjectTooLarge
 from rollart.bus.nats_connection import NatsConnection, replicas_hint, translated
 
 log = logging.getLogger("rollart.bus.nats")  # one logger for every layer of the NATS bus
@@ -45,17 +45,18 @@ async def open_key_value(conn: NatsConnection, bucket: str, replicas: int) -> Na
 
 
 async def open_object_store(conn: NatsConnection, bucket: str, replicas: int,
-                            ttl: float = 0.0) -> NatsObjectStore:
-    """Object store ``bucket``, created with ``replicas`` copies (and objects kept ``ttl``
-    seconds, 0: forever) when missing."""
+                            ttl: float = 0.0, max_bytes: int = 0) -> NatsObjectStore:
+    """Object store ``bucket``, created with ``replicas`` copies (objects kept ``ttl``
+    seconds, 0: forever; at most ``max_bytes`` in all, 0: no limit) when missing."""
     js = conn._jetstream()
     with translated(f"object store {bucket}"):
         try:
             obs = await js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
             with replicas_hint(f"object store {bucket}", replicas):
-                obs = await js.create_object_store(bucket, replicas=replicas,
-                                                   **({"ttl": ttl} if ttl > 0 else {}))
+                obs = await js.create_object_store(
+                    bucket, replicas=replicas, **({"ttl": ttl} if ttl > 0 else {}),
+                    **({"max_bytes": int(max_bytes)} if max_bytes > 0 else {}))
     return NatsObjectStore(obs, bucket, conn)
 
 
@@ -143,16 +144,26 @@ class NatsObjectStore(ObjectStore):
         with translated(f"object put {self._bucket}/{name}"):
             await self._obs.put(name, data)
 
-    async def get(self, name: str) -> bytes:
-        """The object's bytes. Unlike nats-py's ``get``, which waits forever for a chunk that
-        never comes (an object deleted or replaced while it is read: a trainer with
+    async def get(self, name: str, *, max_bytes: int | None = None) -> bytes:
+        """The object's bytes. With ``max_bytes``, an object whose info announces more, or
+        a link, is refused before a chunk is read (:class:`ObjectTooLarge`), and the chunks
+        go into one buffer of the announced size: a chunk past it is refused too. Unlike
+        nats-py's ``get``, which waits forever for a chunk that never comes (an object deleted or replaced while it is read: a trainer with
         ``keep_weights: 1`` purges v1 as it publishes v2), a read that receives no chunk for
         ``stall_s`` stops: :class:`KeyError` if the object is gone or replaced meanwhile,
         else :class:`BusTimeout`. The digest is checked off the event loop."""
         what = f"object get {self._bucket}/{name}"
         with translated(what):
             info = await self._info(name)
-            if info.is_link() or not info.size:
+            if max_bytes is not None:
+                if info.is_link():
+                    raise ObjectTooLarge(f"{what}: a link, not an object (refused: a bound "
+                                         "was asked)")
+                if (info.size or 0) > max_bytes:
+                    raise ObjectTooLarge(f"{what}: the object's info says {info.size} bytes, "
+                                         f"larger than the {max_bytes} asked for")
+                buf = bytearray(info.size or 0)
+            elif info.is_link() or not info.size:
                 return (await self._obs.get(name)).data
             stall_s = self._bus.object_stall_s
             sub = await self._bus._jetstream().subscribe(f"$O.{self._bucket}.C.{info.nuid}",
@@ -168,12 +179,18 @@ class NatsObjectStore(ObjectStore):
                             raise KeyError(f"{name} (deleted or replaced while it was read)") from None
                         raise BusTimeout(f"{what}: no chunk for {stall_s:.1f}s after "
                                          f"{got} of {info.size} bytes") from None
-                    chunks.append(msg.data)
+                    if max_bytes is not None:
+                        if got + len(msg.data) > len(buf):
+                            raise ObjectTooLarge(f"{what}: chunks past the {len(buf)} bytes "
+                                                 "its info announces")
+                        buf[got:got + len(msg.data)] = msg.data
+                    else:
+                        chunks.append(msg.data)
                     got += len(msg.data)
             finally:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
-        data = b"".join(chunks)
+        data = buf if max_bytes is not None else b"".join(chunks)
         if not await asyncio.to_thread(_object_digest_ok, data, info.digest):
             raise BusError(f"{what}: the bytes read do not match the object's digest")
         return data

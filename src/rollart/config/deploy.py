@@ -142,6 +142,12 @@ class NodeConfig(Base):
     A value must hold every trajectory not yet covered by a trainer checkpoint: about
     ``checkpoint_every x batch_groups x group_size x`` the size of one ``rollout.completed``
     (~15 bytes per token: a 1,000-token trajectory is ~15 KB, a 64-trajectory step ~1 MB)."""
+    traj_store_max_bytes: int = 1 << 30
+    """Bytes the run's trajectory object store (``ROLLART_<run>_TRAJ``: completions too large
+    for one message, kept ``events_max_age``) may hold; past it a put is refused, so a writer
+    cannot fill the server's disk (the refusal names this setting). nats-server reserves it
+    from its store when the bucket is made (at the run's first such completion); at least
+    64 MiB (one payload at most). A bucket that exists keeps its own limit."""
     bus_outage_max: float = 600.0
     """Seconds a node keeps trying to reconnect to a nats-server it lost; past that it drains
     and stops with one message naming the server (``python -m rollart.node`` and ``rollart run``
@@ -181,6 +187,9 @@ class NodeConfig(Base):
                              f"({3 * self.heartbeat_every:g}) (it is {self.stuck_after:g})")
         in_range(self, "node.", "stream_replicas", ge=1, le=5)
         _check_local_processes(self.local_processes)
+        if self.traj_store_max_bytes < 64 << 20:
+            raise ValueError(f"node.traj_store_max_bytes must be >= {64 << 20} bytes (64 MiB, "
+                             f"one payload at most) (it is {self.traj_store_max_bytes!r})")
         for name, low, unit in (("events_max_age", 60, "seconds"),
                                 ("events_max_bytes", 1024**2, "bytes (1048576: 1 MiB, one message)")):
             v = getattr(self, name)

@@ -211,6 +211,27 @@ class RolloutConfig(Base):
     """Address the OpenAI-compatible endpoint of agent envs (``type: agent:pkg.module:fn``)
     listens on, one per EnvManager on a free port (the agents run in the EnvManager's
     process, so loopback serves them)."""
+    agent_threads: int | None = None
+    """Threads that run plain ``def`` agents (``async def`` ones run on the event loop), a
+    pool the EnvManager owns, apart from asyncio's default executor that policy loading,
+    payload hashing and reward scoring use; an agent beyond it waits for a free thread, and
+    its wait counts against its deadline. None: ``concurrency`` (every running trajectory's
+    agent at once)."""
+    agent_max_connections: int | None = None
+    """Connections the agent endpoint holds at most. Past it, a new connection closes the
+    oldest one that has no request in progress (an idle or half-sent one), or is itself
+    closed when every one has; None: ``4 * concurrency + 64``."""
+    agent_request_timeout: float = 30.0
+    """Seconds an agent's connection may take to send a request head, from when it opened or
+    its previous response ended (bytes trickling in do not extend it; then it is closed),
+    and again its body (then it is answered 408): a slow or idle client holds a connection
+    no longer."""
+    agent_max_request_bytes: int = 4 << 20
+    """Largest request body the agent endpoint reads (4 MiB); a larger one is answered 413
+    from its ``Content-Length`` before any of it is read (or once a chunked body passes
+    it), and the trajectory is dead-lettered as ``agent_contract``. A conversation's text
+    must also fit 16 characters per token of ``max_context_tokens`` before it is tokenised
+    (else it ends as ``max_context``)."""
     ack_wait: float = 30.0
     """Seconds before an abandoned trajectory is redelivered (heartbeats hold live ones)."""
     max_trajectory_s: float | None = None
@@ -262,6 +283,9 @@ class RolloutConfig(Base):
         in_range(self, "rollout.", "generate_timeout service_wait ack_wait max_trajectory_s", gt=0)
         in_range(self, "rollout.", "replica_timeout", ge=0)
         in_range(self, "rollout.", "inline_max_bytes", ge=0)
+        in_range(self, "rollout.", "agent_threads agent_max_connections", ge=1)
+        in_range(self, "rollout.", "agent_max_request_bytes", ge=1024)
+        in_range(self, "rollout.", "agent_request_timeout", gt=0)
 
 
 class ProxyConfig(Base):
@@ -366,18 +390,32 @@ class SyncConfig(Base):
     anchor_every: int = 8
     """``stream``: a full version every this many versions (a replica that lost track
     starts from the newest anchor)."""
-    host: str = "0.0.0.0"
-    """``trainer.weights: tcp``: the address the trainer's weight server listens on."""
+    host: str = ""
+    """``trainer.weights: tcp``: the address the trainer's weight server listens on ("": the
+    address it advertises, ``advertise``; ``0.0.0.0``: every interface, only when asked)."""
     port: int = 0
     """``trainer.weights: tcp``: its port (0: any free port; the version's URI says which)."""
     advertise: str = ""
     """``trainer.weights: tcp``: the address generators reach the server at ("": this host's
     address on the route to the NATS server, 127.0.0.1 when that server is local)."""
+    max_connections: int = 64
+    """``trainer.weights: tcp``: connections the weight server serves at once; the next are
+    answered ``busy`` (a generator asks again), so no peer holds a thread per connection."""
+    max_bucket_mb: float | None = None
+    """``stream``: the largest bucket (MiB of tensor data) a generator accepts from a
+    manifest, checked before it allocates anything (None: twice ``bucket_mb``)."""
+    max_version_gb: float = 1024.0
+    """``stream``: the largest version (GiB of tensors) a generator accepts from a manifest,
+    checked before it stages a byte."""
 
     def __post_init__(self) -> None:
         in_range(self, "trainer.sync.", "bucket_mb", gt=0)
         in_range(self, "trainer.sync.", "anchor_every", ge=1)
         in_range(self, "trainer.sync.", "port", ge=0, le=65535)
+        in_range(self, "trainer.sync.", "max_connections", ge=1)
+        in_range(self, "trainer.sync.", "max_version_gb", gt=0)
+        if self.max_bucket_mb is not None:
+            in_range(self, "trainer.sync.", "max_bucket_mb", ge=self.bucket_mb)
 
 
 class TrainerConfig(Base):

@@ -27,21 +27,25 @@ the server; default ``$ROLLART_SGLANG_PYTHON`` or this one), ``startup_timeout_s
 (where weight updates are staged; a temporary folder by default; it must be visible to the
 server, so an attached server on another host needs a shared path), ``env`` (extra
 environment of the server process), ``check_logprobs`` (true: probe the log-prob semantics
-at start), ``log_file`` (the launched server's output; default
-``rollart-sglang-server-<port>.log`` in ``weights_dir`` or the system's temporary folder,
-kept after close).
+and ``logit_bias`` support at start), ``log_file`` (the launched server's output, private
+to its user; default ``rollart-sglang-server-<port>.log`` in ``weights_dir`` or the
+system's temporary folder, kept after close), ``api_key`` (an attached server's ``--api-key``; default
+``$ROLLART_SGLANG_API_KEY``; refused for a launched server, whose key the engine makes).
 Every other key is a server flag: ``mem_fraction_static: 0.5`` -> ``--mem-fraction-static
 0.5``, ``disable_cuda_graph: true`` -> ``--disable-cuda-graph`` (false/null: left out), a
 list -> the flag followed by its items. The engine always passes ``--model-path``,
 ``--host``, ``--port``, ``--skip-tokenizer-init`` (token ids in, token ids out) and
-``--enable-custom-logit-processor`` (constrained turns); ``--random-seed`` is the engine's
+``--api-key`` (a fresh key per launch, handed over in the environment, sent on every
+request: no other process may call the server); ``--enable-custom-logit-processor`` is
+refused (it lets any client run code, see :mod:`~rollart.engines.sglang_server`);
+``--random-seed`` is the engine's
 seed unless given; ``--attention-backend triton`` is added for a head size FlashInfer lacks
 (not 64, 128 or 256: the tiny test models) unless given.
 
 Where the rest lives (each module's docstring lists the SGLang API facts it relies on):
 
 - :mod:`~rollart.engines.sglang_protocol`: the ``/generate`` bodies, the parsing of the
-  answers, the custom logit processor, the log-prob semantics;
+  answers, the logit bias of constrained steps, the log-prob semantics;
 - :mod:`~rollart.engines.sglang_requests`: the engine's HTTP calls (abortable
   ``/generate`` calls, free and constrained rows);
 - :mod:`~rollart.engines.sglang_server`: the server process (command line, launch, health
@@ -66,6 +70,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -85,9 +90,10 @@ from .base import (
     GenInput,
     GenOutput,
 )
-from .sglang_protocol import check_input, probe_payload, probe_spread
+from .sglang_protocol import allowed_bias, check_input, probe_payload, probe_spread
 from .sglang_requests import ReqState, SglangRequests
 from .sglang_server import (
+    API_KEY_ENV,
     free_port,
     kill_server,
     require_sglang,
@@ -106,7 +112,7 @@ AIOHTTP_HINT = ("proxy.engine sglang needs aiohttp on the client side: "
                 "pip install 'rollart[sglang]'")
 
 ENGINE_KEYS = ("url", "python", "startup_timeout_s", "request_timeout_s", "max_connections",
-               "weights_dir", "env", "check_logprobs", "log_file")
+               "weights_dir", "env", "check_logprobs", "log_file", "api_key")
 """``engine_args`` keys the engine reads; every other key is a server flag."""
 
 
@@ -135,6 +141,18 @@ class SglangEngine(SglangRequests, AsyncEngine):
         self.server_env = {str(k): str(v) for k, v in dict(args.pop("env", None) or {}).items()}
         self.check_logprobs = bool(args.pop("check_logprobs", True))
         self._log_file = args.pop("log_file", None)
+        key = args.pop("api_key", None)
+        if key and self.url is None:
+            raise ValueError("proxy.engine_args.api_key is for an attached server (url): a "
+                             "launched server gets a fresh key from the engine")
+        if not key and self.url:
+            key = os.environ.get(API_KEY_ENV)
+        self._api_key: str | None = str(key) if key else None
+        """The server's API key, sent as ``Authorization: Bearer``: made per launch (see
+        :mod:`~rollart.engines.sglang_server`), or an attached server's."""
+        self.logit_bias_ok: bool | None = None
+        """Whether the server honours ``logit_bias`` (probed at start; False: constrained
+        rows are refused, the server is older than SGLang 0.4.7)."""
         self.server_args = args
         if self.url is None:  # refuse bad flags now, not after minutes of start-up
             server_command(self.model_dir, port=0, args=args)
@@ -193,12 +211,15 @@ class SglangEngine(SglangRequests, AsyncEngine):
             self._work.mkdir(parents=True, exist_ok=True)
             if self.url is None:
                 await self._launch()
+            auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=30))
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=30),
+                headers=auth)
             await wait_ready(self._session, aiohttp, self.url,
                              startup_timeout_s=self.startup_timeout_s, proc=self._proc,
-                             command=self.command, log_path=self.log_path)
+                             command=self.command, log_path=self.log_path,
+                             secret=self._api_key)
             with contextlib.suppress(Exception):
                 info = await self._get_json("/get_server_info", timeout=30)
                 self.server_version = str(info.get("version")) if info.get("version") else None
@@ -207,6 +228,13 @@ class SglangEngine(SglangRequests, AsyncEngine):
                     self.raw_logprobs = await self._probe_logprobs()
                 except (RuntimeError, ValueError) as e:  # e.g. no token_ids_logprob (old)
                     log.warning("sglang log-prob probe failed, semantics unknown: %s", e)
+                try:
+                    self.logit_bias_ok = await self._probe_logit_bias()
+                except (RuntimeError, ValueError) as e:
+                    log.warning("sglang logit_bias probe failed: %s", e)
+                if self.logit_bias_ok is False:
+                    log.warning("the SGLang server at %s ignores logit_bias (SGLang < 0.4.7): "
+                                "constrained turns (choices) are refused", self.url)
         except BaseException:
             await self.close()
             raise
@@ -216,6 +244,7 @@ class SglangEngine(SglangRequests, AsyncEngine):
     async def _launch(self) -> None:
         """Start the server (``self.command``) on a free port; :meth:`start` waits for it."""
         await require_sglang(self.python)
+        self._api_key = secrets.token_urlsafe(32)
         port = free_port()
         self.command = server_command(self.model_dir, port=port, seed=self.seed,
                                       args=self.server_args, python=self.python,
@@ -230,7 +259,7 @@ class SglangEngine(SglangRequests, AsyncEngine):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting the SGLang server: %s (log: %s)", " ".join(self.command),
                  self.log_path)
-        self._proc = spawn_server(self.command, self.log_path, self.server_env)
+        self._proc = spawn_server(self.command, self.log_path, self.server_env, self._api_key)
 
     async def _probe_logprobs(self) -> bool | None:
         """Greedy vs T = 0.25 log-probs of the same first step: equal when the server
@@ -255,6 +284,19 @@ class SglangEngine(SglangRequests, AsyncEngine):
             return False
         return None
 
+    async def _probe_logit_bias(self) -> bool:
+        """One greedy step biased towards two tokens the unbiased greedy step does not
+        pick: whether the answer is one of them."""
+        free = await self._post_json("/generate", probe_payload(
+            self.vocab_size, 0.0, f"rollart-probe-{uuid.uuid4().hex[:12]}"), timeout=120)
+        picked = int((free.get("output_ids") or [0])[0])
+        vocab = int(self.vocab_size or 32)
+        allowed = [t for t in (vocab - 1, vocab - 2, vocab - 3) if t != picked][:2]
+        body = probe_payload(self.vocab_size, 0.0, f"rollart-probe-{uuid.uuid4().hex[:12]}")
+        body["sampling_params"]["logit_bias"] = allowed_bias(allowed)
+        got = (await self._post_json("/generate", body, timeout=120)).get("output_ids") or []
+        return bool(got) and int(got[0]) in allowed
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -276,6 +318,9 @@ class SglangEngine(SglangRequests, AsyncEngine):
     async def generate(self, inp: GenInput, request_id: str) -> GenOutput:
         check_input(inp, vocab_size=self.vocab_size, raw_logprobs=self.raw_logprobs,
                     url=self.url)
+        if inp.choices is not None and self.logit_bias_ok is False:
+            raise ValueError(f"the SGLang server at {self.url} ignores logit_bias (SGLang < "
+                             "0.4.7), which constrained turns (choices) need: upgrade it")
         if self._session is None:
             raise RuntimeError("the sglang engine is not started (or closed)")
         if request_id in self._reqs:

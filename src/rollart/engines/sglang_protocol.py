@@ -4,8 +4,8 @@ Pure translation, standard library only (no I/O, no torch, no aiohttp): the
 ``/generate`` bodies of free rows and of constrained steps (:func:`generate_payload`,
 :func:`choice_step_payload`), the parsing of the answers (:func:`parse_generate_response`,
 :func:`parse_choice_step`), the renormalisation of a constrained step's log-prob over the
-allowed tokens (:func:`renormalized_logprob`), the custom logit processor and its
-serialisation (:func:`processor_string`, :func:`build_processor`), the checks of an input
+allowed tokens (:func:`renormalized_logprob`), the logit bias that keeps a constrained step
+to its allowed tokens (:func:`allowed_bias`), the checks of an input
 before it is sent (:func:`check_input`), the log-prob semantics probe's requests
 (:func:`probe_payload`, :func:`probe_spread`) and the text of SGLang's error bodies
 (:func:`error_text`). :class:`~rollart.engines.sglang_engine.SglangEngine` does the I/O.
@@ -14,8 +14,8 @@ SGLang API facts this relies on (``python/sglang/srt``, SGLang 0.4.x-0.5.x)
 -----------------------------------------------------------------------
 - ``POST /generate`` (``entrypoints/http_server.py``) with a ``GenerateReqInput``
   (``managers/io_struct.py``): ``input_ids``, ``rid``, ``sampling_params`` (``temperature``
-  (0 = greedy), ``top_p``, ``max_new_tokens``, ``stop_token_ids``, ``custom_params``),
-  ``return_logprob``, ``token_ids_logprob``, ``custom_logit_processor``. With
+  (0 = greedy), ``top_p``, ``max_new_tokens``, ``stop_token_ids``, ``logit_bias``),
+  ``return_logprob``, ``token_ids_logprob``. With
   ``--skip-tokenizer-init`` the answer is ``{"output_ids": [...], "meta_info": {...}}``;
   ``meta_info.output_token_logprobs`` is one ``[logprob, token_id, text|null]`` per output
   token, ``meta_info.output_token_ids_logprobs`` one list of such triples (the requested
@@ -24,8 +24,8 @@ SGLang API facts this relies on (``python/sglang/srt``, SGLang 0.4.x-0.5.x)
   aborted before prefill answers with no ``output_ids``; one aborted while running answers
   with the tokens it has. A stop or eos token is in ``output_ids``. Invalid requests answer
   HTTP 400 with ``{"message": ...}`` or ``{"error": {"message": ...}}``.
-- Log-probs (``layers/sampler.py``): the custom logit processor runs first, then the
-  returned log-probs are ``log_softmax(logits / T)`` (the temperature-scaled, processed
+- Log-probs (``layers/sampler.py``): the logit bias is added first (float32 logits), then
+  the returned log-probs are ``log_softmax(logits / T)`` (the temperature-scaled, processed
   distribution) unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
   (``RETURN_ORIGINAL_LOGPROB`` in older versions), which returns ``log_softmax(logits)``
   of the processed logits before the temperature; greedy rows always get the latter; top-p
@@ -34,33 +34,32 @@ SGLang API facts this relies on (``python/sglang/srt``, SGLang 0.4.x-0.5.x)
   vs T = 0.25 on one prompt): where the server returns scaled log-probs (an attached
   server started without the variable) only T = 1 and greedy rows are served, others are
   refused (``ValueError``).
-- Custom logit processors (``sampling/custom_logit_processor.py``, with
-  ``--enable-custom-logit-processor``): ``custom_logit_processor`` is
-  ``json.dumps({"callable": <hex of a dill pickle of a class>})``; the server unpickles it
-  (``dill.loads``, cached per string), instantiates it and calls
-  ``instance(logits[rows], [custom_params of each row])``. The processor here is a plain
-  class built by ``exec`` of its source from a standard pickle (``builtins.eval`` of a
-  small expression), so neither dill nor sglang nor rollart is needed to build it, and the
-  server needs no rollart to run it.
+- ``sampling_params.logit_bias`` (``{"<token id>": bias}``, SGLang >= 0.4.7; older servers
+  ignore it) is added to the row's float32 logits before sampling and log-probs
+  (``sampling/sampling_batch_info.py``, ``apply_logits_bias``). A constrained step biases
+  its allowed tokens by :data:`ALLOWED_BIAS`: every other token becomes ``exp(-1000)``
+  times as likely as it was, nothing in practice, and a constant added to all allowed
+  tokens changes neither their sampling distribution nor their renormalised log-probs (up
+  to the float32 rounding of ``logit + 1000``, ~3e-5). A step that still picks another
+  token is refused (:func:`parse_choice_step`).
+- Not used: custom logit processors (``--enable-custom-logit-processor``): the server
+  unpickles (``dill.loads``) a class from any request's ``custom_logit_processor`` field,
+  so that flag lets every client that reaches the port run code on the GPU host. rollart
+  never passes it and refuses it in ``proxy.engine_args``.
 """
 
 from __future__ import annotations
 
-import builtins
-import functools
 import json
 import math
-import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .base import GenInput, validate_choices
 
 __all__ = [
-    "PROCESSOR_CLASS",
-    "PROCESSOR_SOURCE",
-    "processor_string",
-    "build_processor",
+    "ALLOWED_BIAS",
+    "allowed_bias",
     "allowed_next",
     "is_complete_choice",
     "check_input",
@@ -77,56 +76,16 @@ __all__ = [
 
 
 # ======================================================================================
-# The custom logit processor (constrained turns)
+# Constrained turns: a logit bias over the allowed tokens
 # ======================================================================================
-PROCESSOR_CLASS = "RollartAllowedTokens"
-PROCESSOR_SOURCE = '''
-class RollartAllowedTokens:
-    """rollart: keep only custom_params["allowed"] (token ids) of each row; rows without
-    it are left as they are. Built by rollart.engines.sglang_engine."""
-
-    def __call__(self, logits, custom_param_list=None):
-        import torch
-
-        for i, params in enumerate(custom_param_list or ()):
-            allowed = (params or {}).get("allowed") if hasattr(params, "get") else None
-            if allowed is None:
-                continue
-            idx = torch.as_tensor(list(allowed), dtype=torch.long, device=logits.device)
-            keep = logits[i].index_select(0, idx)
-            logits[i].fill_(float("-inf"))
-            logits[i].index_copy_(0, idx, keep)
-        return logits
-'''
+ALLOWED_BIAS = 1000.0
+"""Added to each allowed token's logit (see the module docstring)."""
 
 
-class _BuildFromSource:
-    """Pickles as ``builtins.eval(expr, {})``, whose value is the class ``PROCESSOR_SOURCE``
-    defines (``exec`` in a fresh namespace): a standard pickle that ``pickle.loads`` and
-    ``dill.loads`` both turn into the class, with no import of rollart."""
-
-    def __init__(self, source: str, name: str) -> None:
-        self.source, self.name = source, name
-
-    def __reduce__(self):
-        expr = (f"(lambda ns: (exec({self.source!r}, ns), ns[{self.name!r}])[1])"
-                f"({{'__name__': 'rollart_sglang_processor'}})")
-        return (builtins.eval, (expr, {}))
-
-
-@functools.lru_cache(maxsize=None)
-def processor_string() -> str:
-    """The ``custom_logit_processor`` field: SGLang's ``CustomLogitProcessor.to_str()``
-    format, ``{"callable": <hex pickle of the class>}``."""
-    blob = pickle.dumps(_BuildFromSource(PROCESSOR_SOURCE, PROCESSOR_CLASS), protocol=4)
-    return json.dumps({"callable": blob.hex()})
-
-
-def build_processor(serialized: str | None = None, *, loads=pickle.loads):
-    """What the server does with the field (``CustomLogitProcessor.from_str``): the
-    processor instance. ``loads`` is ``dill.loads`` on the server."""
-    data = json.loads(serialized or processor_string())
-    return loads(bytes.fromhex(data["callable"]))()
+def allowed_bias(allowed: Iterable[int]) -> dict[str, float]:
+    """``sampling_params.logit_bias`` of a constrained step: each allowed token id (a string
+    key, as SGLang takes it) with :data:`ALLOWED_BIAS`."""
+    return {str(int(t)): ALLOWED_BIAS for t in allowed}
 
 
 def allowed_next(choices: Iterable[Sequence[int]], prefix: Sequence[int]) -> list[int]:
@@ -193,10 +152,10 @@ def choice_step_payload(inp: GenInput, rid: str, prefix: Sequence[int],
     ``prompt + prefix``, among ``allowed``."""
     allowed = [int(t) for t in allowed]
     sp = {"max_new_tokens": 1, "temperature": _temperature(inp), "top_p": float(inp.top_p),
-          "custom_params": {"allowed": allowed}}
+          "logit_bias": allowed_bias(allowed)}
     return {"rid": rid, "input_ids": [int(t) for t in (*inp.prompt_ids, *prefix)],
             "sampling_params": sp, "return_logprob": True, "token_ids_logprob": allowed,
-            "custom_logit_processor": processor_string(), "stream": False}
+            "stream": False}
 
 
 def probe_payload(vocab_size: int | None, temperature: float, rid: str) -> dict:
@@ -282,8 +241,8 @@ def parse_choice_step(resp: Mapping[str, Any], allowed: Sequence[int]
     tok = ids[0]
     if tok not in set(int(a) for a in allowed):
         raise RuntimeError(
-            f"sglang picked token {tok}, not one of the allowed {list(allowed)[:8]}: the custom "
-            "logit processor was not applied (the server needs --enable-custom-logit-processor)")
+            f"sglang picked token {tok}, not one of the allowed {list(allowed)[:8]}: the logit "
+            "bias was not applied (SGLang before 0.4.7 ignores sampling_params.logit_bias)")
     pairs = ((resp.get("meta_info") or {}).get("output_token_ids_logprobs") or [None])[0]
     lp = renormalized_logprob(tok, pairs) if pairs else lps[0]
     return tok, lp, finish

@@ -15,15 +15,13 @@ it until the request returns.
 Constrained turns (``choices``)
 -------------------------------
 One token per request: each step sends the prompt plus the prefix chosen so far with
-``max_new_tokens: 1``, the processor masking every token but those that continue some
-still-possible choice (``custom_params.allowed``), and ``token_ids_logprob`` = those tokens.
-The reported log-prob is renormalised over them from ``output_token_ids_logprobs``
-(``logprob[t] - logsumexp(logprob[allowed])``: exact for the T = 1 distribution whether or
-not the mask reached the log-probs). A step with a single allowed token sends nothing
-(log-prob 0). Per-step requests keep the mask a function of the request alone: a processor
-that reads the request's generated tokens (``custom_params["__req__"].output_ids``) could
-see them one step late under the overlap scheduler. The radix cache makes each step's
-prefill a cache hit.
+``max_new_tokens: 1``, a logit bias over the tokens that continue some still-possible
+choice (:func:`~rollart.engines.sglang_protocol.allowed_bias`: the others become
+negligible), and ``token_ids_logprob`` = those tokens. The reported log-prob is renormalised
+over them from ``output_token_ids_logprobs`` (``logprob[t] - logsumexp(logprob[allowed])``:
+exact for the T = 1 distribution whether or not the bias reached the log-probs). A step with
+a single allowed token sends nothing (log-prob 0). Per-step requests keep the constraint a
+function of the request alone. The radix cache makes each step's prefill a cache hit.
 """
 
 from __future__ import annotations

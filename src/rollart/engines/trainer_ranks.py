@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rollart.algos.losses import LossConfig
+from rollart.engines import checkpoint_codec
 from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, as_loss_config
 from rollart.procs import describe_exit
 from rollart.errors import TrainStepFailed
@@ -69,7 +70,8 @@ class RankFailed(TrainStepFailed):
 
 class _Command(msgspec.Struct, array_like=True):
     kind: str
-    """``step``, ``load`` (a checkpoint's state, ``torch.save`` bytes), ``ping`` or ``stop``."""
+    """``step``, ``load`` (a checkpoint's state, :func:`rollart.engines.checkpoint_codec.dumps`
+    bytes), ``ping`` or ``stop``."""
     samples: list[TrainSample] = []
     loss: LossConfig | None = None
     state: bytes = b""
@@ -220,15 +222,12 @@ class RankedTrainBackend(TorchTrainBackend):
         super().load_checkpoint_state(state)
         if self.rank != 0:
             return
-        import io
-
-        buf = io.BytesIO()
-        torch.save({k: state[k] for k in ("model", "optimizer", "scheduler", "version", "lora")
-                    if k in state}, buf)
+        data = checkpoint_codec.dumps({k: state[k] for k in ("model", "optimizer", "scheduler",
+                                                             "version", "lora") if k in state})
         with self._lock:
             self._usable()
             try:
-                self._broadcast_command(_Command("load", state=buf.getvalue()))
+                self._broadcast_command(_Command("load", state=data))
             except Exception as e:  # noqa: BLE001
                 raise self._fail(self._why(e, "loading the checkpoint")) from None
 
@@ -321,9 +320,11 @@ class RankedTrainBackend(TorchTrainBackend):
             if cmd.kind == "ping":
                 continue
             if cmd.kind == "load":
-                import io
-
-                state = torch.load(io.BytesIO(cmd.state), weights_only=True)
+                try:  # safetensors and msgspec: nothing in it is unpickled
+                    state = checkpoint_codec.loads(cmd.state, what="rank 0's checkpoint state")
+                except checkpoint_codec.CheckpointRefused as e:
+                    log.error("rank %d: %s", self.rank, e)
+                    return 1
                 state["rng"] = {"torch": torch.get_rng_state(), "python": _py_rng()}
                 TorchTrainBackend.load_checkpoint_state(self, state)
                 log.info("rank %d: loaded rank 0's checkpoint state (version %d)", self.rank, self.version)

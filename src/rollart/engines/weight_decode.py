@@ -16,10 +16,12 @@ import xxhash
 from .weight_files import DTYPE_BYTES
 from .weight_staging import BaseReader, StagedFile, retire
 from .weight_stream import (
+    DEFAULT_LIMITS,
     BucketEntry,
     Buffers,
     Manifest,
     StreamError,
+    StreamLimits,
     manifest_name,
     read_manifest,
 )
@@ -69,10 +71,11 @@ def _targets(out: np.ndarray, b: BucketEntry, man: Manifest):
 def _decode_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, base: BaseReader | None,
                    start: int, writer: StagedFile, dctx: Any, bufs: _DecodeBuffers) -> None:
     what = f"v{man.version} bucket {j} ({b.name})"
-    got = xxhash.xxh3_128_hexdigest(wire)
-    if len(wire) != b.wire or got != b.xxh3:
-        raise StreamError(f"{what}: {len(wire)} bytes with xxh3 {got}, the manifest says "
-                          f"{b.wire} bytes with xxh3 {b.xxh3}")
+    # what was read is not named (its size, its hash): the refusal is published
+    # (policy.loaded), and a manifest must not learn anything of a file it names
+    if len(wire) != b.wire or xxhash.xxh3_128_hexdigest(wire) != b.xxh3:
+        raise StreamError(f"{what}: the bytes stored do not match the manifest's {b.wire} bytes "
+                          f"with xxh3 {b.xxh3} (damaged, or replaced)")
     if b.codec == "raw":
         if base is not None:
             raise StreamError(f"{what}: a raw bucket in a delta")
@@ -105,13 +108,26 @@ def _decode_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, base: BaseR
     writer.write(out)
 
 
+def _check_stage(stage: Path) -> None:
+    """``StreamError`` unless ``stage`` is a folder itself, not a link to one (a version is
+    staged only where its holder made its staging folder)."""
+    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
+        raise StreamError(f"the staging folder {stage} is a link or not a folder")
+
+
 async def apply_manifest(blobs: Any, man: Manifest, stage: Path, base: Assembled | None,
                          *, suffix: str = "") -> tuple[Assembled, int]:
     """Fetch ``man``'s buckets one by one and stage the version (over ``base`` for a delta);
-    returns it and the wire bytes fetched. ``StreamError`` names the bucket or digest."""
+    returns it and the wire bytes fetched. ``StreamError`` names the bucket or digest.
+    ``man`` is a checked manifest (:func:`read_manifest`): its digest is hex, its names
+    plain, its sizes within the caps; each bucket is read up to its manifest size only."""
     import zstandard
 
+    manifest_name(man.version, man.digest)  # StreamError unless the digest is hex
     final = stage / f"v{man.version:06d}-{man.digest.rsplit(':', 1)[-1][:16]}{suffix}.safetensors"
+    if final.parent != stage:
+        raise StreamError(f"v{man.version}: the staged file would not be in the staging folder")
+    await asyncio.to_thread(_check_stage, stage)
     what = f"v{man.version}"
     reader = None
     if man.kind == "delta":
@@ -126,7 +142,7 @@ async def apply_manifest(blobs: Any, man: Manifest, stage: Path, base: Assembled
     try:
         for j, b in enumerate(man.buckets):
             try:
-                wire = await blobs.get(b.name)
+                wire = await blobs.get(b.name, max_bytes=b.wire)
             except KeyError:
                 raise StreamError(f"{what} bucket {j} ({b.name}) is missing from {blobs.where}") from None
             fetched += len(wire)
@@ -147,16 +163,18 @@ async def apply_manifest(blobs: Any, man: Manifest, stage: Path, base: Assembled
 
 
 async def assemble_version(blobs: Any, name: str, stage: str | os.PathLike, *,
-                           base: Assembled | None, digest: str) -> tuple[Assembled, dict[str, Any]]:
+                           base: Assembled | None, digest: str,
+                           limits: StreamLimits = DEFAULT_LIMITS) -> tuple[Assembled, dict[str, Any]]:
     """Stage the version whose manifest is ``name`` in ``stage`` and return it with stats
     (``path``: ``full``, ``delta`` or ``chain``; ``manifests``, ``wire_bytes``).
 
     An anchor is applied alone; a delta over ``base`` when it is the delta's parent; else
     (or when that fails) by walking the parents back to the newest anchor and applying
     them in order. Intermediate versions are deleted; ``base`` is the caller's to keep.
-    ``StreamError`` says why each way failed; nothing is staged then."""
+    ``StreamError`` says why each way failed; nothing is staged then. Every manifest read
+    is checked against ``limits`` before a bucket is fetched."""
     stage = Path(stage)
-    man = await read_manifest(blobs, name)
+    man = await read_manifest(blobs, name, limits)
     if man.digest != digest:
         raise StreamError(f"manifest {name} is of digest {man.digest}, the published one is {digest}")
     if man.kind == "full":
@@ -177,16 +195,17 @@ async def assemble_version(blobs: Any, name: str, stage: str | os.PathLike, *,
     starts = ([base] if base is not None and not reasons[0].startswith("delta") else []) + [None]
     for start in starts:
         try:
-            got, info = await _apply_chain(blobs, man, stage, start)
+            got, info = await _apply_chain(blobs, man, stage, start, limits)
             return got, info
         except StreamError as e:
             reasons.append(f"the chain from {f'the loaded v{start.version}' if start else f'anchor v{man.anchor}'}: {e}")
     raise StreamError(f"cannot assemble version {man.version} ({name}): " + "; ".join(reasons))
 
 
-async def _apply_chain(blobs: Any, man: Manifest, stage: Path,
-                       start: Assembled | None) -> tuple[Assembled, dict[str, Any]]:
-    """Walk ``man``'s parents back to ``start`` (None: to the anchor) and apply them in order."""
+async def _apply_chain(blobs: Any, man: Manifest, stage: Path, start: Assembled | None,
+                       limits: StreamLimits) -> tuple[Assembled, dict[str, Any]]:
+    """Walk ``man``'s parents back to ``start`` (None: to the anchor) and apply them in order
+    (each parent is of an earlier version, :func:`check_manifest`: the walk ends)."""
     chain = [man]
     while chain[-1].kind == "delta":
         cur = chain[-1]
@@ -196,7 +215,7 @@ async def _apply_chain(blobs: Any, man: Manifest, stage: Path,
             raise StreamError(f"v{start.version} is not on the chain of v{man.version}")
         pname = manifest_name(cur.parent_version or 0, cur.parent_digest)
         try:
-            parent = await read_manifest(blobs, pname)
+            parent = await read_manifest(blobs, pname, limits)
         except StreamError as e:
             raise StreamError(f"incomplete: v{cur.parent_version} (parent of v{cur.version}): {e}") from None
         if parent.digest != cur.parent_digest or parent.version != cur.parent_version:

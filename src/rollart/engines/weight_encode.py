@@ -19,6 +19,7 @@ import xxhash
 from .weight_files import DTYPE_BYTES
 from .weight_staging import BaseReader, StagedFile, byte_planes, changed_elements
 from .weight_stream import (
+    DEFAULT_LIMITS,
     SERVING_DTYPES,
     ZSTD_LEVEL,
     BucketEntry,
@@ -26,6 +27,7 @@ from .weight_stream import (
     Manifest,
     Span,
     StreamError,
+    StreamLimits,
     StreamStats,
     TensorSpec,
     manifest_name,
@@ -180,7 +182,9 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
     if await blobs.exists(mname):  # the same tensors published before (a resume): keep that one
         for n in written:
             await blobs.delete(n)
-        return await read_manifest(blobs, mname), mname
+        own = StreamLimits(bucket_bytes=max(int(bucket_bytes), DEFAULT_LIMITS.bucket_bytes),
+                           version_bytes=2**62)  # the trainer's own manifest: its own bounds
+        return await read_manifest(blobs, mname, own), mname
     await blobs.put(mname, msgspec.json.encode(man))  # the commit point
     return man, mname
 

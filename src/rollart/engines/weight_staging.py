@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,32 @@ def retire(path: str | os.PathLike) -> None:
     p = Path(path)
     with contextlib.suppress(FileNotFoundError):
         os.replace(p, p.parent / SPARE)
+
+
+def _open_over_spare(tmp: Path) -> int:
+    """A descriptor of ``tmp`` for writing: the folder's spare renamed to it (its pages), else
+    a new file. Never through a link: a spare (or anything at ``tmp``) that is a symbolic
+    link, a file with another name too (a hard link: an engine's folder may hold one of a
+    retired version, :func:`~rollart.engines.weight_files.place_weights`) or no regular file
+    is removed and a new file made, so nothing planted in a staging folder redirects a
+    version's bytes elsewhere."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        os.replace(tmp.parent / SPARE, tmp)
+        fd = os.open(tmp, flags | os.O_NONBLOCK)
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+    except FileNotFoundError:
+        pass
+    except OSError:  # ELOOP: a link; ENXIO and the like: a FIFO or device
+        pass
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    return os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o600)
+
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -66,12 +93,7 @@ class StagedFile:
             return
         self.tmp = self.final.with_name(f".{self.final.name}.{os.getpid()}.tmp")
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        try:  # over the folder's spare (its pages), else a new file
-            os.replace(self.final.parent / SPARE, self.tmp)
-            mode = "r+b"
-        except FileNotFoundError:
-            mode = "wb"
-        self._f = open(self.tmp, mode)  # noqa: SIM115 - closed in commit() or abort()
+        self._f = open(_open_over_spare(self.tmp), "r+b")  # noqa: SIM115 - closed in commit() or abort()
         self._f.write(header_bytes(self.tensors))
         self._advance()
 

@@ -43,18 +43,24 @@ import contextlib
 import json
 import math
 import os
+import re
+import stat
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, NamedTuple, Protocol
 from urllib.parse import unquote, urlparse
 
 import msgspec
 import numpy as np
+from msgspec import Meta
+
+from rollart.bus.base import ObjectTooLarge
 
 from .weight_files import DTYPE_BYTES
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "SERVING_DTYPES",
     "BucketEntry",
     "Buffers",
@@ -64,9 +70,11 @@ __all__ = [
     "ServedDirBlobs",
     "Span",
     "StreamError",
+    "StreamLimits",
     "StreamStats",
     "TensorSpec",
     "blobs_for_uri",
+    "check_blob_name",
     "check_manifest",
     "header_bytes",
     "manifest_name",
@@ -86,8 +94,21 @@ ratio (0.044 / 0.149 / 0.59 of raw after steps at lr 1e-6 / 1e-5 / 3e-3) 25-55% 
 (0.3-0.9 GB/s on this machine), and the encode is the trainer's part of every publish."""
 
 
-class StreamError(ValueError):
-    """A streamed version that cannot be published or assembled; the message says why."""
+from .weight_limits import (  # re-exported: the stream's checks live apart (weight_tcp uses them)
+    StreamError,
+    DIGEST_RE,
+    BLOB_NAME_RE,
+    _DIGEST,
+    _BLOB_NAME,
+    Size,
+    Digest,
+    BlobName,
+    MAX_MANIFEST_BYTES,
+    StreamLimits,
+    DEFAULT_LIMITS,
+    wire_bound,
+    check_blob_name,
+)
 
 
 # ======================================================================================
@@ -96,9 +117,9 @@ class StreamError(ValueError):
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     """A tensor of a version: ``[name, dtype, shape]`` (safetensors dtype names)."""
 
-    name: str
-    dtype: str
-    shape: list[int]
+    name: Annotated[str, Meta(min_length=1, max_length=1024)]
+    dtype: Annotated[str, Meta(max_length=16)]
+    shape: Annotated[list[Size], Meta(max_length=16)]
 
     @property
     def nbytes(self) -> int:
@@ -113,19 +134,19 @@ class Span(msgspec.Struct, frozen=True, array_like=True):
     """``[tensor, offset, length]``: bytes ``offset..offset+length`` of tensor ``tensor``
     (an index into :attr:`Manifest.tensors`)."""
 
-    tensor: int
-    offset: int
-    length: int
+    tensor: Size
+    offset: Size
+    length: Size
 
 
 class BucketEntry(msgspec.Struct, frozen=True):
-    name: str
-    """Object name in the version's store."""
-    raw: int
+    name: BlobName
+    """Object name in the version's store (a plain file name: :data:`BLOB_NAME_RE`)."""
+    raw: Size
     """Bytes of tensor data it carries (decoded)."""
-    wire: int
+    wire: Size
     """Bytes stored (zstd)."""
-    xxh3: str
+    xxh3: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
     """Hex XXH3-128 of the stored (wire) bytes, checked as the bucket arrives: it names the
     bucket that was damaged (a fast hash, ~20 GB/s here, against SHA-256's ~1.5: a version's
     integrity rests on the SHA-256 content digest the trainer announces on the bus, checked
@@ -139,13 +160,13 @@ class BucketEntry(msgspec.Struct, frozen=True):
 
 
 class StreamStats(msgspec.Struct, frozen=True):
-    changed: int
+    changed: Size
     """Elements whose bytes differ from the parent's (delta), or every element (anchor)."""
-    total: int
+    total: Size
     """Elements of the version."""
-    wire_bytes: int
+    wire_bytes: Size
     """Bytes of its buckets in the store."""
-    full_bytes: int
+    full_bytes: Size
     """Bytes of its tensors in the serving dtype (what a full file would hold)."""
     encode_s: float
     """Seconds the trainer took to cast, encode and store the buckets."""
@@ -154,16 +175,17 @@ class StreamStats(msgspec.Struct, frozen=True):
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """A streamed version (see the module docstring); JSON in the store."""
 
-    format: str = FORMAT
-    version: int
+    format: Annotated[str, Meta(max_length=64)] = FORMAT
+    version: Size
     kind: Literal["full", "delta"]
-    parent_version: int | None = None
+    parent_version: Size | None = None
     """The version a delta applies to (None for an anchor)."""
-    parent_digest: str = ""
-    """Its content digest: a generator applies the delta only over exactly these tensors."""
-    anchor: int
+    parent_digest: Annotated[str, Meta(pattern=r"^(tensors-sha256:[0-9a-f]{64})?$")] = ""
+    """Its content digest: a generator applies the delta only over exactly these tensors
+    (the parent's manifest name is made of it: hex only)."""
+    anchor: Size
     """The newest anchor at or below this version (this version for an anchor)."""
-    dtype: str
+    dtype: Annotated[str, Meta(max_length=16)]
     """The serving dtype (``proxy.dtype``) the float tensors are cast to."""
     shuffle: bool = True
     """Each span's bytes are stored as byte planes (every element's first byte, then every
@@ -172,27 +194,50 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     than interleaved on the quickstart's bf16 deltas)."""
     tensors: list[TensorSpec]
     buckets: list[BucketEntry]
-    digest: str
-    """Content digest of the assembled version (the published one)."""
+    digest: Digest
+    """Content digest of the assembled version (the published one; the staged file's name
+    is made of it: hex only)."""
     stats: StreamStats
 
 
 def manifest_name(version: int, digest: str) -> str:
     """The manifest's object name: by version and digest, so a version trained again after a
-    resume (other tensors) never overwrites the one generators may be reading."""
+    resume (other tensors) never overwrites the one generators may be reading. A name read
+    from a store is made of a checked digest only (``StreamError`` else)."""
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise StreamError(f"v{version}: {digest[:80]!r} is not a content digest (tensors-sha256:<64 hex>)")
     return f"stream.v{int(version):06d}-{digest.rsplit(':', 1)[-1][:16]}.manifest"
 
 
-def check_manifest(man: Manifest, what: str) -> None:
-    """``StreamError`` unless the buckets' spans cover the tensors in order, exactly."""
+def check_manifest(man: Manifest, what: str, limits: StreamLimits = DEFAULT_LIMITS) -> None:
+    """``StreamError`` unless the buckets' spans cover the tensors in order, exactly, a delta
+    names an earlier parent, and every size is within ``limits``."""
     if man.format != FORMAT:
         raise StreamError(f"{what}: unknown stream format {man.format!r} (expected {FORMAT!r})")
+    if man.kind == "delta":
+        if man.parent_version is None or not man.parent_digest:
+            raise StreamError(f"{what}: a delta without parent_version and parent_digest")
+        if not man.anchor <= man.parent_version < man.version:
+            raise StreamError(f"{what}: parent_version must be below the version and at or "
+                              f"above its anchor (a chain walks to ever older versions)")
+    elif man.anchor != man.version:
+        raise StreamError(f"{what}: an anchor is its own anchor")
     names = [t.name for t in man.tensors]
     if names != sorted(set(names)) or any(t.dtype not in DTYPE_BYTES for t in man.tensors):
         raise StreamError(f"{what}: tensors must be unique, in name order, of known dtypes")
+    total = sum(t.nbytes for t in man.tensors)
+    if total > limits.version_bytes:
+        raise StreamError(f"{what}: {total} bytes of tensors, more than the "
+                          f"{limits.version_bytes} a version may have (trainer.sync.max_version_gb)")
     want = [(i, t.nbytes) for i, t in enumerate(man.tensors) if t.nbytes]
     pos, k = 0, 0  # k: index into want; pos: bytes of want[k] covered so far
     for j, b in enumerate(man.buckets):
+        if b.raw > limits.bucket_bytes:
+            raise StreamError(f"{what}: bucket {j} ({b.name}) holds {b.raw} bytes, more than the "
+                              f"{limits.bucket_bytes} a bucket may (trainer.sync.max_bucket_mb)")
+        if b.wire > (b.raw if b.codec == "raw" else wire_bound(b.raw)):
+            raise StreamError(f"{what}: bucket {j} ({b.name}) stores {b.wire} bytes for {b.raw} "
+                              f"raw ones ({b.codec})")
         if sum(s.length for s in b.spans) != b.raw:
             raise StreamError(f"{what}: bucket {j} ({b.name}) spans {b.raw} raw bytes it does not list")
         for s in b.spans:
@@ -256,8 +301,9 @@ def header_bytes(tensors: Sequence[TensorSpec]) -> bytes:
 class Blobs(Protocol):
     where: str
 
-    async def get(self, name: str) -> bytes:
-        """Raise ``KeyError`` when ``name`` is not stored."""
+    async def get(self, name: str, max_bytes: int | None = None) -> bytes:
+        """Raise ``KeyError`` when ``name`` is not stored, ``StreamError`` when ``name`` is no
+        plain object name or (``max_bytes``) the object is larger, before reading it."""
 
     async def put(self, name: str, data: bytes) -> None: ...
 
@@ -310,24 +356,35 @@ class DirBlobs:
             f.write(data)
         os.replace(tmp, self.root / name)
 
-    def _get(self, name: str) -> bytes | memoryview:
-        try:
-            if self._bufs is None:
-                return (self.root / name).read_bytes()
-            with open(self.root / name, "rb", buffering=0) as f:
-                out = self._bufs.take(os.fstat(f.fileno()).st_size)
-                got = 0
-                while got < len(out):
-                    n = f.readinto(memoryview(out)[got:])
-                    if not n:
-                        break
-                    got += n
-                return memoryview(out)[:got]
+    def _get(self, name: str, max_bytes: int | None) -> bytes | memoryview:
+        path = self.root / check_blob_name(name, f"{name[:80]!r}")
+        try:  # no link followed, no FIFO or device opened (a read that blocks forever)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise KeyError(name) from None
+        except OSError as e:
+            raise StreamError(f"{name} in {self.where} cannot be opened "
+                              f"({os.strerror(e.errno or 0)}; links are not followed)") from None
+        with open(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StreamError(f"{name} in {self.where} is not a regular file")
+            if max_bytes is not None and st.st_size > max_bytes:
+                raise StreamError(f"{name} in {self.where} is larger than the {max_bytes} bytes "
+                                  f"expected")
+            out = self._bufs.take(st.st_size) if self._bufs is not None else bytearray(st.st_size)
+            got = 0
+            while got < len(out):
+                n = f.readinto(memoryview(out)[got:])
+                if not n:
+                    break
+                got += n
+            if self._bufs is not None:
+                return memoryview(out)[:got]
+            return out if got == len(out) else out[:got]
 
-    async def get(self, name: str) -> bytes:
-        return await asyncio.to_thread(self._get, name)
+    async def get(self, name: str, max_bytes: int | None = None) -> bytes:
+        return await asyncio.to_thread(self._get, name, max_bytes)
 
     async def put(self, name: str, data: bytes) -> None:
         await asyncio.to_thread(self._put, name, data)
@@ -350,8 +407,13 @@ class ObjectBlobs:
         self.bucket = bucket
         self.where = f"object store {bucket}"
 
-    async def get(self, name: str) -> bytes:
-        return await self.store.get(name)
+    async def get(self, name: str, max_bytes: int | None = None) -> bytes:
+        check_blob_name(name, f"{name[:80]!r}")
+        try:  # refused by the object's info before its chunks are read
+            return await self.store.get(name, max_bytes=max_bytes)
+        except ObjectTooLarge:
+            raise StreamError(f"{name} in {self.where} is larger than the {max_bytes} bytes "
+                              f"expected") from None
 
     async def put(self, name: str, data: bytes) -> None:
         await self.store.put(name, data if isinstance(data, bytes) else bytes(data))
@@ -373,7 +435,7 @@ class ServedDirBlobs(DirBlobs):
     def __init__(self, root: str | os.PathLike, server: Any):
         super().__init__(root)
         self.server = server
-        self.where = f"{self.root} (served at {server.base_uri.rsplit('/', 1)[0]})"
+        self.where = f"{self.root} (served at {server.base_uri})"
 
     def uri(self, name: str) -> str:
         return self.server.uri(name)
@@ -384,9 +446,12 @@ def shm_dir(run: str) -> Path:
     return Path("/dev/shm") / f"rollart-{run}"
 
 
-async def blobs_for_uri(bus: Any, uri: str) -> tuple[Any, str]:
-    """The store and the manifest's name behind a stream version's uri (``file:///...`` or
-    ``obj://bucket/name``); ``StreamError`` for a shared-memory folder this host lacks."""
+async def blobs_for_uri(bus: Any, uri: str, *, token_bucket: str | None = None) -> tuple[Any, str]:
+    """The store and the manifest's name behind a stream version's uri (``file:///...``,
+    ``obj://bucket/name`` or ``tcp://host:port/name``); ``StreamError`` for a shared-memory
+    folder this host lacks. ``token_bucket``: the run's weights store
+    (:func:`rollart.messages.object_bucket`), which holds the weight server's token (a
+    ``tcp://`` uri carries none: :mod:`rollart.engines.weight_tcp`)."""
     u = urlparse(uri)
     if u.scheme == "file":
         path = Path(unquote(u.path))
@@ -398,29 +463,49 @@ async def blobs_for_uri(bus: Any, uri: str) -> tuple[Any, str]:
     if u.scheme == "obj":
         return ObjectBlobs(await bus.object_store(u.netloc), u.netloc), u.path.lstrip("/")
     if u.scheme == "tcp":
-        from .weight_tcp import TcpBlobs, parse_tcp_uri
+        from .weight_tcp import TcpBlobs, parse_tcp_uri, token_reader
 
         try:
             host, port, token, name = parse_tcp_uri(uri)
         except ValueError as e:
             raise StreamError(str(e)) from None
-        return TcpBlobs(host, port, token), name
+        if token:  # an older trainer's uri, the token in it
+            return TcpBlobs(host, port, token), name
+        if token_bucket is None:
+            raise StreamError(f"{uri}: the weight server's token is in the run's weights store, "
+                              f"and no store was given to read it from")
+        return TcpBlobs(host, port, None, token_source=token_reader(bus, token_bucket)), name
     raise StreamError(f"unsupported stream uri {uri!r}: use file://, obj:// or tcp://")
 
 
 
 
-async def read_manifest(blobs: Any, name: str) -> Manifest:
+_FIELD = re.compile(r"at `\$\.(buckets\[\d+\]\.name|digest|parent_digest)`")
+
+
+async def read_manifest(blobs: Any, name: str, limits: StreamLimits = DEFAULT_LIMITS) -> Manifest:
+    """The manifest ``name`` of ``blobs``, decoded and checked (:func:`check_manifest`);
+    ``StreamError`` that says what is wrong, never what a named file holds."""
     try:
-        raw = await blobs.get(name)
+        raw = await blobs.get(name, max_bytes=limits.manifest_bytes)
     except KeyError:
         raise StreamError(f"manifest {name} is not in {blobs.where}: that version was never "
                           f"committed (a trainer stopped mid-publish leaves none) or was pruned") from None
     try:
         man = msgspec.json.decode(raw, type=Manifest)
+    except msgspec.ValidationError as e:
+        f = _FIELD.search(str(e))
+        if f is not None and f.group(1).endswith("name"):
+            j = f.group(1).split("[")[1].split("]")[0]
+            raise StreamError(f"manifest {name}: bucket {j} name is not a stream object name "
+                              f"(letters, digits, '.', '_', '-')") from None
+        if f is not None:
+            raise StreamError(f"manifest {name}: {f.group(1)} is not a content digest "
+                              f"(tensors-sha256:<64 hex>)") from None
+        raise StreamError(f"manifest {name} in {blobs.where} is not a stream manifest: {e}") from None
     except msgspec.DecodeError as e:
         raise StreamError(f"manifest {name} in {blobs.where} is not a stream manifest: {e}") from None
-    check_manifest(man, f"manifest {name}")
+    check_manifest(man, f"manifest {name}", limits)
     return man
 
 

@@ -7,11 +7,26 @@ where plain loopback TCP moves ~3 GB/s (``benchmarks/weight_sync.py`` measures b
 the trainer's process answers each request with ``sendfile`` of the bucket file and the
 reader ``recv_into`` one preallocated buffer, so a version travels near the link's speed.
 
-What it does not do, and why that is safe: the bytes are not encrypted and the server
-checks only a per-process random token that travels in the version's URI (published on
-the run's subjects, which the bus's permissions already protect, like the object store's
-contents). Integrity does not rest on the channel: every bucket's SHA-256 is in the
-manifest and the assembled version must have the digest the trainer announced on the bus
+Who may fetch, and what a peer can make either side spend (issue 43):
+
+- the server listens on the address it advertises (``trainer.sync.host``: empty), never on
+  every interface unless told (``0.0.0.0``);
+- it serves the files of one folder by plain name (no path, no link followed) to holders of
+  a per-process random token. The token is NOT in the version's URI (KV ``policy.version``
+  and ``policy.published``, which env, scheduler and monitor credentials read): the trainer
+  puts it in the run's weights object store (:data:`TOKEN_OBJECT`), which only the trainer
+  and generate roles may read (:data:`rollart.security.permissions.OBJECTS`);
+- at most ``max_connections`` connections at once (the next are answered ``ERR busy``, which
+  a reader waits out), and the request line must arrive within ``request_s`` in all (a
+  deadline for the whole line, not per read: a peer trickling bytes holds a place that long);
+  the token is compared as bytes, so any input is a refusal, never an exception;
+- the client never allocates what the server announces beyond what the caller expects (the
+  bucket's wire size from the checked manifest): ``OK <size>`` above it is refused unread.
+
+What it does not do: encrypt. The bytes and the token travel in cleartext (TLS with the run's
+CA is not done: the run's certificates are the NATS server's, not the trainer's host's).
+Integrity does not rest on the channel: every bucket's XXH3 is in the manifest and the
+assembled version must have the content digest the trainer announced on the bus
 (:mod:`rollart.engines.weight_stream`), so a tampered byte is refused, never served.
 
 Protocol, one request per connection (buckets are tens of MB: a connection costs nothing
@@ -23,24 +38,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import re
 import secrets
 import socket
 import socketserver
+import stat
 import threading
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["WeightServer", "advertised_host", "fetch_blob", "parse_tcp_uri"]
+from .weight_limits import BLOB_NAME_RE, StreamError, check_blob_name
+
+__all__ = ["TOKEN_OBJECT", "BlobRefused", "TcpBlobs", "WeightServer", "advertised_host",
+           "fetch_blob", "parse_tcp_uri", "token_reader"]
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_NAME = re.compile(BLOB_NAME_RE.encode())
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
+_SIZE = re.compile(r"^[0-9]{1,19}$")
 _MAX_LINE = 512
 STALL_S = 30.0
 """Seconds a read may receive nothing before it fails (a server gone mid-transfer)."""
+REQUEST_S = 10.0
+"""Seconds a client has to send its whole request line."""
+MAX_CONNECTIONS = 64
+"""Connections a weight server serves at once (``trainer.sync.max_connections``)."""
+TOKEN_OBJECT = "weight-server.token"
+"""The object of the run's weights store that holds the weight server's token."""
+
+
+class BlobRefused(OSError):
+    """The weight server (or the client's own bound) refused a blob; ``reason`` is the
+    server's word (``not found``, ``bad token``, ``busy``...) or ``too large``."""
+
+    def __init__(self, msg: str, reason: str):
+        super().__init__(msg)
+        self.reason = reason
 
 
 class WeightServer:
@@ -48,20 +88,44 @@ class WeightServer:
 
     Each connection is served in its own thread with blocking sockets and ``os.sendfile``
     (the kernel copies the page cache to the socket): nothing of a transfer runs on the
-    event loop, and uvloop, which has no ``loop.sendfile``, is no obstacle."""
+    event loop, and uvloop, which has no ``loop.sendfile``, is no obstacle. At most
+    ``max_connections`` threads at once; ``request_s`` for a request line.
 
-    def __init__(self, root: str | os.PathLike, *, host: str = "0.0.0.0", port: int = 0,
-                 advertise: str | None = None, token: str | None = None):
+    ``host``: the address to listen on (None or empty: ``advertise``, else 127.0.0.1;
+    ``0.0.0.0`` only when given)."""
+
+    def __init__(self, root: str | os.PathLike, *, host: str | None = None, port: int = 0,
+                 advertise: str | None = None, token: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS, request_s: float = REQUEST_S):
         self.root = Path(root)
-        self.host = host
-        self.port = port
         self.advertise = advertise
         """The address generators reach this server at (None: the host given, or 127.0.0.1)."""
+        self.host = host or advertise or "127.0.0.1"
+        self.port = port
         self.token = token or secrets.token_urlsafe(24)
+        self.max_connections = max(1, int(max_connections))
+        self.request_s = request_s
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.active = 0
+        """Connections being served now."""
+        self.refused_busy = 0
+        """Connections answered ``ERR busy`` (``max_connections`` were held)."""
         self.served = 0
         """Bytes sent so far."""
+
+    def _enter(self) -> bool:
+        with self._lock:
+            if self.active >= self.max_connections:
+                self.refused_busy += 1
+                return False
+            self.active += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.active -= 1
 
     def start_sync(self) -> None:
         owner = self
@@ -74,21 +138,47 @@ class WeightServer:
             daemon_threads = True
             allow_reuse_address = True
 
-        self._server = Server((self.host, self.port), Handler)
+            def process_request(self, request, client_address) -> None:
+                if not owner._enter():  # on the accept thread: a few bytes, never blocks long
+                    with contextlib.suppress(OSError):
+                        request.settimeout(1.0)
+                        request.sendall(b"ERR busy\n")
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    owner._leave()
+                    raise
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    owner._leave()
+
+        try:
+            self._server = Server((self.host, self.port), Handler)
+        except OSError as e:
+            raise OSError(f"the weight server cannot listen on {self.host}:{self.port} ({e}): set "
+                          f"trainer.sync.host to an address of this host (0.0.0.0: every "
+                          f"interface) or trainer.sync.advertise to the one generators reach") from e
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"weight-server-{self.port}", daemon=True)
         self._thread.start()
-        log.info("weight server on %s:%d serves %s", self.host, self.port, self.root)
+        log.info("weight server on %s:%d serves %s (at most %d connections)", self.host, self.port,
+                 self.root, self.max_connections)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.start_sync)
 
     @property
     def base_uri(self) -> str:
-        """``tcp://<host>:<port>/<token>``; a file's URI is this plus ``/<name>``."""
+        """``tcp://<host>:<port>``; a file's URI is this plus ``/<name>`` (no token: readers
+        take it from the run's weights store, :data:`TOKEN_OBJECT`)."""
         host = self.advertise or (self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1")
-        return f"tcp://{host}:{self.port}/{self.token}"
+        return f"tcp://{host}:{self.port}"
 
     def uri(self, name: str) -> str:
         return f"{self.base_uri}/{name}"
@@ -109,33 +199,56 @@ class WeightServer:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    def _request_line(self, sock: socket.socket) -> bytes | None:
+        """The request line (None: the client hung up first); ``TimeoutError`` unless it all
+        came within ``request_s``."""
+        deadline = time.monotonic() + self.request_s
+        line = bytearray()
+        while b"\n" not in line and len(line) < _MAX_LINE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+            c = sock.recv(_MAX_LINE - len(line))
+            if not c:
+                return None
+            line += c
+        return bytes(line.partition(b"\n")[0])
+
     def _handle(self, sock: socket.socket) -> None:
-        sock.settimeout(STALL_S)
         try:
-            line = bytearray()
-            while not line.endswith(b"\n") and len(line) < _MAX_LINE:
-                c = sock.recv(_MAX_LINE - len(line))
-                if not c:
-                    return
-                line += c
-            parts = line.decode("ascii", "replace").split()
-            if len(parts) != 3 or parts[0] != "GET":
+            try:
+                line = self._request_line(sock)
+            except TimeoutError:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"ERR request line not received in time\n")
+                return
+            if line is None:
+                return
+            parts = line.split()
+            if len(parts) != 3 or parts[0] != b"GET":
                 sock.sendall(b"ERR bad request\n")
                 return
             _, token, name = parts
-            if not secrets.compare_digest(token, self.token):
+            if not hmac.compare_digest(token, self.token.encode()):  # bytes: any input compares
                 sock.sendall(b"ERR bad token\n")
                 return
             if not _NAME.match(name):
                 sock.sendall(b"ERR bad name\n")
                 return
-            try:
-                f = open(self.root / name, "rb")  # noqa: SIM115 - closed by the with below
+            try:  # no link followed, nothing but a regular file (a FIFO would block)
+                fd = os.open(self.root / name.decode(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC)
             except OSError:
                 sock.sendall(b"ERR not found\n")
                 return
-            with f:
-                size = os.fstat(f.fileno()).st_size
+            with open(fd, "rb") as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    sock.sendall(b"ERR not found\n")
+                    return
+                size = st.st_size
+                sock.settimeout(STALL_S)
                 sock.sendall(f"OK {size}\n".encode())
                 self.served += sock.sendfile(f, 0, size)  # os.sendfile, waiting on the timeout
         except OSError as e:  # the reader went away or stalled: its own error to report
@@ -143,56 +256,108 @@ class WeightServer:
 
 
 def parse_tcp_uri(uri: str) -> tuple[str, int, str, str]:
-    """``(host, port, token, name)`` of ``tcp://host:port/token/name``; ``ValueError`` else."""
+    """``(host, port, token, name)`` of ``tcp://host:port/name`` (token ``""``: in the run's
+    weights store) or of an older ``tcp://host:port/token/name``; ``ValueError`` else."""
     u = urlparse(uri)
-    parts = u.path.lstrip("/").split("/")
-    if u.scheme != "tcp" or not u.hostname or not u.port or len(parts) != 2 or not all(parts):
-        raise ValueError(f"not a weight server uri (tcp://host:port/token/name): {uri!r}")
-    return u.hostname, u.port, parts[0], parts[1]
+    parts = u.path.removeprefix("/").split("/")
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme != "tcp" or not u.hostname or not port or len(parts) not in (1, 2) or not all(parts):
+        raise ValueError(f"not a weight server uri (tcp://host:port/name): {uri[:200]!r}")
+    return u.hostname, port, parts[0] if len(parts) == 2 else "", parts[-1]
+
+
+def _answer(s: socket.socket, where: str, name: str, deadline: float) -> str:
+    """The server's answer line (without the newline), received before ``deadline``."""
+    head = bytearray()
+    while not head.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OSError(f"{where}: no answer for {name} in time")
+        s.settimeout(left)
+        try:
+            c = s.recv(1)
+        except TimeoutError:
+            raise OSError(f"{where}: no answer for {name} in time") from None
+        if not c:
+            raise OSError(f"{where} closed the connection before answering for {name}")
+        head += c
+        if len(head) > _MAX_LINE:
+            raise OSError(f"{where}: malformed answer for {name}")
+    return head.decode("ascii", "replace").strip()
 
 
 def fetch_blob(host: str, port: int, token: str, name: str, *, into: bytearray | None = None,
-               stall_s: float = STALL_S) -> memoryview:
+               stall_s: float = STALL_S, max_size: int | None = None) -> memoryview:
     """The bytes of ``name`` from a :class:`WeightServer` (blocking: call it off the loop).
-    ``OSError`` with what failed: the server unreachable, a refusal, or a transfer cut short.
+    ``OSError`` with what failed: the server unreachable, a refusal (:class:`BlobRefused`),
+    an answer larger than ``max_size`` (refused before a buffer is made for it), or a
+    transfer cut short. A busy server is asked again until ``stall_s`` has passed.
 
     ``into``: a buffer to receive into when it is large enough (the view returned says which
     buffer holds the bytes: ``.obj``), to reuse for the next bucket: a fresh buffer per
     bucket costs its page faults, about a third of the speed here."""
     where = f"weight server {host}:{port}"
-    try:
-        s = socket.create_connection((host, port), timeout=stall_s)
-    except OSError as e:
-        raise OSError(f"cannot reach the trainer's {where} (trainer.weights: tcp; is the "
-                      f"trainer up and its port open to this host?): {e}") from e
-    with s:
-        s.sendall(f"GET {token} {name}\n".encode())
-        head = bytearray()
-        while not head.endswith(b"\n"):
-            c = s.recv(1)
-            if not c:
-                raise OSError(f"{where} closed the connection before answering for {name}")
-            head += c
-            if len(head) > _MAX_LINE:
-                raise OSError(f"{where}: malformed answer for {name}")
-        status, _, rest = head.decode("ascii", "replace").strip().partition(" ")
-        if status != "OK":
-            raise OSError(f"{where} refused {name}: {rest or head!r}")
-        size = int(rest)
-        # a buffer too small is replaced, never resized (the caller's views of it stay valid)
-        buf = into if into is not None and len(into) >= size else bytearray(size)
-        mv = memoryview(buf)[:size]
-        got = 0
-        while got < size:
-            try:
-                n = s.recv_into(mv[got:])
-            except TimeoutError:
-                raise OSError(f"{where}: no data for {stall_s:.0f}s after {got} of {size} bytes "
-                              f"of {name}") from None
-            if not n:
-                raise OSError(f"{where}: {name} cut short at {got} of {size} bytes")
-            got += n
-        return mv
+    end = time.monotonic() + stall_s
+    wait = 0.05
+    while True:
+        try:
+            s = socket.create_connection((host, port), timeout=stall_s)
+        except OSError as e:
+            raise OSError(f"cannot reach the trainer's {where} (trainer.weights: tcp; is the "
+                          f"trainer up and its port open to this host?): {e}") from e
+        with s:
+            s.sendall(f"GET {token} {name}\n".encode())
+            status, _, rest = _answer(s, where, name, time.monotonic() + stall_s).partition(" ")
+            if status == "ERR" and rest == "busy" and time.monotonic() + wait < end:
+                time.sleep(wait)  # a thread of its own (the caller's to_thread)
+                wait = min(1.0, 2 * wait)
+                continue
+            if status != "OK":
+                why = "".join(c if c.isprintable() else "?" for c in rest[:200]) or "no reason"
+                raise BlobRefused(f"{where} refused {name}: {why}", why)
+            if not _SIZE.match(rest):
+                raise OSError(f"{where}: malformed answer for {name} (a size was expected)")
+            size = int(rest)
+            if max_size is not None and size > max_size:
+                raise BlobRefused(f"{where} announces {size} bytes for {name}, more than the "
+                                  f"{max_size} bytes expected", "too large")
+            # a buffer too small is replaced, never resized (the caller's views of it stay valid)
+            buf = into if into is not None and len(into) >= size else bytearray(size)
+            mv = memoryview(buf)[:size]
+            got = 0
+            s.settimeout(stall_s)
+            while got < size:
+                try:
+                    n = s.recv_into(mv[got:])
+                except TimeoutError:
+                    raise OSError(f"{where}: no data for {stall_s:.0f}s after {got} of {size} bytes "
+                                  f"of {name}") from None
+                if not n:
+                    raise OSError(f"{where}: {name} cut short at {got} of {size} bytes")
+                got += n
+            return mv
+
+
+def token_reader(bus: Any, bucket: str) -> Callable[[], Awaitable[str]]:
+    """A function that reads the weight server's token from the run's weights store
+    ``bucket`` (:data:`TOKEN_OBJECT`, put there by the trainer as it starts its server)."""
+
+    async def read() -> str:
+        try:
+            raw = await (await bus.object_store(bucket)).get(TOKEN_OBJECT)
+        except KeyError:
+            raise StreamError(f"the weight server's token is not in the run's weights store "
+                              f"{bucket} (yet): the trainer puts it there as it starts its "
+                              f"server") from None
+        token = bytes(raw[:200]).decode("ascii", "replace").strip()
+        if not _TOKEN.match(token):
+            raise StreamError(f"{TOKEN_OBJECT} in {bucket} is not a weight server token")
+        return token
+
+    return read
 
 
 def advertised_host(nats_url: str | None) -> str:
@@ -212,26 +377,46 @@ class TcpBlobs:
     """The read side of a :class:`WeightServer` as a blob store (``get`` only: the trainer
     writes its stream folder directly). Two receive buffers, used in turn: a bucket's bytes
     stay valid until the second ``get`` after it (the assembler's staged file hashes one
-    bucket behind while the next arrives, :class:`~rollart.engines.weight_stream.StagedFile`)."""
+    bucket behind while the next arrives, :class:`~rollart.engines.weight_stream.StagedFile`).
 
-    def __init__(self, host: str, port: int, token: str):
+    ``token``: the server's token, or None to read it with ``token_source``
+    (:func:`token_reader`), again after a ``bad token`` (a trainer restarted)."""
+
+    def __init__(self, host: str, port: int, token: str | None, *,
+                 token_source: Callable[[], Awaitable[str]] | None = None):
         self.host, self.port, self.token = host, port, token
+        self._token_source = token_source
         self.where = f"the trainer's weight server {host}:{port}"
         self._bufs = [bytearray(), bytearray()]
         self._turn = 0
 
-    async def get(self, name: str) -> memoryview:
+    async def _token(self, fresh: bool) -> str:
+        if self.token is None or fresh:
+            if self._token_source is None:
+                raise StreamError(f"{self.where}: no token to ask with")
+            self.token = await self._token_source()
+        return self.token
+
+    async def get(self, name: str, max_bytes: int | None = None) -> memoryview:
+        check_blob_name(name, f"{name[:80]!r}")
         i = self._turn
         self._turn ^= 1
-        try:  # into the buffer of two gets ago: consumed by now
-            view = await asyncio.to_thread(fetch_blob, self.host, self.port, self.token,
-                                           name, into=self._bufs[i])
-        except OSError as e:
-            if "not found" in str(e):
-                raise KeyError(name) from None
-            raise
-        self._bufs[i] = view.obj  # a larger one when the bucket did not fit
-        return view
+        for again in (False, True):
+            token = await self._token(fresh=again)
+            try:  # into the buffer of two gets ago: consumed by now
+                view = await asyncio.to_thread(fetch_blob, self.host, self.port, token, name,
+                                               into=self._bufs[i], max_size=max_bytes)
+            except BlobRefused as e:
+                if e.reason == "not found":
+                    raise KeyError(name) from None
+                if e.reason == "too large":
+                    raise StreamError(str(e)) from None
+                if e.reason == "bad token" and not again and self._token_source is not None:
+                    continue  # the trainer restarted: its new token is in the store
+                raise
+            self._bufs[i] = view.obj  # a larger one when the bucket did not fit
+            return view
+        raise AssertionError("unreachable")
 
     async def exists(self, name: str) -> bool:
         try:
@@ -247,4 +432,4 @@ class TcpBlobs:
         raise OSError(f"{self.where} is read-only")
 
     def uri(self, name: str) -> str:
-        return f"tcp://{self.host}:{self.port}/{self.token}/{name}"
+        return f"tcp://{self.host}:{self.port}/{name}"

@@ -52,11 +52,22 @@ Args (besides the URL, which ``type`` gives):
   ``info["valid_action"]`` is False (``info["error"]`` says why).
 - ``reset_args``: more keyword arguments of the server env's ``reset`` (``seed`` is the
   trajectory's; a server passes on only the ones its env's ``reset`` takes).
-- ``timeout``: seconds any one request may take (connecting included), default 30.
+- ``timeout``: seconds any one request may take, whole (connecting, sending and the entire
+  answer; a server that trickles its answer byte by byte is cut off too), default 30.
+- ``max_response_bytes``: bytes one answer may have (an HTTP body, a WebSocket message),
+  default 16 MiB; a larger one is refused before it is read whole.
 
 ``info`` carries ``valid_action``, ``success`` and ``observation`` (the observation's fields;
 OpenEnv does not send an observation's ``metadata``). ``done`` is ``terminated`` (OpenEnv
 has no truncation).
+
+The server is another process, so its answers are bounded: an HTTP body is read in chunks up
+to ``max_response_bytes`` (its ``Content-Length`` is checked first), compressed bodies are
+refused (``Accept-Encoding: identity``: a small gzip can inflate to gigabytes), redirects are
+refused rather than followed (the config names the server; a redirect could point anywhere),
+a WebSocket message is at most ``max_response_bytes`` with at most two frames buffered, and
+JSON nested too deeply for the parser is an unexpected answer, not a ``RecursionError``. Each
+refusal is a ``RuntimeError`` naming the server, the request and what was wrong.
 
 Failures: a server that cannot be reached when the env is built, or at a ``reset``, raises
 ``ConnectionError``/``TimeoutError`` (the runner retries: transient); a URL with nothing
@@ -74,6 +85,8 @@ session can miss the server's WebSocket pings while the model thinks, and be clo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import functools
 import ipaddress
 import json
@@ -88,7 +101,8 @@ PREFIX = "openenv:"
 """``type: "openenv:<url>"`` selects this adapter."""
 
 _EXAMPLE = "e.g. 'openenv:http://127.0.0.1:8000'"
-_MAX_MESSAGE = 64 * 2**20  # bytes of one WebSocket message (observations can carry images)
+_MAX_RESPONSE = 16 * 2**20  # default bytes of one answer (observations can carry images)
+_WS_QUEUE = 2  # WebSocket frames buffered before the client reads them
 _BODY = 500  # characters of an error body quoted in a message
 _OBS_RESERVED = ("done", "reward", "metadata")  # Observation fields that are not the observation
 
@@ -155,6 +169,45 @@ def _websockets() -> Any:
     return websockets
 
 
+@functools.cache
+def _connect_no_redirects(ws_lib: Any) -> Any:
+    """``websockets``' ``connect`` that raises a redirect's ``InvalidStatus`` instead of
+    following it."""
+
+    class Connect(ws_lib.asyncio.client.connect):
+        def process_redirect(self, exc: Exception) -> Exception:
+            return exc
+
+    return Connect
+
+
+@dataclasses.dataclass(frozen=True)
+class _Response:
+    """One HTTP answer, read whole within the bounds (:meth:`OpenEnvEnv._fetch`)."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        """The body as JSON; ``ValueError`` when it is not (nested too deeply included)."""
+        try:
+            return json.loads(self.content)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
+
+
+def _loads(raw: Any) -> Any:
+    """JSON of a WebSocket message; None when it is not JSON (or nested too deeply)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _body(resp: Any) -> str:
     text = resp.text.strip().replace("\n", " ")
     return text if len(text) <= _BODY else text[:_BODY] + "..."
@@ -173,7 +226,8 @@ class OpenEnvEnv:
                  action_field: str | None = "message", observation_field: str | None = None,
                  instruction: str | None = None, success_field: str | None = "success",
                  success_reward: float | None = None, invalid_reward: float = 0.0,
-                 reset_args: dict[str, Any] | None = None, timeout: float = 30.0) -> None:
+                 reset_args: dict[str, Any] | None = None, timeout: float = 30.0,
+                 max_response_bytes: int = _MAX_RESPONSE) -> None:
         self.url = base_url(url)
         where = f"env {PREFIX}{self.url}"
         if transport not in ("ws", "http"):
@@ -184,6 +238,10 @@ class OpenEnvEnv:
                 raise ValueError(f"{where}: arg {arg!r} must be a field name or null, got {value!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"{where}: arg 'timeout' must be a number of seconds > 0, got {timeout!r}")
+        if (not isinstance(max_response_bytes, int) or isinstance(max_response_bytes, bool)
+                or max_response_bytes < 1024):
+            raise ValueError(f"{where}: arg 'max_response_bytes' must be a number of bytes >= "
+                             f"1024, got {max_response_bytes!r}")
         if reset_args is not None and not isinstance(reset_args, dict):
             raise ValueError(f"{where}: arg 'reset_args' must be a mapping, got {reset_args!r}")
         if reset_args and "seed" in reset_args:
@@ -195,6 +253,7 @@ class OpenEnvEnv:
         self.invalid_reward = float(invalid_reward)
         self.reset_args = dict(reset_args or {})
         self.timeout = float(timeout)
+        self.max_response_bytes = max_response_bytes
         self._httpx = _httpx()
         self._ws_lib = _websockets() if transport == "ws" else None
         self._proxies = not _loopback(self.url)
@@ -209,18 +268,54 @@ class OpenEnvEnv:
 
     # -- construction: is a server there, what does it take ------------------------------
 
-    def _get(self, path: str) -> Any:
-        """``GET`` on the server, sync (the constructor runs off the event loop)."""
-        httpx = self._httpx
+    def _get(self, path: str) -> _Response:
+        """``GET`` on the server, sync (the constructor runs off the event loop): the bounded
+        :meth:`_fetch` on an event loop of its own, in a thread of its own (whoever calls
+        may have a loop running)."""
+        async def once() -> _Response:
+            async with self._httpx.AsyncClient(trust_env=self._proxies) as client:
+                return await self._fetch(client, "GET", path)
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="openenv-get") as pool:
+            return pool.submit(asyncio.run, once()).result()
+
+    async def _fetch(self, client: Any, method: str, path: str,
+                     body: dict[str, Any] | None = None) -> _Response:
+        """One request with ``client`` (an ``httpx.AsyncClient``), its whole answer read
+        within ``timeout`` and ``max_response_bytes``; a redirect or a compressed body is
+        refused (``RuntimeError``), a timeout is ``TimeoutError``, a transport error
+        ``ConnectionError``."""
+        httpx, cap = self._httpx, self.max_response_bytes
+        what = f"OpenEnv server {self.url}: {method} {path}"
         try:
-            return httpx.get(self.url + path, timeout=self.timeout, follow_redirects=True,
-                             trust_env=self._proxies)
-        except httpx.TimeoutException:
-            raise TimeoutError(f"OpenEnv server {self.url}: GET {path} got no answer within "
-                               f"{self.timeout:g}s") from None
+            async with asyncio.timeout(self.timeout):
+                async with client.stream(method, self.url + path, json=body,
+                                         headers={"Accept-Encoding": "identity"},
+                                         follow_redirects=False, timeout=self.timeout) as resp:
+                    if 300 <= resp.status_code < 400:
+                        where = resp.headers.get("location", "?")[:_BODY]
+                        raise RuntimeError(f"{what} answered a redirect (HTTP {resp.status_code} "
+                                           f"to {where!r}): refused; give the server's own URL")
+                    encoding = resp.headers.get("content-encoding", "").strip().lower()
+                    if encoding not in ("", "identity"):
+                        raise RuntimeError(f"{what} answered a {encoding!r}-encoded body: "
+                                           "refused (asked for identity)")
+                    length = resp.headers.get("content-length", "0").strip()
+                    if not length.isdigit() or int(length) > cap:
+                        raise RuntimeError(f"{what} announced a body of {length[:40]!r} bytes, "
+                                           f"over max_response_bytes ({cap})")
+                    data = bytearray()
+                    async for chunk in resp.aiter_raw():
+                        if len(data) + len(chunk) > cap:
+                            raise RuntimeError(f"{what} sent a body over max_response_bytes "
+                                               f"({cap})")
+                        data += chunk
+                    return _Response(resp.status_code, bytes(data))
+        except (TimeoutError, httpx.TimeoutException):
+            raise TimeoutError(f"{what} got no whole answer within {self.timeout:g}s") from None
         except httpx.TransportError as e:
-            raise ConnectionError(f"OpenEnv server {self.url} cannot be reached: GET {path}: "
-                                  f"{type(e).__name__}: {e}") from None
+            raise ConnectionError(f"OpenEnv server {self.url} cannot be reached: {method} "
+                                  f"{path}: {type(e).__name__}: {e}") from None
 
     def _probe(self) -> None:
         resp = self._get("/health")
@@ -300,13 +395,15 @@ class OpenEnvEnv:
         ws_lib = self._ws_lib
         url = "ws" + self.url[len("http"):] + "/ws"
         try:
-            self._ws = await ws_lib.asyncio.client.connect(
-                url, open_timeout=self.timeout, max_size=_MAX_MESSAGE, compression=None,
-                proxy=True if self._proxies else None)
+            self._ws = await _connect_no_redirects(ws_lib)(
+                url, open_timeout=self.timeout, max_size=self.max_response_bytes,
+                max_queue=_WS_QUEUE, compression=None, proxy=True if self._proxies else None)
         except ws_lib.exceptions.InvalidStatus as e:
             status = e.response.status_code
             hint = (" (a server before openenv-core 0.2 has no /ws: use transport: http)"
-                    if status in (403, 404) else "")
+                    if status in (403, 404) else
+                    " (a redirect: refused; give the server's own URL)"
+                    if 300 <= status < 400 else "")
             err = ConnectionError if status >= 500 or status == 429 else RuntimeError
             raise err(f"OpenEnv server {self.url}: the WebSocket session at /ws was refused with "
                       f"HTTP {status}{hint}") from None
@@ -335,16 +432,16 @@ class OpenEnvEnv:
                                f"{self.timeout:g}s") from None
         except (closed, OSError) as e:
             self._abort()
+            if getattr(getattr(e, "sent", None), "code", None) == 1009:  # message too big
+                raise RuntimeError(f"OpenEnv server {self.url} answered {kind} with a message "
+                                   f"over max_response_bytes ({self.max_response_bytes})") from None
             raise ConnectionError(f"OpenEnv server {self.url} closed the session during {kind}"
                                   f"{' (mid-episode)' if kind == 'step' else ''}: "
                                   f"{type(e).__name__}: {e}") from None
         except BaseException:  # cancelled (the runner's deadline): the session is unusable
             self._abort()
             raise
-        try:
-            reply = json.loads(raw)
-        except ValueError:
-            reply = None
+        reply = _loads(raw)
         if not isinstance(reply, dict) or reply.get("type") not in ("observation", "error"):
             self._abort()
             raise RuntimeError(f"OpenEnv server {self.url} answered {kind} with an unexpected "
@@ -359,19 +456,10 @@ class OpenEnvEnv:
                     f"(max_concurrent_envs) or run fewer trajectories at once")
         return reply
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        httpx = self._httpx
+    async def _post(self, path: str, body: dict[str, Any]) -> _Response:
         if self._client is None:
-            self._client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout,
-                                             trust_env=self._proxies)
-        try:
-            return await self._client.post(path, json=body)
-        except httpx.TimeoutException:
-            raise TimeoutError(f"OpenEnv server {self.url}: POST {path} got no answer within "
-                               f"{self.timeout:g}s") from None
-        except httpx.TransportError as e:
-            raise ConnectionError(f"OpenEnv server {self.url} cannot be reached: POST {path}: "
-                                  f"{type(e).__name__}: {e}") from None
+            self._client = self._httpx.AsyncClient(trust_env=self._proxies)
+        return await self._fetch(self._client, "POST", path, body)
 
     # -- text in and out --------------------------------------------------------------------
 
@@ -442,7 +530,11 @@ class OpenEnvEnv:
         if resp.status_code != 200:
             raise RuntimeError(f"OpenEnv server {self.url}: POST /{kind} answered HTTP "
                                f"{resp.status_code}: {_body(resp)}")
-        return resp.json(), None
+        try:
+            return resp.json(), None
+        except ValueError as e:
+            raise RuntimeError(f"OpenEnv server {self.url}: POST /{kind} answered a body that "
+                               f"is not JSON ({e}): {_body(resp)}") from None
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         self.done = True

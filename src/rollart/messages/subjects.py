@@ -31,14 +31,23 @@ from rollart.messages.types import (
 )
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+WORK_SUFFIX = "_WORK"
+"""A run's work-queue stream is its events stream's name plus this: no run name may end with
+it, or run ``a_WORK``'s events stream would be run ``a``'s work queue."""
 
 
 def check_token(kind: str, value: str) -> str:
-    """A run or pool name must be one subject token: letters, digits, ``_`` or ``-``."""
+    """A run or pool name must be one subject token: letters, digits, ``_`` or ``-``. A run
+    name also makes stream and bucket names (:func:`stream_name`, :func:`kv_bucket`, ...),
+    which keep it as it is (NATS allows ``-`` in them), so that two runs never share one;
+    the one name that would (a run ending in ``_WORK``) is refused."""
     if not _TOKEN.match(value or ""):
         raise ValueError(
             f"{kind} {value!r} is not a valid subject token: use letters, digits, '_' or '-'"
         )
+    if kind == "run" and value.endswith(WORK_SUFFIX):
+        raise ValueError(f"run {value!r} may not end with {WORK_SUFFIX!r}: its events stream "
+                         f"would be run {value[:-len(WORK_SUFFIX)]!r}'s work queue")
     return value
 
 
@@ -118,8 +127,10 @@ def subject(run: str, name: str, pool: str | None = None, replica: str | None = 
 
 
 def stream_name(run: str, kind: str) -> str:
-    """``ROLLART_<run>`` for events, ``ROLLART_<run>_WORK`` for the work queue."""
-    base = f"ROLLART_{check_token('run', run)}".replace("-", "_")
+    """``ROLLART_<run>`` for events, ``ROLLART_<run>_WORK`` for the work queue. The run name
+    is kept as it is (``-`` too: ``exp-1`` and ``exp_1`` are two runs with two sets of
+    streams and buckets, and a credential pinned to one has no grant on the other's)."""
+    base = f"ROLLART_{check_token('run', run)}"
     return base if kind == "events" else f"{base}_{kind.upper()}"
 
 
@@ -161,19 +172,19 @@ RUN_END_KEY = "run.end"
 
 def kv_bucket(run: str) -> str:
     """The run's KV bucket (policy version, scheduler state)."""
-    return f"ROLLART_{check_token('run', run).replace('-', '_')}_STATE"
+    return f"ROLLART_{check_token('run', run)}_STATE"
 
 
 def object_bucket(run: str) -> str:
     """The run's object store (small model weights)."""
-    return f"ROLLART_{check_token('run', run).replace('-', '_')}_OBJ"
+    return f"ROLLART_{check_token('run', run)}_OBJ"
 
 
 def traj_bucket(run: str) -> str:
     """The run's trajectory object store: completions too large for one bus message
     (:class:`PayloadRef`). EnvManagers write it, the trainer and schedulers read it; a bucket
     apart from the weights' so that writing trajectories gives no hold on weights."""
-    return f"ROLLART_{check_token('run', run).replace('-', '_')}_TRAJ"
+    return f"ROLLART_{check_token('run', run)}_TRAJ"
 
 
 PAYLOAD_HEADER = "Rollart-Payload"

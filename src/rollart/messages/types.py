@@ -262,7 +262,8 @@ class PolicyPublished(Message, frozen=True, kw_only=True):
     version: Count
     uri: Annotated[str, Meta(pattern=r"^(file:///|obj://|tcp://)", max_length=4096)]
     """``file:///abs/path``, ``obj://bucket/name`` or (a streamed version's manifest on the
-    trainer's weight server, ``trainer.weights: tcp``) ``tcp://host:port/token/name``."""
+    trainer's weight server, ``trainer.weights: tcp``) ``tcp://host:port/name`` (its token is
+    in the run's weights store, not here: every role reads this record)."""
     digest: Annotated[str, Meta(pattern=r"(?s)^(sha256|tensors-sha256):.")]
     """``sha256:<hex>`` of the weight bytes (``tensors-sha256:<hex>``: of their tensors)."""
     created_at: float = 0.0

@@ -94,7 +94,8 @@ KV_WRITES: dict[str, tuple[str, ...]] = {
 """KV keys each role writes in the run's bucket (every role reads them all)."""
 
 OBJECTS: dict[str, str] = {"trainer": "write", "generate": "read"}
-"""Access to the run's object store (weights with ``trainer.weights: object``)."""
+"""Access to the run's object store (weights with ``trainer.weights: object``; with ``tcp``
+the weight server's token, which only the roles that read weights may learn)."""
 
 TRAJ_OBJECTS: dict[str, str] = {"env": "write", "trainer": "read", "scheduler": "read"}
 """Access to the run's trajectory object store (completions too large for one message,
