@@ -28,12 +28,13 @@ Notes that shaped the code (measured with nats-server 2.15, nats-py 2.16):
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from time import monotonic
 
 import nats.js.errors
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from rollart.bus.base import (
-    Bus, ConsumerSpec, DuplicateConflict, KeyValue, ObjectStore, PullConsumer, Request, Retention, StreamSpec, Subscription,
+    Bus, BusError, BusTimeout, ConsumerSpec, DuplicateConflict, KeyValue, ObjectStore, PullConsumer, Request, Retention, StreamSpec, Subscription,
 )
 from rollart.bus.nats_connection import NatsConnection, headers_of, replicas_hint, translated
 from rollart.bus.nats_consumers import NatsPullConsumer, NatsSubscription, consumer_dict
@@ -60,15 +61,25 @@ class NatsBus(NatsConnection, Bus):
                               max_bytes=spec.max_bytes if spec.max_bytes > 0 else -1,  # -1: no limit
                               num_replicas=spec.replicas)
         js = self._jetstream()
-        with translated(f"ensure stream {spec.name}"), replicas_hint(f"stream {spec.name}", spec.replicas):
-            try:
-                await js.add_stream(config)
-            except nats.js.errors.BadRequestError as err:
-                if err.err_code != _STREAM_NAME_IN_USE:
-                    raise
-                if not update:  # it exists with other settings: not ours to change
-                    return False
-                await js.update_stream(config)
+        since = monotonic()
+        try:
+            with translated(f"ensure stream {spec.name}"), replicas_hint(f"stream {spec.name}", spec.replicas):
+                try:
+                    await js.add_stream(config)
+                except nats.js.errors.BadRequestError as err:
+                    if err.err_code != _STREAM_NAME_IN_USE:
+                        raise
+                    if not update:  # it exists with other settings: not ours to change
+                        return False
+                    await js.update_stream(config)
+        except BusTimeout:
+            # a denied API request is never answered: without this it would look like a busy
+            # server and be asked again for minutes; a refusal is permanent, said at once
+            for verb in ("CREATE", "UPDATE"):
+                if self.denied_since(f"$JS.API.STREAM.{verb}.{spec.name}", since):
+                    raise BusError(f"ensure stream {spec.name}: this credential may not "
+                                   f"{verb.lower()} it (see `rollart secure show`)") from None
+            raise
         return True
 
     async def publish(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,

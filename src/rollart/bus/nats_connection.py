@@ -128,6 +128,8 @@ class NatsConnection:
         """monotonic() when the connection was lost (None while connected): :attr:`outage_s`."""
         self._violations: dict[str, float] = {}
         """Permission violation text -> monotonic() it was last logged (once a minute each)."""
+        self._denied: dict[str, float] = {}
+        """Permission violation text -> monotonic() it was last seen (:meth:`denied_since`)."""
 
     async def connect(self) -> None:
         if self._nc is not None:
@@ -177,11 +179,21 @@ class NatsConnection:
         nc.options["max_reconnect_attempts"] = -1
         self._nc, self._js, self._closed, self._outage_logged = nc, nc.jetstream(), False, False
 
+    def denied_since(self, subject: str, since: float) -> bool:
+        """Whether the server refused this credential ``subject`` (a permissions violation,
+        which nats-py reports only to the error callback: the request itself just times
+        out) at or after ``since`` (``monotonic()``): a refusal, not a slow server."""
+        needle = f'"{subject.lower()}"'
+        return any(t >= since and needle in text for text, t in self._denied.items())
+
     async def _on_error(self, err: Exception) -> None:
         text = str(err)
         if "permissions violation" in text.lower():  # not an outage: say each subject once a minute
             seen = self._violations
             now = monotonic()
+            if len(self._denied) > 1000:
+                self._denied.clear()
+            self._denied[text.lower()] = now
             if now - seen.get(text, -1e9) > 60.0:
                 if len(seen) > 1000:
                     seen.clear()
