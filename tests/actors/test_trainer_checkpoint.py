@@ -78,6 +78,18 @@ def _resume(tiny_model, files: RunFiles, **kw) -> TorchTrainBackend:
     return b
 
 
+def _rewrite(files: RunFiles, seq: int, rec: StepRecord) -> None:
+    """Write ``rec`` as step ``seq``'s record and record its SHA-256 in the durable state,
+    as the trainer would have (the controls below change what a step did, not tamper)."""
+    import hashlib
+
+    data = msgspec.msgpack.encode(rec)
+    files.journal_path(seq).write_bytes(data)
+    state = files.load_state()
+    state["journal_sha256"][str(seq)] = hashlib.sha256(data).hexdigest()
+    files.save_state(state)
+
+
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora-dropout"])
 async def test_full_checkpoint_then_replay_gives_the_same_weights(tmp_path, tiny_model, lora):
     """Steps 1-3, a full checkpoint (in the background, while step 4 trains), steps 4-5
@@ -111,7 +123,7 @@ async def test_full_checkpoint_then_replay_gives_the_same_weights(tmp_path, tiny
         rec = msgspec.msgpack.decode(path.read_bytes(), type=StepRecord)
         torch.manual_seed(12345)
         other = msgspec.structs.replace(rec, rng=rng_state(run))
-        path.write_bytes(msgspec.msgpack.encode(other))
+        _rewrite(files, 4, other)
         assert _resume(tiny_model, files, lora=lora).weights_digest() != run.weights_digest()
 
 
@@ -134,6 +146,36 @@ async def test_replay_from_the_initial_model_and_a_missing_record(tmp_path, tiny
         _resume(tiny_model, files)
 
 
+async def test_a_tampered_local_record_is_refused_at_replay(tmp_path, tiny_model):
+    """A journal record in the run folder changed after the trainer wrote it (another valid
+    record: the step's rewards flipped; or bytes that do not decode) is refused by the SHA-256
+    the durable state records for its step, before it is decoded or trained on; the
+    untouched journal replays to the run's weights (the control)."""
+    from rollart.engines.checkpoint_codec import CheckpointRefused
+
+    files = RunFiles(tmp_path / "run")
+    files.make()
+    ckpt = Checkpoints(files, TrainerConfig(full_checkpoint_every=100))
+    run = _fresh(tiny_model)
+    for step in range(2):
+        _train(run, ckpt, step)
+    await ckpt.commit(_ledger_state(run.version))
+    assert _resume(tiny_model, files).weights_digest() == run.weights_digest()
+    path = files.journal_path(1)
+    good = path.read_bytes()
+    rec = msgspec.msgpack.decode(good, type=StepRecord)
+    flipped = [msgspec.structs.replace(t, reward=1.0 - t.reward) for t in rec.trajectories]
+    for bad in (msgspec.msgpack.encode(msgspec.structs.replace(rec, trajectories=flipped)),
+                good[:-1] + bytes([good[-1] ^ 1]), b"\xc1"):
+        path.write_bytes(bad)
+        fresh = _fresh(tiny_model)
+        with pytest.raises(CheckpointRefused, match=r"00000001\.msgpack: \d+ bytes whose SHA-256 "
+                                                    r"is not the one the durable state recorded "
+                                                    r"for step 1"):
+            replay(files, fresh, after=0, upto=2, advantage="grpo", loss_cfg=LOSS)
+        assert fresh.version == 0, "nothing was trained on the tampered record"
+
+
 async def test_replay_trains_each_step_with_its_recorded_entropy_coef(tmp_path, tiny_model):
     """``trainer.entropy_target`` changes the entropy coefficient from step to step: each
     journaled step keeps its own, so the replay reaches the run's weights exactly; replayed
@@ -154,7 +196,7 @@ async def test_replay_trains_each_step_with_its_recorded_entropy_coef(tmp_path, 
     for seq in files.journal_seqs():
         path = files.journal_path(seq)
         rec = msgspec.msgpack.decode(path.read_bytes(), type=StepRecord)
-        path.write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(rec, entropy_coef=None)))
+        _rewrite(files, seq, msgspec.structs.replace(rec, entropy_coef=None))
     assert _resume(tiny_model, files).weights_digest() != run.weights_digest()
 
 

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -241,13 +243,13 @@ def test_parse_free_rows_shaped_as_sglang_answers_them(engine):
     assert sgp.parse_generate_response(before) == ([], [], "abort")
     bad = sglang_body(out.token_ids, out.logprobs, {"type": "length", "length": 6})
     bad["meta_info"]["output_token_logprobs"][1][1] += 1
-    with pytest.raises(RuntimeError, match="log-prob 1 is of token"):
+    with pytest.raises(sgp.SglangAnswerError, match="log-prob 1 is of token"):
         sgp.parse_generate_response(bad)
     short = sglang_body(out.token_ids, out.logprobs, {"type": "length", "length": 6})
     short["meta_info"]["output_token_logprobs"].pop()
-    with pytest.raises(RuntimeError, match="log-probs"):
+    with pytest.raises(sgp.SglangAnswerError, match="log-probs"):
         sgp.parse_generate_response(short)
-    with pytest.raises(RuntimeError, match="unfinished"):
+    with pytest.raises(sgp.SglangAnswerError, match="unfinished"):
         sgp.parse_generate_response({"output_ids": [], "meta_info": {"finish_reason": None}})
 
 
@@ -261,7 +263,7 @@ def test_parse_choice_step(hf_model):
     got_tok, got_lp, finish = sgp.parse_choice_step(body, allowed)
     want = torch.log_softmax(logits[allowed], -1)[allowed.index(tok)].item()
     assert (got_tok, finish) == (tok, "length") and got_lp == pytest.approx(want, abs=1e-6)
-    with pytest.raises(RuntimeError, match="logit bias was not applied"):
+    with pytest.raises(sgp.SglangAnswerError, match="logit bias was not applied"):
         sgp.parse_choice_step(body, [20, 21])
     gone = {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}}}
     assert sgp.parse_choice_step(gone, allowed) == (None, None, "abort")
@@ -271,8 +273,142 @@ def test_renormalisation_edge_cases():
     assert sgp.renormalized_logprob(4, [[-0.1, 4, None]]) == 0.0
     two = [[math.log(0.2), 1, None], [math.log(0.6), 2, None]]
     assert sgp.renormalized_logprob(1, two) == pytest.approx(math.log(0.25))
-    with pytest.raises(RuntimeError, match="no log-prob of token 3"):
+    with pytest.raises(sgp.SglangAnswerError, match="no log-prob of token 3"):
         sgp.renormalized_logprob(3, two)
+
+
+# -- malformed answers (issue 43: every surface fails closed) -------------------------------------
+MALFORMED = [
+    ["not", "an", "object"],
+    {"output_ids": 5, "meta_info": {"finish_reason": {"type": "length"}}},
+    {"output_ids": ["x"], "meta_info": {"finish_reason": {"type": "length"},
+                                        "output_token_logprobs": [[-0.1, 1, None]]}},
+    {"output_ids": [1], "meta_info": ["finish_reason"]},
+    {"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"},
+                                      "output_token_logprobs": [7]}},
+    {"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"},
+                                      "output_token_logprobs": [["a", 1, None]]}},
+    {"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"},
+                                      "output_token_logprobs": {"0": [-0.1, 1, None]}}},
+    {"output_ids": [10 ** 40], "meta_info": {"finish_reason": {"type": "length"},
+                                             "output_token_logprobs": [[-0.1, 1, None]]}},
+    {"output_ids": [-3], "meta_info": {"finish_reason": {"type": "length"},
+                                       "output_token_logprobs": [[-0.1, -3, None]]}},
+    {"output_ids": [1], "meta_info": {"finish_reason": {"type": ["stop"]},
+                                      "output_token_logprobs": [[-0.1, 1, None]]}},
+    {"output_ids": [1], "meta_info": {"finish_reason": 3}},
+    {"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"},
+                                      "output_token_logprobs": [[-0.1, 1, None]],
+                                      "output_token_ids_logprobs": [[[None, "x", None]]]}},
+]
+
+
+@pytest.mark.parametrize("body", MALFORMED, ids=range(len(MALFORMED)))
+def test_a_malformed_answer_is_a_named_refusal(body):
+    """An answer that is not SGLang's shape (a list, a string token id, a meta_info that
+    is a list, a triple that is a number, a token id past int64...) raised TypeError,
+    AttributeError or an unnamed ValueError deep in the parsing: now each one is a
+    :class:`SglangAnswerError` (a ``ValueError``) that says which field is wrong."""
+    with pytest.raises(sgp.SglangAnswerError, match=r"^sglang /generate answer"):
+        sgp.parse_choice_step(body, [1, 2])
+    with pytest.raises(sgp.SglangAnswerError, match=r"^sglang /generate answer"):
+        sgp.parse_generate_response(body)
+
+
+def test_an_answer_longer_than_the_request_allowed_is_refused():
+    """More tokens than ``max_new_tokens`` (or than any answer may hold) is not an answer
+    to the request that was sent."""
+    body = sglang_body([1, 2, 3], [-0.1] * 3, {"type": "length", "length": 3})
+    assert sgp.parse_generate_response(body, max_tokens=3)[0] == [1, 2, 3]
+    with pytest.raises(sgp.SglangAnswerError, match=r"3 tokens, the request allowed 2"):
+        sgp.parse_generate_response(body, max_tokens=2)
+    huge = {"output_ids": [1] * (sgp.MAX_ANSWER_TOKENS + 1),
+            "meta_info": {"finish_reason": {"type": "length"}}}
+    with pytest.raises(sgp.SglangAnswerError, match="length"):
+        sgp.parse_generate_response(huge)
+
+
+_json_leaf = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+              | st.text(max_size=6))
+_json = st.recursive(_json_leaf, lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.text(max_size=6), kids, max_size=4), max_leaves=24)
+_FIELDS = {"output_ids": None, "token_ids": None, "meta_info": None}
+_META = ["finish_reason", "output_token_logprobs", "output_token_ids_logprobs"]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(
+    _json,
+    st.fixed_dictionaries({}, optional={k: _json for k in _FIELDS}),
+    st.fixed_dictionaries({"output_ids": st.lists(_json_leaf, max_size=4) | _json,
+                           "meta_info": st.fixed_dictionaries(
+                               {}, optional={k: _json | st.lists(st.lists(_json_leaf, max_size=4),
+                                                                 max_size=4) for k in _META})}),
+    st.builds(lambda ids, lps, kind: sglang_body(ids, lps, {"type": kind}),
+              st.lists(st.integers(-5, 2**63), max_size=4),
+              st.lists(st.floats() | st.none(), max_size=5),
+              st.sampled_from(["stop", "length", "abort", "x", ""])),
+), st.lists(st.integers(0, 600), min_size=1, max_size=3))
+def test_fuzz_generate_answers_end_in_a_result_or_a_named_refusal(body, allowed):
+    """Random JSON, random field shapes and near-valid answers: each parses to token ids,
+    float log-probs and a finish kind, or is a :class:`SglangAnswerError`; nothing else
+    (no TypeError, AttributeError, IndexError, OverflowError) ever escapes."""
+    for parse in (sgp.parse_generate_response, lambda b: sgp.parse_choice_step(b, allowed)):
+        try:
+            out = parse(body)
+        except sgp.SglangAnswerError as e:
+            assert str(e).startswith("sglang /generate answer"), e
+            continue
+        if len(out) == 3 and isinstance(out[0], list):
+            ids, lps, kind = out
+            assert all(isinstance(t, int) and 0 <= t < 2**31 for t in ids)
+            assert len(lps) == len(ids) and all(isinstance(x, float) for x in lps)
+        else:
+            tok, lp, kind = out
+            assert tok is None or tok in allowed
+        assert kind in ("stop", "length", "abort")
+
+
+async def test_an_attached_server_answering_junk_is_refused_by_name(tiny_model_dir):
+    """The attack end to end, over a real socket: an attached 'server' that answers
+    ``/generate`` with a JSON list, JSON nested deeper than the parser's stack, a body
+    past the answer cap, or an answer whose field has the wrong type. Each request fails
+    with a :class:`SglangAnswerError` naming what is wrong; the engine serves the next."""
+    web = pytest.importorskip("aiohttp.web")
+    bodies = [b"[1, 2]", b"[" * 200_000, b'{"output_ids": "' + b"x" * (sgp.MAX_ANSWER_BYTES + 10)
+              + b'"}', json.dumps({"output_ids": [1], "meta_info": []}).encode(),
+              json.dumps(sglang_body([5], [-0.5], {"type": "length"})).encode()]
+    sent = []
+
+    async def generate(request):
+        sent.append(await request.json())
+        return web.Response(body=bodies[len(sent) - 1], content_type="application/json")
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health_generate", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    eng = sg.SglangEngine(tiny_model_dir, engine_args={"url": f"http://127.0.0.1:{port}",
+                                                        "check_logprobs": False})
+    await eng.start()
+    try:
+        for i, why in enumerate([r"not an object|Expected `object`", r"not JSON",
+                                 r"more than \d+ bytes", r"meta_info"]):
+            with pytest.raises(sgp.SglangAnswerError, match=why):
+                await eng.generate(GenInput(prompt_ids=PROMPT, max_new_tokens=4), f"r{i}")
+        out = await eng.generate(GenInput(prompt_ids=PROMPT, max_new_tokens=4), "ok")
+        assert out.token_ids == [5] and out.logprobs == [-0.5]
+    finally:
+        await eng.close()
+        await runner.cleanup()
 
 
 def test_error_text_of_sglang_error_bodies():

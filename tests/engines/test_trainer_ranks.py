@@ -10,8 +10,11 @@ import signal
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
@@ -97,3 +100,54 @@ def test_a_rank_killed_mid_step_fails_the_step_naming_it(model_dir, tmp_path):
         assert b.version == 0
     finally:
         b.shutdown(kill=True)
+
+
+@pytest.mark.slow  # starts a rank process that imports torch: ~10-15 s on a loaded machine
+@pytest.mark.timeout(120)
+def test_a_rank_refuses_a_command_larger_than_its_cap(model_dir, tmp_path):
+    """Issue 43 (memory set by a peer): ranks 1..N-1 allocated whatever size rank 0
+    announced. Here 'rank 0' announces 8 GiB (the tiny model's cap is ~1 GiB: 4 × its fp32
+    state + a step's samples): rank 1 refuses it before allocating, with a message naming
+    the size and the cap, and exits (status 2) instead of waiting to receive it."""
+    from rollart.engines.trainer_ranks import COMMAND_MARGIN_BYTES
+
+    b = start_ranks(model_dir, world_size=2, dist_timeout=5, log_dir=tmp_path, **KW)
+    try:
+        cap = b.command_cap
+        n_params = sum(p.numel() for p in b.model.parameters())
+        assert 16 * n_params + COMMAND_MARGIN_BYTES <= cap < 16 * n_params + COMMAND_MARGIN_BYTES + (64 << 20)
+        r1 = b.procs[1]
+        with b._lock:  # no idle ping meanwhile: this process is a hostile rank 0
+            b._wait(b.pg.broadcast(torch.tensor([8 << 30], dtype=torch.int64), 0))
+            r1.wait(30)
+        assert r1.returncode == 2, r1.returncode
+        text = (tmp_path / "trainer-rank1.log").read_text()
+        assert f"rank 0 announced a command of {8 << 30} bytes, more than the cap of {cap}" in text, text[-2000:]
+    finally:
+        b.shutdown(kill=True)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.one_of(st.binary(max_size=64),
+                 st.builds(lambda kind, state: msgspec.msgpack.encode([kind, [], None, state]),
+                           st.text(max_size=8), st.binary(max_size=16)),
+                 st.builds(msgspec.msgpack.encode, st.recursive(
+                     st.none() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=4),
+                     lambda k: st.lists(k, max_size=4), max_leaves=12))),
+       st.integers(-2**63, 2**63 - 1))
+def test_fuzz_commands_end_in_a_command_or_a_named_refusal(raw, announced):
+    """What a rank receives: an announced size is checked against the cap before anything is
+    allocated, and the bytes decode to a known command or are a :class:`CommandRefused`."""
+    from rollart.engines.trainer_ranks import CommandRefused, checked_size, decode_command
+
+    cap = 1 << 20
+    try:
+        assert 0 <= checked_size(announced, cap, rank=1) <= cap
+    except CommandRefused as e:
+        assert "announced a command of" in str(e) and not 0 <= announced <= cap
+    try:
+        cmd = decode_command(raw, rank=1)
+    except CommandRefused as e:
+        assert str(e).startswith("trainer rank 1: rank 0's command")
+    else:
+        assert cmd.kind in ("step", "load", "ping", "stop")

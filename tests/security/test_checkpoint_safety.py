@@ -88,7 +88,8 @@ def _state(version: int = 1) -> dict:
 
 def _durable(files: RunFiles, ref, version: int = 1) -> None:
     files.save_state({"version": version, "seq": ref.seq, "journal_from": ref.seq + 1,
-                      "full": msgspec.to_builtins(ref), "ledger": {}, "counts": {}})
+                      "full": msgspec.to_builtins(ref), "ledger": {}, "counts": {},
+                      "journal_sha256": {}})
 
 
 def test_a_full_checkpoint_is_loaded_only_with_the_recorded_digest(tmp_path):
@@ -145,7 +146,9 @@ async def test_a_forged_checkpoint_in_the_object_store_is_refused(tmp_path, bus)
     await store.put(full_name(1), old.full_path(ref.seq).read_bytes())  # the real one again
     state = json.loads(old.state.read_bytes())
     for bad, why in [({"full": {**state["full"], "sha256": "../../x"}}, r"sha256"),
-                     ({"seq": 10**12}, r"counts step 2, whose record"),
+                     ({"seq": 10**12}, r"SHA-256 of 0 journal records, it counts 999999999999"),
+                     ({"seq": 10**12, "format": 2, "journal_sha256": None},
+                      r"counts step 2, whose record"),
                      ({"full": {**state["full"], "seq": -1}}, r"seq"),
                      ({"format": 9}, r"format 9")]:
         await store.put(STATE, json.dumps({**state, **bad}).encode())
@@ -243,11 +246,20 @@ def test_fuzz_checkpoint_bytes_end_in_a_named_refusal(blob):
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.one_of(
     st.binary(max_size=128),
-    st.dictionaries(st.sampled_from(["format", "version", "seq", "journal_from", "full", "ledger"]),
+    st.dictionaries(st.sampled_from(["format", "version", "seq", "journal_from", "full", "ledger",
+                                     "journal_sha256"]),
                     st.none() | st.integers(-5, 10**13) | st.text(max_size=70)
                     | st.fixed_dictionaries({"seq": st.integers(-1, 3), "sha256": st.text(max_size=70),
-                                             "bytes": st.integers(-1, 10)})).map(
+                                             "bytes": st.integers(-1, 10)})
+                    | st.dictionaries(st.sampled_from(["1", "2", "3", "01", "-1", "x", ""]),
+                                      st.sampled_from(["a" * 64, "A" * 64, "a" * 63, "../x", 3]),
+                                      max_size=4)).map(
         lambda d: json.dumps(d).encode()),
+    st.builds(lambda seq, start, fmt, keys: json.dumps(
+        {"format": fmt, "version": 1, "seq": seq, "journal_from": start,
+         "journal_sha256": {str(k): "b" * 64 for k in keys}}).encode(),
+        st.integers(0, 5), st.integers(1, 6), st.sampled_from([2, 3]),
+        st.lists(st.integers(-1, 7), max_size=6)),
 ))
 def test_fuzz_durable_states_end_in_a_named_refusal(data):
     """A state from the store is parsed into a validated head before any file or object name
@@ -261,6 +273,9 @@ def test_fuzz_durable_states_end_in_a_named_refusal(data):
         assert str(e).startswith("fuzzed state")
         return
     assert head.seq + 1 >= head.journal_from >= 1
+    if head.format >= 3 or head.journal_sha256 is not None:  # one hex digest per counted step
+        assert sorted(map(int, head.journal_sha256)) == list(range(head.journal_from, head.seq + 1))
+        assert all(len(d) == 64 and int(d, 16) >= 0 for d in head.journal_sha256.values())
     if head.full is not None:
         assert len(head.full.sha256) == 64 and int(head.full.sha256, 16) >= 0
         assert head.journal_from == head.full.seq + 1
@@ -304,3 +319,95 @@ def test_an_old_checkpoint_of_ones_own_converts_with_the_restricted_loader(tmp_p
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode != 0 and "Weights only load failed" in r.stderr, r.stderr[-2000:]
     assert not marker.exists()
+
+
+# -- the journal's records are digest-covered (issue 43, after finding 1) ------------------------
+def _traj(g: int, i: int, reward: float = 1.0) -> m.RolloutCompleted:
+    return m.RolloutCompleted(traj_id=f"g{g:06d}-{i}", group_id=f"g{g:06d}", env="main", seed=g,
+                              index_in_group=i, token_ids=[1, 2, 3, 4], response_mask=[0, 0, 1, 1],
+                              logprobs=[0.0, 0.0, -1.0, -2.0], reward=reward, min_version=0,
+                              max_version=0, group_index=g)
+
+
+async def _journaled(files: RunFiles, steps: int, **kw):
+    """``steps`` committed steps (records and states; no training needed to write them)."""
+    from rollart.actors.trainer_checkpoint import Checkpoints
+    from rollart.config import TrainerConfig
+
+    files.make()
+    ckpt = Checkpoints(files, TrainerConfig(full_checkpoint_every=100), **kw)
+    for step in range(steps):
+        ckpt.record(step, [step, step], [_traj(step, 0), _traj(step, 1, 0.0)], {})
+        await ckpt.commit({"version": step + 1, "ledger": {}, "counts": {}})
+    return ckpt
+
+
+def _forged_record(data: bytes) -> bytes:
+    """The same step with one trajectory's reward flipped: a valid record, other data."""
+    from rollart.actors.trainer_checkpoint import StepRecord
+
+    rec = msgspec.msgpack.decode(data, type=StepRecord)
+    trajs = [msgspec.structs.replace(t, reward=1.0 - t.reward) for t in rec.trajectories]
+    return msgspec.msgpack.encode(msgspec.structs.replace(rec, trajectories=trajs))
+
+
+async def test_a_tampered_journal_record_in_the_object_store_is_refused_at_fetch(tmp_path, bus):
+    """A journal record in the store replaced by another valid record (the step's rewards
+    flipped: a resume would train on other data than the run did) or by bytes that do not
+    decode: the fetch refuses it by the SHA-256 the durable state records for that step,
+    before decoding it, and writes nothing to the head's folder. On both buses."""
+    from rollart.actors.checkpoint_store import journal_name
+
+    old = RunFiles(tmp_path / "old")
+    await _journaled(old, 3, bus=bus, run="tamper", object_store=True)
+    state = json.loads(old.state.read_bytes())
+    assert state["format"] == 3 and sorted(state["journal_sha256"]) == ["1", "2", "3"]
+    assert state["journal_sha256"]["2"] == hashlib.sha256(old.read_journal(2)).hexdigest()
+    assert await fetch_checkpoint(bus, "tamper", RunFiles(tmp_path / "ok"))  # the control
+
+    store = await bus.object_store(m.object_bucket("tamper"))
+    head = RunFiles(tmp_path / "head")
+    for bad in (_forged_record(old.read_journal(2)), b"\xc1" * 40):
+        await store.put(journal_name(2), bad)
+        with pytest.raises(codec.CheckpointRefused, match=r"checkpoint-journal-00000002: \d+ bytes "
+                                                          r"whose SHA-256 is not the one .* step 2"):
+            await fetch_checkpoint(bus, "tamper", head)
+        assert not head.path.exists()
+    state["journal_sha256"]["2"] = "0" * 64  # a state that lacks one of its steps' digests
+    del state["journal_sha256"]["3"]
+    await store.put(STATE, json.dumps(state).encode())
+    with pytest.raises(codec.CheckpointRefused, match=r"records the SHA-256 of 2 journal records, "
+                                                      r"it counts 3"):
+        await fetch_checkpoint(bus, "tamper", head)
+    assert not head.path.exists()
+
+
+async def test_a_state_without_record_digests_is_read_with_a_warning(tmp_path, memory_bus_only, caplog):
+    """A durable state of format 2 (rollart from before the digests) records none: its
+    records are fetched and replayed with a warning that says so (its full checkpoint is
+    still digest-checked), and the next state the trainer writes covers them."""
+    from rollart.actors.checkpoint_store import put_state
+
+    bus = memory_bus_only
+    old = RunFiles(tmp_path / "old")
+    await _journaled(old, 2)
+    state = json.loads(old.state.read_bytes())
+    del state["journal_sha256"]
+    old.save_state(state)
+    old.state.write_text(json.dumps({**state, "format": 2}))
+    await put_state(bus, "legacy", old, [1, 2])
+    new = RunFiles(tmp_path / "new")
+    with caplog.at_level("WARNING"):
+        assert await fetch_checkpoint(bus, "legacy", new)
+    assert "records no SHA-256 of its journal records" in caplog.text
+    assert new.journal_seqs() == [1, 2]
+
+    from rollart.actors.trainer_checkpoint import Checkpoints
+    from rollart.config import TrainerConfig
+
+    ckpt = Checkpoints(new, TrainerConfig(full_checkpoint_every=100))
+    ckpt.resumed(seq=2, full_seq=0, full_version=0)
+    ckpt.record(2, [2], [_traj(2, 0)], {})
+    await ckpt.commit({"version": 3, "ledger": {}, "counts": {}})
+    digests = json.loads(new.state.read_bytes())["journal_sha256"]
+    assert digests == {str(s): hashlib.sha256(new.read_journal(s)).hexdigest() for s in (1, 2, 3)}

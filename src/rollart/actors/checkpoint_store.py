@@ -13,11 +13,13 @@ folder (:func:`fetch_checkpoint`) and resumes from them as from its own.
 
 Whoever can write the run's bucket could write these objects (with access control only the
 trainer's credential and admin; on an open server any local process), so a fetch trusts
-nothing it reads: the state is parsed into a validated head (sizes, hex digest, step range)
-before any name is built from it, the full checkpoint is written to the folder only when its
-bytes are the size and SHA-256 the state records, and it is a safetensors file with a
-msgspec record (:mod:`rollart.engines.checkpoint_codec`), so even a consistent forgery of
-state and checkpoint chooses data, never code. A store holding only an old pickle
+nothing it reads: the state is parsed into a validated head (sizes, hex digests, step range)
+before any name is built from it, the full checkpoint and each journal record are written to
+the folder only when their bytes are the size and SHA-256 the state records (a state of
+format 2, from before the record digests, has its records fetched unchecked with a warning),
+and the full checkpoint is a safetensors file with a msgspec record
+(:mod:`rollart.engines.checkpoint_codec`), so even a consistent forgery of state and
+checkpoint chooses data, never code. A store holding only an old pickle
 checkpoint (:data:`CHECKPOINT`) is refused.
 """
 
@@ -33,7 +35,9 @@ from rollart.actors.trainer_files import (
     MAX_STATE_BYTES,
     FullRef,
     RunFiles,
+    check_record,
     parse_state,
+    unchecked_warning,
     write_atomic,
 )
 from rollart.aio import retry
@@ -134,9 +138,9 @@ async def fetch_checkpoint(bus: Any, run: str, files: RunFiles) -> bool:
     """Write the checkpoint held in the run's object store (full checkpoint, durable state,
     journal records, metrics record) as the files of ``files`` unless it has a checkpoint
     already; True when one was fetched, False when the store holds none. A state that does
-    not validate, a full checkpoint whose bytes are not the ones the state records, a
-    missing record or an old pickle checkpoint raise :class:`CheckpointRefused` before
-    anything is written."""
+    not validate, a full checkpoint or a journal record whose bytes are not the ones the
+    state records, a missing record or an old pickle checkpoint raise
+    :class:`CheckpointRefused` before anything is written."""
     if files.has_checkpoint():
         return False
     store = await bus.object_store(m.object_bucket(run))
@@ -160,12 +164,14 @@ async def fetch_checkpoint(bus: Any, run: str, files: RunFiles) -> bool:
             raise CheckpointRefused(f"object {full_name(head.full.seq)}: {len(full)} bytes whose "
                                     f"SHA-256 is not the one {where} records")
     rows = await _get(store, METRICS) or b""
+    unchecked_warning(head, where)
     records: dict[int, bytes] = {}
     for seq in range(head.journal_from, head.seq + 1):  # each one is there: put before the state
         data = await _get(store, journal_name(seq))
         if data is None:
             raise CheckpointRefused(f"{where} counts step {seq}, whose record "
                                     f"{journal_name(seq)} the store does not hold")
+        check_record(head, seq, data, f"object {journal_name(seq)}")
         records[seq] = data
 
     def write() -> None:

@@ -11,8 +11,9 @@ checkpoint, retraining those steps in order gives the same weights (same batches
 settings, same RNG draws; bit for bit on CPU, where the kernels are deterministic), so:
 
 - every ``trainer.checkpoint_every`` steps the trainer writes the new records, then the
-  durable state (``state.json``, atomically: temp file, fsync, rename), and only then acks
-  the deliveries it covers (:meth:`Checkpoints.commit`);
+  durable state (``state.json``, atomically: temp file, fsync, rename; it records each
+  record's SHA-256, so a record changed or swapped later is refused before it is decoded),
+  and only then acks the deliveries it covers (:meth:`Checkpoints.commit`);
 - every ``trainer.full_checkpoint_every`` steps (or ``trainer.full_checkpoint_s`` seconds)
   it copies model, optimizer, scheduler and RNG to CPU memory (the only part the step waits
   for) and a thread writes them while the next steps train (:meth:`Checkpoints.start_full`);
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -51,7 +53,7 @@ from typing import Any
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.trainer_files import FullRef, RunFiles
+from rollart.actors.trainer_files import FullRef, RunFiles, check_record, unchecked_warning
 from rollart.config import TrainerConfig
 
 log = logging.getLogger("rollart.actors.trainer")
@@ -136,19 +138,29 @@ def replay(files: RunFiles, backend: Any, *, after: int, upto: int, advantage: s
     """Train the journal's steps ``after + 1 .. upto`` again, in order, on ``backend`` (loaded
     from the full checkpoint that holds step ``after``); returns each step's seconds.
     ``trainer_cfg`` (``schedule_clock``): whether each step moved the LR schedule (None:
-    every step did). Blocking. A missing or unreadable record, or a step that does not start from the version
-    it started from before, raises ``ValueError`` naming it: continuing would train on other
-    weights than the run published."""
+    every step did). Blocking. A missing or unreadable record, one whose bytes are not the
+    ones whose SHA-256 the durable state records (:class:`CheckpointRefused`, checked before
+    it is decoded), or a step that does not start from the version it started from before,
+    raises ``ValueError`` naming it: continuing would train on other weights than the run
+    published."""
     from rollart.actors.train_batch import advances_schedule, build_samples  # imports torch
 
+    loaded = files.load_state_head()
+    head = loaded[1] if loaded is not None else None
+    if head is not None and upto > after:
+        unchecked_warning(head, str(files.state))
     took = []
     for seq in range(after + 1, upto + 1):
         try:
-            rec = _decoder.decode(files.read_journal(seq))
+            data = files.read_journal(seq)
         except FileNotFoundError:
             raise ValueError(f"{files.journal_path(seq)} is missing: the durable state "
                              f"({files.state}) counts step {seq} and the full checkpoint holds "
                              f"steps up to {after} only") from None
+        if head is not None:
+            check_record(head, seq, data, str(files.journal_path(seq)))
+        try:
+            rec = _decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"{files.journal_path(seq)} does not decode: {e}") from None
         if rec.seq != seq or rec.version != backend.version:
@@ -191,6 +203,9 @@ class Checkpoints:
         """The last step the durable state counts."""
         self.last_state: dict[str, Any] | None = None
         """The state of the last commit (written again naming a new full checkpoint)."""
+        self.journal_sha256: dict[int, str] = {}
+        """Step -> the SHA-256 of its durable record, for the steps the journal holds (the
+        durable state records them: ``journal_sha256``)."""
         self.state_lock = asyncio.Lock()
         """One durable state write (and its put in the object store) at a time: a commit and
         a finished full checkpoint never write the state over each other."""
@@ -215,7 +230,12 @@ class Checkpoints:
         self.durable_seq = seq
         if loaded is not None:
             self.last_state = {k: v for k, v in loaded[0].items()
-                               if k not in ("format", "seq", "journal_from", "full")}
+                               if k not in ("format", "seq", "journal_from", "full",
+                                            "journal_sha256")}
+            digests = loaded[1].journal_sha256
+            if digests is None:  # a format 2 state: the records just replayed, as they are
+                digests = self.files.journal_digests(full_seq + 1, seq)
+            self.journal_sha256 = {int(k): v for k, v in digests.items() if int(k) > full_seq}
         self.started = (full_seq, full_version)
 
     def record(self, version: int, groups: list[int], trajectories: list[m.RolloutCompleted],
@@ -245,15 +265,21 @@ class Checkpoints:
         """The records ``pending``, then ``state`` counting steps up to ``seq`` and naming the
         current full checkpoint (and with the object store, their objects). Under
         :attr:`state_lock`."""
-        durable = {**state, "seq": seq, "journal_from": self.full_seq + 1,
+        start = self.full_seq + 1
+        durable = {**state, "seq": seq, "journal_from": start,
                    "full": msgspec.to_builtins(self.full) if self.full is not None else None}
 
-        def write() -> None:
+        def write() -> dict[int, str]:
+            known = dict(self.journal_sha256)
             for rec in pending:
-                self.files.write_journal(rec.seq, _encoder.encode(rec))
-            self.files.save_state(durable)
+                data = _encoder.encode(rec)
+                self.files.write_journal(rec.seq, data)
+                known[rec.seq] = hashlib.sha256(data).hexdigest()
+            self.files.save_state({**durable, "journal_sha256": {
+                str(s): known[s] for s in range(start, seq + 1)}})
+            return {s: d for s, d in known.items() if s >= start}
 
-        await asyncio.to_thread(write)
+        self.journal_sha256 = await asyncio.to_thread(write)
         self.last_state, self.durable_seq = state, seq
         if self.object_store:
             from rollart.actors.checkpoint_store import put_state

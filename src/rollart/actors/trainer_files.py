@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,9 +15,13 @@ import msgspec
 
 from rollart.engines.checkpoint_codec import CheckpointRefused, load_file, save_file
 
-STATE_FORMAT = 2
-"""2: the state names its full checkpoint (:class:`FullRef`); 1 (read, never written): it
-does not, the full checkpoint was ``latest.pt``, a pickle that is refused."""
+log = logging.getLogger("rollart.actors.trainer")
+
+STATE_FORMAT = 3
+"""3: the state records the SHA-256 of each journal record it counts (``journal_sha256``);
+2 (read, never written): it does not, its records are read unchecked with a warning; 1 (read,
+never written): it names no full checkpoint, which was ``latest.pt``, a pickle that is
+refused."""
 MAX_STATE_BYTES = 64 << 20
 """Bytes a durable state may have (its ledger is a few ranges: kilobytes)."""
 LEGACY = "latest.pt"
@@ -32,6 +37,9 @@ class FullRef(msgspec.Struct, forbid_unknown_fields=True):
     bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
 
 
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
 class StateHead(msgspec.Struct):
     """The fields of a durable state that name files and objects (validated before any is
     opened); the rest (ledger, counts) is the trainer's."""
@@ -41,6 +49,33 @@ class StateHead(msgspec.Struct):
     seq: Annotated[int, msgspec.Meta(ge=0, le=10**12)] = 0
     journal_from: Annotated[int, msgspec.Meta(ge=1, le=10**12 + 1)] = 1
     full: FullRef | None = None
+    journal_sha256: dict[Annotated[str, msgspec.Meta(pattern="^[1-9][0-9]{0,12}$")],
+                         Sha256] | None = None
+    """Step (decimal) -> the SHA-256 of its record, for each step ``journal_from..seq``
+    (format 3; None in a format 2 state)."""
+
+
+def check_record(head: StateHead, seq: int, data: bytes, what: str) -> None:
+    """Refuse step ``seq``'s record ``data`` (named ``what``) unless its SHA-256 is the one
+    the durable state ``head`` records (checked before it is decoded). A state without
+    digests (format 2) checks nothing: the caller warns once (:func:`unchecked_warning`)."""
+    if head.journal_sha256 is None:
+        return
+    want = head.journal_sha256.get(str(seq))
+    if want is None:
+        raise CheckpointRefused(f"{what}: the durable state records no SHA-256 for step {seq}")
+    if hashlib.sha256(data).hexdigest() != want:
+        raise CheckpointRefused(f"{what}: {len(data)} bytes whose SHA-256 is not the one the "
+                                f"durable state recorded for step {seq}")
+
+
+def unchecked_warning(head: StateHead, what: str) -> None:
+    """Log that ``head`` (a format 2 state) has records that are read unchecked."""
+    if head.journal_sha256 is None and head.seq >= head.journal_from:
+        log.warning("%s (format %d, rollart from before the record digests) records no SHA-256 "
+                    "of its journal records: steps %d..%d are read unchecked (their full "
+                    "checkpoint is checked; the next durable state covers them)", what,
+                    head.format, head.journal_from, head.seq)
 
 
 def parse_state(data: bytes, what: str) -> tuple[dict[str, Any], StateHead]:
@@ -55,15 +90,24 @@ def parse_state(data: bytes, what: str) -> tuple[dict[str, Any], StateHead]:
     except (ValueError, RecursionError, msgspec.ValidationError) as e:
         raise CheckpointRefused(f"{what}: not a durable state ({type(e).__name__}: "
                                 f"{str(e)[:200]})") from None
-    if head.format not in (1, STATE_FORMAT):
-        raise CheckpointRefused(f"{what}: format {head.format!r}, this trainer reads format "
-                                f"{STATE_FORMAT}")
+    if head.format not in (1, 2, STATE_FORMAT):
+        raise CheckpointRefused(f"{what}: format {head.format!r}, this trainer reads formats "
+                                f"2 and {STATE_FORMAT}")
     if head.full is not None and head.journal_from != head.full.seq + 1:
         raise CheckpointRefused(f"{what}: the journal starts at step {head.journal_from}, its "
                                 f"full checkpoint holds steps up to {head.full.seq}")
     if head.seq + 1 < head.journal_from:
         raise CheckpointRefused(f"{what}: step {head.seq} is before the journal's start "
                                 f"({head.journal_from})")
+    if head.journal_sha256 is None and head.format >= 3:
+        raise CheckpointRefused(f"{what}: format {head.format} without journal_sha256")
+    if head.journal_sha256 is not None:  # exactly the steps it counts (len first: bounded)
+        n = head.seq - head.journal_from + 1
+        if len(head.journal_sha256) != n or not all(
+                head.journal_from <= int(k) <= head.seq for k in head.journal_sha256):
+            raise CheckpointRefused(f"{what}: records the SHA-256 of {len(head.journal_sha256)} "
+                                    f"journal records, it counts {n} (steps "
+                                    f"{head.journal_from}..{head.seq})")
     return state, head
 
 
@@ -124,8 +168,9 @@ class RunFiles:
     checkpoint in ``checkpoints/``:
 
     - ``state.json``, the durable state, rewritten at every checkpoint (``trainer.checkpoint_every``):
-      the ledger, counters, the version and the step sequence number it reached, and the
-      full checkpoint it counts on (``full``: a :class:`FullRef`, None before the first);
+      the ledger, counters, the version and the step sequence number it reached, the full
+      checkpoint it counts on (``full``: a :class:`FullRef`, None before the first) and the
+      SHA-256 of each journal record it counts (``journal_sha256``);
     - ``journal/<seq>.msgpack``, one per step since the last full checkpoint: the
       trajectories the step trained on, in order, and the RNG state it started from
       (:class:`rollart.actors.trainer_checkpoint.StepRecord`), written before the state
@@ -136,7 +181,8 @@ class RunFiles:
       state names stays until a state naming the new one is durable.
 
     A resume loads the full checkpoint the state names, only if its bytes have the SHA-256
-    recorded there, and trains the journal's steps after its ``journal_seq`` again
+    recorded there, and trains the journal's steps after its ``journal_seq`` again (each
+    record only if its bytes have the SHA-256 recorded there too)
     (:mod:`rollart.actors.trainer_checkpoint`). A ``latest.pt`` (the pickle format of older
     versions) is refused, never unpickled.
     """
@@ -249,6 +295,11 @@ class RunFiles:
         """Step ``seq``'s record; ``FileNotFoundError`` when it is missing."""
         return self.journal_path(seq).read_bytes()
 
+    def journal_digests(self, first: int, last: int) -> dict[str, str]:
+        """The SHA-256 of the local records of steps ``first..last`` (``journal_sha256``)."""
+        return {str(s): hashlib.sha256(self.read_journal(s)).hexdigest()
+                for s in range(first, last + 1)}
+
     def journal_seqs(self) -> list[int]:
         """The steps whose records are in the folder, in order."""
         if not self.journal.exists():
@@ -319,8 +370,10 @@ def convert_legacy(run_path: str | Path) -> FullRef:
     durable = {k: v for k, v in (loaded[0] if loaded else state).items()
                if k in ("version", "ledger", "counts", "wall_s", "entropy_coef")}
     durable.setdefault("version", int(state["backend"]["version"]))
-    files.save_state({**durable, "seq": max(seq, loaded[1].seq if loaded else seq),
-                      "journal_from": seq + 1, "full": msgspec.to_builtins(ref)})
+    last = max(seq, loaded[1].seq if loaded else seq)
+    files.save_state({**durable, "seq": last, "journal_from": seq + 1,
+                      "full": msgspec.to_builtins(ref),
+                      "journal_sha256": files.journal_digests(seq + 1, last)})
     os.replace(files.legacy, files.legacy.with_name(f"{LEGACY}.converted"))
     return ref
 

@@ -20,7 +20,7 @@ from rollart.actors.policy import content_digest, file_content_digest, set_polic
 from rollart.aio import retry
 from rollart.bus import BusError
 from rollart.bus.codec import encode
-from rollart.config import TrainerConfig
+from rollart.config import TrainerConfig, nats_settings
 from rollart.telemetry import otel_metrics
 
 log = logging.getLogger("rollart.actors.trainer")  # the trainer's log lines, wherever written
@@ -280,22 +280,34 @@ class StreamPublisher:
             elif t.weights == "shm":
                 self._blobs = ws.DirBlobs(ws.shm_dir(a.run))
             elif t.weights == "tcp":
-                from rollart.engines.weight_tcp import TOKEN_OBJECT, WeightServer, advertised_host
+                from rollart.engines.weight_tcp import (
+                    TOKEN_OBJECT,
+                    WeightServer,
+                    advertised_host,
+                    tls_wanted,
+                )
 
                 root = self.owner.weights / "stream"
                 await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
                 s = t.sync
                 advertise = s.advertise or advertised_host(getattr(a.bus, "url", None))
+                # the NATS settings the bus connected with (command-line overrides included),
+                # else the config's (an in-process bus has none)
+                nats = getattr(a.bus, "settings", None)
+                if nats is None and getattr(a, "cfg", None) is not None:
+                    nats = nats_settings(a.cfg)
                 self.server = WeightServer(root, host=s.host or advertise, port=s.port,
-                                           advertise=advertise, max_connections=s.max_connections)
+                                           advertise=advertise, max_connections=s.max_connections,
+                                           tls=tls_wanted(s.tls, nats))
                 await self.server.start()
-                # The token goes where only the roles that read weights may read (the weights
-                # store, permissions.OBJECTS), not into the version's URI, which every role
-                # reads (KV policy.version, policy.published).
+                # The token (and under TLS the certificate to pin) goes where only the roles
+                # that read weights may read (the weights store, permissions.OBJECTS), not into
+                # the version's URI, which every role reads (KV policy.version, policy.published).
                 store = await a.bus.object_store(m.object_bucket(a.run))
-                await store.put(TOKEN_OBJECT, self.server.token.encode())
-                log.info("%s: weight server for generators at %s (listening on %s)", a.name,
-                         self.server.base_uri, self.server.host)
+                await store.put(TOKEN_OBJECT, self.server.access_object())
+                log.info("%s: weight server for generators at %s (listening on %s, %s)", a.name,
+                         self.server.base_uri, self.server.host,
+                         "TLS" if self.server.cert_sha256 else "cleartext")
                 self._blobs = ws.ServedDirBlobs(root, self.server)
             else:
                 self._blobs = ws.DirBlobs(self.owner.weights / "stream")

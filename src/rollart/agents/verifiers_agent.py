@@ -39,7 +39,13 @@ not ``ok``: the harness crashed, scoring raised...) fails the trajectory
 (``agent_error:``); one failing on its runtime (``SandboxError``, ``TunnelError``) is
 retried as transient.
 
-The env, its taskset and the task list load once per process and env config, in a thread.
+The env, its taskset and the task list load once per process and env config, on this
+module's own two threads (:data:`_threads`), never on asyncio's default executor: the first
+trajectories of a run all wait for the one load (``_load_lock``), and waiting there they
+would hold every thread the policy loader, payload hashing and reward scoring need (issue
+43). The EnvManager's ``agent_threads`` are not reachable from here: an agent is called
+with ``(base_url, task)`` only.
+
 Roles of a multi-agent env that call the policy must take turns within one conversation
 (the endpoint takes one conversation per trajectory); a role pinned to another ``model`` /
 ``client`` (a judge) calls that instead.
@@ -47,7 +53,6 @@ Roles of a multi-agent env that call the policy must take turns within one conve
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import importlib.util
 import itertools
@@ -55,6 +60,8 @@ import json
 import threading
 from pathlib import Path
 from typing import Any
+
+from rollart.agents.trajectory import AgentThreads
 
 MODEL = "rollart-policy"
 """The model name verifiers sends (the endpoint serves the policy whatever the name)."""
@@ -125,6 +132,9 @@ class _Loaded:
 
 _loaded: dict[str, _Loaded] = {}
 _load_lock = threading.Lock()
+_threads = AgentThreads(2, name="verifiers-load")
+"""Where loads and an infinite taskset's task lookups run (daemon threads, started on first
+use, never closed: idle ones cost nothing). Two: a lookup need not wait behind a load."""
 
 
 def _roles(cfg_cls: Any) -> dict[str, Any]:
@@ -194,8 +204,9 @@ async def run(base_url: str, task: dict, *, env_id: str) -> dict:
     ``base_url``: one verifiers episode; ``{"reward": r, "success": r >= threshold}``."""
     import verifiers.v1 as vf
 
-    loaded = await asyncio.to_thread(load, env_id, task)
-    row = await asyncio.to_thread(loaded.task, int(task.get("seed", 0)))
+    loaded = await _threads.run(load, env_id, task)
+    seed = int(task.get("seed", 0))
+    row = loaded.task(seed) if loaded.tasks is not None else await _threads.run(loaded.task, seed)
     sampling = dict(task.get("sampling") or {})
     if task.get("max_tokens") is not None:
         sampling["max_tokens"] = task["max_tokens"]

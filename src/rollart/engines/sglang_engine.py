@@ -90,7 +90,13 @@ from .base import (
     GenInput,
     GenOutput,
 )
-from .sglang_protocol import allowed_bias, check_input, probe_payload, probe_spread
+from .sglang_protocol import (
+    allowed_bias,
+    check_input,
+    decode_answer,
+    probe_payload,
+    probe_spread,
+)
 from .sglang_requests import ReqState, SglangRequests
 from .sglang_server import (
     API_KEY_ENV,
@@ -289,13 +295,13 @@ class SglangEngine(SglangRequests, AsyncEngine):
         pick: whether the answer is one of them."""
         free = await self._post_json("/generate", probe_payload(
             self.vocab_size, 0.0, f"rollart-probe-{uuid.uuid4().hex[:12]}"), timeout=120)
-        picked = int((free.get("output_ids") or [0])[0])
+        picked = (decode_answer(free).output_ids or [0])[0]
         vocab = int(self.vocab_size or 32)
         allowed = [t for t in (vocab - 1, vocab - 2, vocab - 3) if t != picked][:2]
         body = probe_payload(self.vocab_size, 0.0, f"rollart-probe-{uuid.uuid4().hex[:12]}")
         body["sampling_params"]["logit_bias"] = allowed_bias(allowed)
-        got = (await self._post_json("/generate", body, timeout=120)).get("output_ids") or []
-        return bool(got) and int(got[0]) in allowed
+        got = decode_answer(await self._post_json("/generate", body, timeout=120)).output_ids or []
+        return bool(got) and got[0] in allowed
 
     async def close(self) -> None:
         if self._closed:
@@ -414,7 +420,7 @@ class SglangEngine(SglangRequests, AsyncEngine):
             raise
         if not resp.get("success", True):
             await asyncio.to_thread(shutil.rmtree, folder, True)
-            raise RuntimeError(f"sglang could not load the weights: {resp.get('message')}")
+            raise RuntimeError(f"sglang could not load the weights: {str(resp.get('message'))[:500]}")
         await self._post_quietly("/flush_cache", {})
         self.version = int(version)
         old, self._staged = self._staged, [folder]

@@ -1,6 +1,6 @@
 """What ``proxy.engine: sglang`` sends to SGLang and how it reads the answers.
 
-Pure translation, standard library only (no I/O, no torch, no aiohttp): the
+Pure translation, standard library and msgspec only (no I/O, no torch, no aiohttp): the
 ``/generate`` bodies of free rows and of constrained steps (:func:`generate_payload`,
 :func:`choice_step_payload`), the parsing of the answers (:func:`parse_generate_response`,
 :func:`parse_choice_step`), the renormalisation of a constrained step's log-prob over the
@@ -9,6 +9,11 @@ to its allowed tokens (:func:`allowed_bias`), the checks of an input
 before it is sent (:func:`check_input`), the log-prob semantics probe's requests
 (:func:`probe_payload`, :func:`probe_spread`) and the text of SGLang's error bodies
 (:func:`error_text`). :class:`~rollart.engines.sglang_engine.SglangEngine` does the I/O.
+
+An answer is another process's data: it is decoded into typed structs (:class:`_Answer`,
+the fields used, each list bounded by :data:`MAX_ANSWER_TOKENS`) before any field is read,
+and whatever is not SGLang's shape, or contradicts itself, is a :class:`SglangAnswerError`
+(a ``ValueError``) that names the field, never a ``TypeError`` from deep in the parsing.
 
 SGLang API facts this relies on (``python/sglang/srt``, SGLang 0.4.x-0.5.x)
 -----------------------------------------------------------------------
@@ -53,12 +58,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from .base import GenInput, validate_choices
 
 __all__ = [
     "ALLOWED_BIAS",
+    "MAX_ANSWER_BYTES",
+    "MAX_ANSWER_TOKENS",
+    "SglangAnswerError",
     "allowed_bias",
     "allowed_next",
     "is_complete_choice",
@@ -170,88 +180,149 @@ def probe_payload(vocab_size: int | None, temperature: float, rid: str) -> dict:
             "rid": rid}
 
 
+MAX_ANSWER_TOKENS = 1 << 20
+"""Entries a list of an answer may have (output tokens, log-prob triples, requested ids of
+one position): more than any request of rollart asks for."""
+MAX_ANSWER_BYTES = 64 << 20
+"""Bytes an answer's body may have (read no further): a million tokens with their log-prob
+triples are ~40 MB."""
+
+
+class SglangAnswerError(ValueError):
+    """An answer of the SGLang server that is not the shape the protocol describes, or
+    contradicts itself or the request; the message names the field."""
+
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Triple = tuple[float | None, TokenId | None, Any]
+"""``[logprob, token_id, text]``: a null log-prob is -inf (orjson writes -inf as null)."""
+Triples = Annotated[list[Triple], msgspec.Meta(max_length=MAX_ANSWER_TOKENS)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_ANSWER_TOKENS)]
+
+
+class _Finish(msgspec.Struct):
+    type: Any = None
+
+
+class _Meta(msgspec.Struct):
+    """The fields of ``meta_info`` that are read (the others are ignored)."""
+
+    finish_reason: _Finish | str | None = None
+    output_token_logprobs: Triples | None = None
+    output_token_ids_logprobs: Annotated[list[Triples | None],
+                                         msgspec.Meta(max_length=MAX_ANSWER_TOKENS)] | None = None
+
+
+class _Answer(msgspec.Struct):
+    """The fields of a ``/generate`` answer that are read."""
+
+    output_ids: TokenIds | None = None
+    token_ids: TokenIds | None = None
+    """Older servers with ``--skip-tokenizer-init``."""
+    meta_info: _Meta | None = None
+
+
+def _refused(why: str) -> SglangAnswerError:
+    return SglangAnswerError(f"sglang /generate answer: {why}")
+
+
+def _convert(obj: Any, typ: Any, what: str) -> Any:
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as e:
+        raise _refused(f"{what}: {e}") from None
+
+
+def decode_answer(resp: Any) -> _Answer:
+    """``resp`` (a decoded JSON answer) as the typed fields rollart reads."""
+    if isinstance(resp, _Answer):
+        return resp
+    if not isinstance(resp, Mapping):
+        raise _refused(f"not an object (a {type(resp).__name__})")
+    return _convert(resp, _Answer, "not SGLang's shape")
+
+
 def finish_kind(reason: Any) -> str:
     """``meta_info.finish_reason`` -> ``stop`` | ``length`` | ``abort``."""
-    kind = reason.get("type") if isinstance(reason, Mapping) else reason
-    if kind in ("stop", "length", "abort"):
+    kind = reason.get("type") if isinstance(reason, Mapping) else (
+        reason.type if isinstance(reason, _Finish) else reason)
+    if isinstance(kind, str) and kind in ("stop", "length", "abort"):
         return kind
     if reason is None:
-        raise RuntimeError("sglang answered an unfinished request (finish_reason null)")
-    raise RuntimeError(f"sglang finish_reason {reason!r} is not stop, length or abort")
+        raise _refused("an unfinished request (finish_reason null)")
+    raise _refused(f"finish_reason {str(kind)[:100]!r} is not stop, length or abort")
 
 
-def _triples(entries: Any, what: str) -> list[tuple[float, int | None]]:
-    out = []
-    for e in entries or ():
-        if not isinstance(e, (list, tuple)) or len(e) < 2:
-            raise RuntimeError(f"sglang {what}: {e!r} is not [logprob, token_id, text]")
-        out.append((float(e[0]) if e[0] is not None else -math.inf,
-                    int(e[1]) if e[1] is not None else None))
-    return out
+def _triples(entries: list[Triple] | None) -> list[tuple[float, int | None]]:
+    return [(float(lp) if lp is not None else -math.inf, t) for lp, t, _ in entries or ()]
 
 
-def parse_generate_response(resp: Mapping[str, Any]) -> tuple[list[int], list[float], str]:
+def parse_generate_response(resp: Any, *, max_tokens: int | None = None
+                            ) -> tuple[list[int], list[float], str]:
     """``(token_ids, logprobs, finish)`` of a ``/generate`` answer (``finish`` is ``stop``,
     ``length`` or ``abort``; an aborted answer may hold fewer log-probs than tokens, and
-    only the tokens with one are kept)."""
-    meta = resp.get("meta_info") or {}
-    finish = finish_kind(meta.get("finish_reason"))
-    ids = resp.get("output_ids")
-    if ids is None:
-        ids = resp.get("token_ids") or []  # older servers with --skip-tokenizer-init
-    ids = [int(t) for t in ids]
-    lps = _triples(meta.get("output_token_logprobs"), "output_token_logprobs")
+    only the tokens with one are kept). ``max_tokens``: the request's ``max_new_tokens``
+    (an answer with more is refused). :class:`SglangAnswerError` when it is malformed."""
+    ans = decode_answer(resp)
+    meta = ans.meta_info or _Meta()
+    finish = finish_kind(meta.finish_reason)
+    ids = ans.output_ids if ans.output_ids is not None else (ans.token_ids or [])
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise _refused(f"{len(ids)} tokens, the request allowed {max_tokens}")
+    lps = _triples(meta.output_token_logprobs)
     if len(lps) < len(ids):
         if finish != "abort":
-            raise RuntimeError(f"sglang returned {len(ids)} tokens but {len(lps)} log-probs "
-                               "(is return_logprob honoured?)")
+            raise _refused(f"{len(ids)} tokens but {len(lps)} log-probs (is return_logprob "
+                           "honoured?)")
         ids = ids[:len(lps)]
     lps = lps[:len(ids)]
     for i, (t, (_, lt)) in enumerate(zip(ids, lps)):
         if lt is not None and lt != t:
-            raise RuntimeError(f"sglang log-prob {i} is of token {lt}, the output has {t}")
-    return ids, [lp for lp, _ in lps], finish
+            raise _refused(f"log-prob {i} is of token {lt}, the output has {t}")
+    return list(ids), [lp for lp, _ in lps], finish
 
 
 def renormalized_logprob(token: int, pairs: Any) -> float:
     """``logprob[token] - logsumexp(logprob[ids])`` over the ``[logprob, id, text]`` triples
     of one position: the log-prob renormalised over those ids."""
     vals: dict[int, float] = {}
-    for lp, t in _triples(pairs, "output_token_ids_logprobs"):
+    for lp, t in _triples(_convert(pairs, Triples | None, "output_token_ids_logprobs")):
         if t is not None:
             vals[t] = lp
     if token not in vals:
-        raise RuntimeError(f"sglang sent no log-prob of token {token} (got ids {sorted(vals)})")
+        raise _refused(f"no log-prob of token {token} (got ids {sorted(vals)[:16]})")
     m = max(vals.values())
-    if m == -math.inf:
-        raise RuntimeError("sglang gave every allowed token log-prob -inf")
+    if m == -math.inf or math.isnan(m):
+        raise _refused("every allowed token has log-prob -inf (or NaN)")
     lse = m + math.log(sum(math.exp(v - m) for v in vals.values()))
     return vals[token] - lse
 
 
-def parse_choice_step(resp: Mapping[str, Any], allowed: Sequence[int]
+def parse_choice_step(resp: Any, allowed: Sequence[int]
                       ) -> tuple[int | None, float | None, str]:
     """``(token, logprob, finish)`` of one constrained step; ``token`` is None when the step
     was aborted before producing one."""
-    ids, lps, finish = parse_generate_response(resp)
+    ans = decode_answer(resp)
+    ids, lps, finish = parse_generate_response(ans)
     if not ids:
         if finish == "abort":
             return None, None, finish
-        raise RuntimeError("sglang answered a constrained step with no token")
+        raise _refused("a constrained step with no token")
     tok = ids[0]
     if tok not in set(int(a) for a in allowed):
-        raise RuntimeError(
-            f"sglang picked token {tok}, not one of the allowed {list(allowed)[:8]}: the logit "
-            "bias was not applied (SGLang before 0.4.7 ignores sampling_params.logit_bias)")
-    pairs = ((resp.get("meta_info") or {}).get("output_token_ids_logprobs") or [None])[0]
+        raise _refused(
+            f"token {tok}, not one of the allowed {list(allowed)[:8]}: the logit bias was not "
+            "applied (SGLang before 0.4.7 ignores sampling_params.logit_bias)")
+    pairs = ((ans.meta_info.output_token_ids_logprobs if ans.meta_info else None) or [None])[0]
     lp = renormalized_logprob(tok, pairs) if pairs else lps[0]
     return tok, lp, finish
 
 
-def probe_spread(resp: Mapping[str, Any]) -> float | None:
+def probe_spread(resp: Any) -> float | None:
     """Max minus min of the requested log-probs in a probe answer (None: it has none)."""
-    pairs = ((resp.get("meta_info") or {}).get("output_token_ids_logprobs") or [None])[0]
-    vals = [lp for lp, _ in _triples(pairs, "output_token_ids_logprobs")]
+    ans = decode_answer(resp)
+    pairs = ((ans.meta_info.output_token_ids_logprobs if ans.meta_info else None) or [None])[0]
+    vals = [lp for lp, _ in _triples(pairs)]
     if not vals:
         return None
     return max(vals) - min(vals)

@@ -2,7 +2,9 @@
 
 :class:`SglangRequests` is the part of the engine that makes HTTP calls (a mixin of
 :class:`~rollart.engines.sglang_engine.SglangEngine`, which owns the state it uses): JSON
-posts with SGLang's error text, the ``/generate`` call of one request that an abort can
+posts with SGLang's error text (an answer is read up to
+:data:`~rollart.engines.sglang_protocol.MAX_ANSWER_BYTES` and must be a JSON object, else a
+:class:`~rollart.engines.sglang_protocol.SglangAnswerError`), the ``/generate`` call of one request that an abort can
 interrupt (:meth:`SglangRequests._send`), and the calls that serve one row, free
 (:meth:`SglangRequests._generate_free`) or constrained
 (:meth:`SglangRequests._generate_choice`). The bodies and the parsing of the answers are
@@ -44,6 +46,8 @@ from .base import (
     GenOutput,
 )
 from .sglang_protocol import (
+    MAX_ANSWER_BYTES,
+    SglangAnswerError,
     allowed_next,
     choice_step_payload,
     error_text,
@@ -74,6 +78,34 @@ class ReqState:
     """Set by an abort (wakes a request waiting at the pause gate)."""
 
 
+async def _read_bounded(r: Any, path: str) -> bytes:
+    """The body of the answer ``r`` (an ``aiohttp.ClientResponse``); read no further than
+    :data:`~rollart.engines.sglang_protocol.MAX_ANSWER_BYTES`."""
+    cap = MAX_ANSWER_BYTES
+    if r.content_length is not None and r.content_length > cap:
+        raise SglangAnswerError(f"sglang {path} answer: {r.content_length} bytes, more than "
+                                f"{cap} bytes")
+    chunks, size = [], 0
+    async for chunk in r.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > cap:
+            raise SglangAnswerError(f"sglang {path} answer: more than {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(data: bytes, path: str) -> dict:
+    """``data`` as a JSON object; :class:`SglangAnswerError` when it is not one (not JSON,
+    nested deeper than the parser's stack, an integer of thousands of digits, a list...)."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise SglangAnswerError(f"sglang {path} answer: not JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise SglangAnswerError(f"sglang {path} answer: not an object (a {type(obj).__name__})")
+    return obj
+
+
 class SglangRequests:
     """HTTP calls of :class:`~rollart.engines.sglang_engine.SglangEngine`, which provides
     ``base_url``, ``eos_token_ids`` and the attributes annotated here."""
@@ -90,12 +122,12 @@ class SglangRequests:
             raise RuntimeError("the sglang engine is not started (or closed)")
         kw = {"timeout": self._aiohttp.ClientTimeout(total=timeout)} if timeout else {}
         async with self._session.post(self.base_url + path, json=body, **kw) as r:
-            return r.status, await r.read()
+            return r.status, await _read_bounded(r, path)
 
     async def _post_json(self, path: str, body: dict, *, timeout: float | None = None) -> dict:
         status, data = await self._post(path, body, timeout=timeout)
         if status == 200:
-            return json.loads(data) if data.strip() else {}
+            return _json_object(data, path) if data.strip() else {}
         msg = error_text(data)
         if path == "/generate" and 400 <= status < 500:
             raise ValueError(f"sglang refused the request (HTTP {status}): {msg}")
@@ -104,10 +136,10 @@ class SglangRequests:
     async def _get_json(self, path: str, *, timeout: float | None = None) -> dict:
         kw = {"timeout": self._aiohttp.ClientTimeout(total=timeout)} if timeout else {}
         async with self._session.get(self.base_url + path, **kw) as r:
-            data = await r.read()
+            data = await _read_bounded(r, path)
             if r.status != 200:
                 raise RuntimeError(f"sglang {path} answered HTTP {r.status}: {error_text(data)}")
-            return json.loads(data)
+            return _json_object(data, path)
 
     async def _send(self, st: ReqState, body: dict) -> dict:
         """One ``/generate`` for request ``st``; an abort that arrived meanwhile is sent
@@ -150,7 +182,7 @@ class SglangRequests:
     async def _generate_free(self, inp: GenInput, st: ReqState, version: int) -> GenOutput:
         body = generate_payload(inp, self._new_rid(st), eos_token_ids=self.eos_token_ids)
         resp = await self._send(st, body)
-        ids, lps, finish = parse_generate_response(resp)
+        ids, lps, finish = parse_generate_response(resp, max_tokens=int(inp.max_new_tokens))
         if finish == "abort":
             raise EngineAborted(st.request_id, GenOutput(ids, lps, FINISH_INTERRUPTED, version),
                                 version)

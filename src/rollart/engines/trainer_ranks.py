@@ -8,7 +8,9 @@ model and optimizer and, per step, receives the step's samples and loss settings
 
 A step (every rank runs the same code on the same samples):
 
-1. rank 0 broadcasts the samples (msgpack, no pickle) over the process group;
+1. rank 0 broadcasts the samples (msgpack, no pickle) over the process group: their size
+   first, which the other ranks check against a cap (:attr:`RankedTrainBackend.command_cap`,
+   4 × the model's fp32 state + :data:`COMMAND_MARGIN_BYTES`) before they allocate for it;
 2. each rank sorts them longest first and takes every N-th one from its rank on (balanced
    shares), and back-propagates its micro-batches with the weight ``units_k / units_total``
    where ``units_total`` is the aggregation denominator of the *whole* batch (token count,
@@ -64,8 +66,41 @@ SPEC_KEY = "rollart/spec"
 JOINED_KEY = "rollart/joined"
 
 
+COMMAND_MARGIN_BYTES = 1 << 30
+"""Bytes a command may have beyond 4 × the model's fp32 state (:attr:`RankedTrainBackend.command_cap`):
+a step's samples (~20 bytes a token: millions of tokens)."""
+COMMAND_KINDS = ("step", "load", "ping", "stop")
+
+
 class RankFailed(TrainStepFailed):
     """A trainer rank died, hung past ``trainer.dist_timeout``, or diverged."""
+
+
+class CommandRefused(ValueError):
+    """A command over the cap (rank 0: refused before it is sent; the other ranks: before
+    anything is allocated for it), or bytes that are not a command."""
+
+
+def checked_size(size: int, cap: int, *, rank: int) -> int:
+    """``size``, the bytes rank 0 announced, if a buffer of that size may be allocated."""
+    if not 0 <= size <= cap:
+        raise CommandRefused(f"trainer rank {rank}: rank 0 announced a command of {size} bytes, "
+                             f"more than the cap of {cap} bytes (4 × the model's fp32 state + "
+                             f"{COMMAND_MARGIN_BYTES} for a step's samples)")
+    return size
+
+
+def decode_command(data: bytes, *, rank: int) -> "_Command":
+    """The command in ``data`` (msgpack, never a pickle)."""
+    try:
+        cmd = _command_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CommandRefused(f"trainer rank {rank}: rank 0's command does not decode "
+                             f"({len(data)} bytes: {str(e)[:200]})") from None
+    if cmd.kind not in COMMAND_KINDS:
+        raise CommandRefused(f"trainer rank {rank}: rank 0's command {cmd.kind[:40]!r} is not "
+                             f"one of {COMMAND_KINDS}")
+    return cmd
 
 
 class _Command(msgspec.Struct, array_like=True):
@@ -75,6 +110,9 @@ class _Command(msgspec.Struct, array_like=True):
     samples: list[TrainSample] = []
     loss: LossConfig | None = None
     state: bytes = b""
+
+
+_command_decoder = msgspec.msgpack.Decoder(_Command)
 
 
 def parse_master(master: str) -> tuple[str, int]:
@@ -96,6 +134,12 @@ class RankedTrainBackend(TorchTrainBackend):
         self.procs: dict[int, subprocess.Popen] = {}
         """Rank 0: the ranks it started, by rank."""
         self.logs: dict[int, Path] = {}
+        state_bytes = sum(4 * t.numel() for t in self.model.parameters()) + sum(
+            t.numel() * t.element_size() for t in self.model.buffers())
+        self.command_cap = 4 * state_bytes + COMMAND_MARGIN_BYTES
+        """Bytes a command may have: 4 × the model's fp32 state (a checkpoint's model, AdamW
+        moments and scheduler: ~3 ×) + :data:`COMMAND_MARGIN_BYTES` (a step's samples). The
+        other ranks never allocate more for what rank 0 announces."""
         self._lock = threading.Lock()
         self._sharding = False
         self._last_op = time.monotonic()
@@ -135,18 +179,25 @@ class RankedTrainBackend(TorchTrainBackend):
             self._wait(self.pg.allreduce([t], opts))
 
     def _broadcast_command(self, cmd: _Command | None) -> _Command:
-        """Rank 0 sends ``cmd``; every other rank receives it."""
+        """Rank 0 sends ``cmd``; every other rank receives it. :class:`CommandRefused` over
+        :attr:`command_cap` (rank 0 before any collective; the others before allocating)."""
         if self.rank == 0:
             raw = msgspec.msgpack.encode(cmd)
+            if len(raw) > self.command_cap:
+                raise CommandRefused(f"trainer rank 0: a {cmd.kind} command of {len(raw)} bytes, "
+                                     f"more than the cap of {self.command_cap} bytes (4 × the "
+                                     f"model's fp32 state + {COMMAND_MARGIN_BYTES} for a step's "
+                                     f"samples): take smaller batches")
             size = torch.tensor([len(raw)], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
         self._wait(self.pg.broadcast(size, 0))
         buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == 0
-               else torch.empty(int(size.item()), dtype=torch.uint8))
+               else torch.empty(checked_size(int(size.item()), self.command_cap, rank=self.rank),
+                                dtype=torch.uint8))
         if buf.numel():
             self._wait(self.pg.broadcast(buf, 0))
-        return cmd if self.rank == 0 else msgspec.msgpack.decode(buf.numpy().tobytes(), type=_Command)
+        return cmd if self.rank == 0 else decode_command(buf.numpy().tobytes(), rank=self.rank)
 
     # -- the step (every rank) ------------------------------------------------------
     def micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
@@ -311,6 +362,9 @@ class RankedTrainBackend(TorchTrainBackend):
         while True:
             try:
                 cmd = self._broadcast_command(None)
+            except CommandRefused as e:  # nothing allocated for it: this rank stops here
+                log.error("%s; rank %d exits", e, self.rank)
+                return 2
             except Exception as e:  # noqa: BLE001 - rank 0 died or stopped pinging
                 log.error("rank %d: lost rank 0 (%s: %s)", self.rank, type(e).__name__, e)
                 return 1
