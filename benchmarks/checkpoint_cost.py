@@ -15,7 +15,7 @@ disk, and measures, after one warm-up step:
 - **step**: the median of ``K`` plain training steps (16 samples of ~56 tokens, token-mean);
 - **state**: :meth:`Checkpoints.commit` of one step's journal record (the 16 trajectories as
   ``rollout.completed`` messages, the RNG state) and ``state.json`` (each fsynced);
-- **full, blocking**: ``torch.save`` of the live state into the checkpoint file, fsynced;
+- **full, blocking**: the live state into a full checkpoint file (safetensors + record), fsynced;
 - **full, async**: :meth:`Checkpoints.start_full` (what the step waits for: the copy to CPU
   memory), then a training step while the thread writes, then the write's total seconds.
 
@@ -107,19 +107,19 @@ async def measure(model_dir: Path, run_dir: Path, steps: int, threads: int) -> d
 
     step()  # warm-up
     plain = [step() for _ in range(steps)]
+    await ckpt.commit(durable(b.version))  # the records of the steps above, not measured
     state_s = []
     gi, trajs = trajectories(step_no[0])
     for _ in range(3):  # one step's record (as the trainer has at each commit), then the state
-        ckpt.pending = []
         ckpt.record(b.version, gi, trajs, rng_state(b))
         state_s.append(await ckpt.commit(durable(b.version)))
     record_bytes = files.journal_path(ckpt.seq).stat().st_size
     state_bytes = files.state.stat().st_size
     t0 = time.perf_counter()
-    size = files.save_checkpoint(full())
+    ref = files.save_checkpoint({**full(), "journal_seq": ckpt.seq})
     blocking = time.perf_counter() - t0
-    files.checkpoint.unlink()
-    ckpt.pending = []
+    size = ref.bytes
+    files.full_path(ref.seq).unlink()
     blocked = await ckpt.start_full(full, b.version)
     during = await asyncio.to_thread(step)  # trains while the thread writes (as the trainer does)
     t1 = time.perf_counter()

@@ -396,7 +396,7 @@ def run_table(r: dict) -> list[str]:
     if "store_bytes" in a:
         rows.append(_store_row(a["store_bytes"]))
     rows += [
-        _row("checkpoint `latest.pt` (MiB)", a["checkpoint_bytes"], _mib),
+        _row("full checkpoint (MiB)", a["checkpoint_bytes"], _mib),
         _row("weights folder (MiB)", a["weights_bytes"], _mib),
         _row("`metrics.jsonl` (MiB; a log, one line per step)", a["metrics_bytes"], _mib,
              " (by design)"),
@@ -439,7 +439,7 @@ def readme_section(runs: dict) -> str:
         "the RSS and thread count of every process of the run (the rollart process and its "
         "descendants: `nats-server`) from `/proc`, the live bytes of the run's events stream "
         "and KV bucket as the server reports them, the store folder `runs/<run>/nats` on "
-        "disk, the checkpoint `checkpoints/latest.pt`, the weights folder and `metrics.jsonl`.",
+        "disk, the full checkpoint `checkpoints/full-<seq>.safetensors`, the weights folder and `metrics.jsonl`.",
         "",
         f"*First* is the median of the samples in the {WINDOW:.0%} of the steps right after "
         f"the warm-up, *last* the median in the last {WINDOW:.0%}; *flat* means within "
