@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import asyncio, gc, json, sys
-    from rollart.actors.reward import RewardService
+    from rollart.actors.reward.actor import RewardService
     from rollart.bus.memory import MemoryBus
     from rollart.node import Node, own_process_gc
     if sys.argv[1] == "owned":

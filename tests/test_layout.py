@@ -26,7 +26,10 @@ LAYERS = [
     {"rollart.bus"},  # connections read the nats section of a config
     {"rollart.telemetry"},  # instrumentation
     {"rollart.engines"},
-    {"rollart.actors", "rollart.agents"},  # the agents' endpoint serves EnvManagers
+    {"rollart.agents"},  # the agents' endpoint and protocols: nothing of the actors
+    {"rollart.actors.kernel"},  # how any actor runs
+    {"rollart.actors.groups"},  # what scheduler and trainer share
+    {"rollart.actors"},  # the roles (apart from each other: test_roles_stay_apart)
     {"rollart.emulate"},  # latency models behind the actors' extension points (benchmarks)
     {"rollart.node"},
     {"rollart.security", "rollart.deploy"},
@@ -99,6 +102,33 @@ def test_no_library_imports_the_app_layer():
     assert lib == []
 
 
+ROLES = ["scheduler", "env", "generate", "trainer", "reward"]
+"""Role packages under rollart.actors: each imports the kernel and groups, never another role."""
+
+
+def _role(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["rollart", "actors"] and parts[2] in ROLES else None
+
+
+def test_every_actor_module_is_in_the_kernel_groups_or_a_role():
+    loose = sorted(m for m in MODULES if m.startswith("rollart.actors.")
+                   and m.split(".")[2] not in (*ROLES, "kernel", "groups"))
+    assert loose == []
+
+
+def test_roles_stay_apart():
+    crossing = sorted(f"{a} -> {b}" for a, deps in GRAPH.items() for b in deps
+                      if _role(a) and _role(b) and _role(a) != _role(b))
+    assert crossing == []
+
+
+def test_the_agents_know_nothing_of_the_actors():
+    tied = sorted(f"{a} -> {b}" for a, deps in GRAPH.items() for b in deps
+                  if a.startswith("rollart.agents") and b.startswith("rollart.actors"))
+    assert tied == []
+
+
 def test_there_is_no_import_cycle():
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -134,7 +164,7 @@ def test_there_is_no_import_cycle():
 
 
 @pytest.mark.parametrize("module", ["rollart.app.cli", "rollart.app.node", "rollart.node",
-                                    "rollart.actors.env_manager"])
+                                    "rollart.actors.env.manager"])
 def test_a_command_or_an_env_node_does_not_import_torch(module):
     """torch is the optional ``train`` extra: ``rollart tap`` or an env-only node never loads it."""
     code = f"import sys, {module}; print('torch' in sys.modules)"

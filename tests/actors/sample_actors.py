@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from rollart import messages as m
-from rollart.actors.base import Actor, Reject, Retry, consume, serve
+from rollart.actors.kernel.base import Actor, Reject, Retry, consume, serve
 from rollart.bus import ConsumerSpec
 from rollart.bus.codec import decode, encode
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 from rollart import messages as m
-from rollart.actors.policy import set_policy
-from rollart.actors.ledger import admissible
-from rollart.actors.scheduler import RolloutScheduler
+from rollart.actors.kernel.policy import set_policy
+from rollart.actors.groups.ledger import admissible
+from rollart.actors.scheduler.actor import RolloutScheduler
 from rollart.bus import ConsumerSpec
 from rollart.bus.codec import decode
 from rollart.config import RolloutConfig

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rollart import messages as m
-from rollart.actors.service_client import ServiceClient
+from rollart.actors.kernel.service_client import ServiceClient
 from rollart.bus.codec import encode
 from rollart.config import RunConfig, convert
 from rollart.node import Node, build_actors

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from rollart import messages as m
-from rollart.actors.env_manager import EnvManager
-from rollart.actors.lockstep import LockStep, WaveIncomplete
+from rollart.actors.env.manager import EnvManager
+from rollart.actors.env.lockstep import LockStep, WaveIncomplete
 from rollart.bus.codec import encode
 from rollart.config import ActorConfig, ConfigError, RunConfig, convert
 from rollart.node import Node

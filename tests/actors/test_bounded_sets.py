@@ -5,9 +5,9 @@ entries up to a cap."""
 from __future__ import annotations
 
 from rollart import messages as m
-from rollart.actors import cancelled as cancelled_mod
-from rollart.actors import lockstep as ls_mod
-from rollart.actors.env_manager import EnvManager
+from rollart.actors.kernel import cancelled as cancelled_mod
+from rollart.actors.env import lockstep as ls_mod
+from rollart.actors.env.manager import EnvManager
 from rollart.bus.base import Request
 from rollart.bus.codec import encode
 

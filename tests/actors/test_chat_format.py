@@ -4,7 +4,7 @@ odd text included, and fall back to the tokenizer where there is no backend."""
 
 from __future__ import annotations
 
-from rollart.actors.chat import ChatFormat
+from rollart.actors.env.chat import ChatFormat
 
 TEXTS = ["", "hello", "  two  spaces\n\nand lines\t", "Action: <answer>Left</answer>",
          "ünïcødé ✓ 漢字", "SFFF\nFHFH\nFFFH\nHFFG"]
@@ -70,7 +70,7 @@ def test_cached_prompts_are_token_identical_to_encoding_each_time(tiny_model, mo
     a caller changing the list it got does not change what the cache gives next."""
     import random
 
-    import rollart.actors.chat as chat_mod
+    import rollart.actors.env.chat as chat_mod
 
     cached = ChatFormat.load(tiny_model)
     for seed in range(40):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollart.actors.train_batch import loss_config, next_entropy_coef
+from rollart.actors.trainer.batch import loss_config, next_entropy_coef
 from rollart.config import TrainerConfig
 
 T = TrainerConfig(entropy_coef=0.01, entropy_target=0.2, entropy_coef_step=0.005, entropy_coef_max=0.03)

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from rollart import messages as m
-from rollart.actors.env_manager import EnvManager
-from rollart.actors.llm_proxy import LLMProxy
-from rollart.actors.reward import RewardService
-from rollart.actors.trajectory import Deliveries
+from rollart.actors.env.manager import EnvManager
+from rollart.actors.generate.proxy import LLMProxy
+from rollart.actors.reward.actor import RewardService
+from rollart.actors.env.trajectory import Deliveries
 from rollart.bus.codec import encode
 from rollart.config import ActorConfig, RunConfig, convert
 from rollart.node import Node

@@ -11,8 +11,8 @@ import collections
 import pytest
 
 from rollart import messages as m
-from rollart.actors.admission import MAX_MOVES, Admission, member_id, member_slot
-from rollart.actors.ledger import Group
+from rollart.actors.groups.admission import MAX_MOVES, Admission, member_id, member_slot
+from rollart.actors.groups.ledger import Group
 from rollart.config import ConfigError, RunConfig, convert
 from rollart.node import Node
 from rollart.node.build import build_actors, rollout_actors
@@ -74,7 +74,7 @@ def completion(traj_id: str, gi: int, i: int, seed: int) -> m.RolloutCompleted:
 def test_admission_takes_moved_copies_only(tail, ok):
     cfg = cfg_of()
     adm = Admission(cfg.rollout, dict(cfg.envs))
-    from rollart.actors.admission import member_seed
+    from rollart.actors.groups.admission import member_seed
 
     msg = completion(f"g000001-1{tail}", 1, 1, member_seed(cfg.rollout, 1, 1))
     why = adm.check(msg, ledger=type("L", (), {"restarted": {}})(), version=0, issued=4, lost=0)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given as hypothesis_given, settings, strateg
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rollart import messages as m
-from rollart.actors.ledger import GroupLedger, IndexSet, admissible, reason_kind
+from rollart.actors.groups.ledger import GroupLedger, IndexSet, admissible, reason_kind
 
 LOOP = asyncio.new_event_loop()
 

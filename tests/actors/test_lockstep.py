@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollart.actors.lockstep import LockStep
+from rollart.actors.env.lockstep import LockStep
 
 
 async def test_members_wait_for_the_slowest_and_waves_are_separate():

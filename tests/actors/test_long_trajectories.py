@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from rollart import messages as m
-from rollart.actors import payloads
-from rollart.actors.base import Actor, consume
-from rollart.actors.env_manager import EnvManager
-from rollart.actors.llm_proxy import LLMProxy
+from rollart.actors.kernel import payloads
+from rollart.actors.kernel.base import Actor, consume
+from rollart.actors.env.manager import EnvManager
+from rollart.actors.generate.proxy import LLMProxy
 from rollart.bus import BusError, ConsumerSpec, DuplicateConflict
 from rollart.bus.codec import encode
 from rollart.config import ActorConfig, RunConfig, convert

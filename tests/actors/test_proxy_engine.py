@@ -9,8 +9,8 @@ import time
 import pytest
 
 from rollart import messages as m
-from rollart.actors.base import RemoteError
-from rollart.actors.llm_proxy import LLMProxy
+from rollart.actors.kernel.base import RemoteError
+from rollart.actors.generate.proxy import LLMProxy
 from rollart.bus.codec import encode
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from rollart.actors.replica_pins import AFFINITY_RATIO, AFFINITY_SLACK, ReplicaPins
+from rollart.actors.kernel.replica_pins import AFFINITY_RATIO, AFFINITY_SLACK, ReplicaPins
 
 G = "generate.request"
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from rollart import messages as m
-from rollart.actors.base import RemoteError
-from rollart.actors.reward import RewardService, answer_match
+from rollart.actors.kernel.base import RemoteError
+from rollart.actors.reward.actor import RewardService, answer_match
 from rollart.node import Node
 from tests.actors.sample_actors import new_run
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rollart import messages as m
-from rollart.actors.base import RemoteError
+from rollart.actors.kernel.base import RemoteError
 from rollart.node import Node
 from tests.actors.sample_actors import EchoEnv, ScoreService, collect, new_run, request
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollart.actors.train_batch import advances_schedule, build_samples
+from rollart.actors.trainer.batch import advances_schedule, build_samples
 from rollart.config import TrainerConfig
 from rollart.messages import RolloutCompleted
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import pytest
 
 from rollart import messages as m
-from rollart.actors.base import Actor, Reject, serve
-from rollart.actors.service import ERROR_KIND_HEADER, REPLICA_HEADER
-from rollart.actors import service_client
-from rollart.actors.service_client import ProgressReporter, ServiceClient
+from rollart.actors.kernel.base import Actor, Reject, serve
+from rollart.actors.kernel.service import ERROR_KIND_HEADER, REPLICA_HEADER
+from rollart.actors.kernel import service_client
+from rollart.actors.kernel.service_client import ProgressReporter, ServiceClient
 from rollart.bus.codec import encode
 from rollart.node import Node
 from tests.actors.sample_actors import new_run
@@ -265,7 +265,7 @@ class SlowEngine:
 
 async def test_a_stopping_llm_proxy_answers_every_request(memory_bus_only):
     """Nothing it took is left to time out: each request gets a result or `unavailable`."""
-    from rollart.actors.llm_proxy import LLMProxy
+    from rollart.actors.generate.proxy import LLMProxy
 
     bus, run = memory_bus_only, new_run()
     proxy = LLMProxy(run=run, model_dir="unused", engine_obj=SlowEngine(0.5), max_batch=1,

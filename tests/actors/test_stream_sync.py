@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from rollart import messages as m
-from rollart.actors.llm_proxy import LLMProxy
+from rollart.actors.generate.proxy import LLMProxy
 from rollart.config import RunConfig, convert
 from rollart.engines.weight_stream import Manifest
 from rollart.node import Node, ensure_run_streams
@@ -109,7 +109,7 @@ async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp
 
 
 async def _current(bus, run, v):
-    from rollart.actors.policy import current_policy
+    from rollart.actors.kernel.policy import current_policy
 
     pub = await current_policy(bus, run)
     return pub if pub is not None and pub.version == v else None

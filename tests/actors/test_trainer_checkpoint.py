@@ -1,4 +1,4 @@
-"""The trainer's checkpoints (:mod:`rollart.actors.trainer_checkpoint`): the journal of the
+"""The trainer's checkpoints (:mod:`rollart.actors.trainer.checkpoint`): the journal of the
 steps since the last full checkpoint, the full checkpoint written in the background, and the
 replay that joins them: the weights after a replay are the weights of the run, bit for bit."""
 
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from rollart import messages as m
-from rollart.actors.checkpoint_store import JOURNAL, STATE, fetch_checkpoint
-from rollart.actors.train_batch import build_samples
-from rollart.actors.trainer_checkpoint import (
+from rollart.actors.trainer.checkpoint_store import JOURNAL, STATE, fetch_checkpoint
+from rollart.actors.trainer.batch import build_samples
+from rollart.actors.trainer.checkpoint import (
     Checkpoints,
     StepRecord,
     replay,
     rng_state,
     snapshot,
 )
-from rollart.actors.trainer_files import RunFiles
+from rollart.actors.trainer.files import RunFiles
 from rollart.algos.losses import LossConfig
 from rollart.config import TrainerConfig
 from rollart.engines.torch_trainer import TorchTrainBackend
@@ -296,7 +296,7 @@ async def test_replay_holds_the_schedule_where_the_run_held_it(tmp_path, tiny_mo
     move the LR schedule; the journal's replay decides each step by the same rule, so a
     resume has the run's weights and its next LR (a replay that moved it on every step
     would not)."""
-    from rollart.actors.train_batch import advances_schedule
+    from rollart.actors.trainer.batch import advances_schedule
 
     files = RunFiles(tmp_path / "run")
     files.make()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollart import messages as m
-from rollart.actors.policy import content_digest, current_policy, fetch_weights, file_content_digest
+from rollart.actors.kernel.policy import content_digest, current_policy, fetch_weights, file_content_digest
 from rollart.config import RunConfig, convert
 from rollart.node.build import training_actors
 from tests.actors.sample_actors import new_run

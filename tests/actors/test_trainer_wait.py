@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rollart.actors.ledger import watch_summary
+from rollart.actors.groups.ledger import watch_summary
 from rollart.config import RunConfig, convert
 from rollart.node.build import training_actors
 from rollart.node import Node

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rollart import messages as m
-from rollart.actors.policy import content_digest, current_policy, fetch_weights
+from rollart.actors.kernel.policy import content_digest, current_policy, fetch_weights
 from rollart.config import RunConfig, convert
 from rollart.node.build import training_actors
 from rollart.node import ensure_run_streams

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rollart.actors.trajectory import (
+from rollart.actors.env.trajectory import (
     CancelEvent,
     Cancelled,
     RunningTrajectories,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart.actors.policy import (DigestMismatch, check_digest, content_digest,
+from rollart.actors.kernel.policy import (DigestMismatch, check_digest, content_digest,
                                    file_content_digest, sha256_digest)
 
 ROOT = Path(__file__).resolve().parents[2]

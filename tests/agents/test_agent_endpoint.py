@@ -67,7 +67,7 @@ async def test_logprobs_token_ids_and_streaming_are_the_engine_s(memory_bus_only
         assert [x for turn in seen["logprobs"] for x in turn] == pytest.approx(lps, abs=1e-6)
         assert len(d.turns) == 2 and d.reward == 0.5 and not d.success
         second = d.turns[1]
-        from rollart.actors.chat import ChatFormat
+        from rollart.actors.env.chat import ChatFormat
 
         chat = ChatFormat.load(tiny_model)
         assert seen["streamed"] == chat.decode(

@@ -66,7 +66,7 @@ def test_an_agent_stuck_in_user_code_does_not_hold_the_process_at_exit(tmp_path)
     by ``asyncio.run`` for ever, so SIGTERM ended in SIGKILL)."""
     script = textwrap.dedent("""
         import asyncio, threading
-        from rollart.agents.trajectory import AgentThreads
+        from rollart.agents.threads import AgentThreads
 
         async def main():
             pool = AgentThreads(2, name="agents")

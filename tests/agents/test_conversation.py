@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from rollart.actors.chat import ChatFormat
+from rollart.actors.env.chat import ChatFormat
 from rollart.agents.conversation import ContractError, Conversation, parse_tool_calls
 from rollart.agents.examples import CALCULATOR
 

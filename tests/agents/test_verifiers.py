@@ -65,7 +65,7 @@ def test_a_config_naming_a_missing_taskset_is_refused(tiny, tiny_model):
 async def test_a_verifiers_taskset_s_episodes_are_the_trajectories(memory_bus_only, tiny_model, tiny):
     """Each trajectory is the task ``seed % num_tasks``, its reward the rubric's score of
     the reply the endpoint generated, and only the generated tokens are trained."""
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
 
     args = {"env_args": {"num_tasks": 3}, "max_tokens": 6, "threshold": 0.2}
     cfg = make_cfg(tiny_model, {"type": TINY, "args": args}, seed=4)

@@ -31,7 +31,7 @@ def _rl_trajectory(chat, system: str, turns: list[tuple[str, str]], *, free_text
     through the real ChatFormat and Trace: first_prompt, the generated ids (a free-text turn
     ends with the eos the engine stopped on; a constrained one is the choice's ids), then
     next_prompt after each turn but the last."""
-    from rollart.actors.trajectory import Trace
+    from rollart.actors.env.trajectory import Trace
 
     tr = Trace()
     tr.add_prompt(chat.first_prompt(system, turns[0][0]))
@@ -57,7 +57,7 @@ def test_sft_layout_is_the_rl_layout(tiny_model):
     `rollart demos` plays through the same path."""
     import asyncio
 
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.app.demos import env_config, play_demo
     from rollart.app.sft import conversation_layout, train_samples
     from rollart.envs import make_env
@@ -117,7 +117,7 @@ def _greedy_hf(folder: Path, grid: list[str], max_turns: int = 16) -> tuple[bool
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.envs.frozenlake import FrozenLakeEnv
 
     chat = ChatFormat.load(folder)
@@ -192,9 +192,9 @@ def test_rl_run_with_init_from_starts_from_the_sft_weights(sft_run):
     ConfigError naming the key, before the run starts."""
     from safetensors.torch import load_file
 
-    from rollart.actors.env_manager import EnvManager
-    from rollart.actors.llm_proxy import LLMProxy
-    from rollart.actors.trainer import Trainer
+    from rollart.actors.env.manager import EnvManager
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.actors.trainer.actor import Trainer
     from rollart.config import ActorConfig, ConfigError, RunConfig, load
     from rollart.engines.provision import model_dir
     from rollart.engines.torch_trainer import tensors_digest

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import yaml
 
-from rollart.actors.trainer import Trainer
+from rollart.actors.trainer.actor import Trainer
 from rollart.config import ActorConfig, ConfigError, RunConfig, convert, load
 from rollart.config.schema import trainer_buffer
 from rollart.engines import missing_for

@@ -123,7 +123,7 @@ def test_nats_statefulset_is_a_three_server_cluster():
 def env_durable(run: str, pool: str) -> tuple[str, str]:
     """(durable, filter subject) of an EnvManager's rollout.requested consumer, from the
     actor's own handler table."""
-    from rollart.actors.env_manager import EnvManager
+    from rollart.actors.env.manager import EnvManager
 
     env = EnvManager.__new__(EnvManager)  # handlers() reads only these
     env.run, env.pool, env.settings = run, pool, {}

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollart.actors.trainer_files import EVAL_FILE, RunFiles, read_evals
+from rollart.actors.trainer.files import EVAL_FILE, RunFiles, read_evals
 from rollart.app.launch import with_overrides
 from rollart.app.periodic_eval import next_due, periodic_evals
 from rollart.app.report import plot, table

@@ -52,7 +52,7 @@ async def test_groups_complete_with_one_outcome_each(bus, tiny_model):
 
 
 async def test_token_bookkeeping_reproduces_the_conversation(memory_bus_only, tiny_model):
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.envs import make_env
 
     bus = memory_bus_only
@@ -174,7 +174,7 @@ async def test_one_process_run_builds_the_configured_actor_types(memory_bus_only
     """``actors.<role>.type`` is honoured in one process as a node honours it (it used to be
     ignored there): the custom proxy serves the run; a type that is not a subclass of the
     role's class fails naming the key."""
-    from rollart.actors.scheduler import RolloutScheduler
+    from rollart.actors.scheduler.actor import RolloutScheduler
     from rollart.node.build import training_actors
     from tests.faults.slow_proxy import SlowProxy
 

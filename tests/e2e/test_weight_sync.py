@@ -6,8 +6,8 @@ import time
 
 
 from rollart import messages as m
-from rollart.actors.llm_proxy import LLMProxy
-from rollart.actors.policy import set_policy, sha256_digest
+from rollart.actors.generate.proxy import LLMProxy
+from rollart.actors.kernel.policy import set_policy, sha256_digest
 from rollart.node import Node
 from tests.actors.sample_actors import collect, new_run
 from tests.waiting import until
@@ -102,7 +102,7 @@ async def test_weights_through_the_object_store(bus, tiny_model, tmp_path):
 async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_path):
     """A refusal is not forever: a re-announce (other digest, or the same record once the
     file is fixed) is tried at once."""
-    from rollart.actors.policy import file_content_digest
+    from rollart.actors.kernel.policy import file_content_digest
 
     run = new_run()
     proxy = LLMProxy(run=run, name="gen-0", model_dir=str(tiny_model))
@@ -139,7 +139,7 @@ async def test_refused_version_loads_when_announced_again(bus, tiny_model, tmp_p
 
 
 async def test_refused_version_is_retried_after_a_backoff(memory_bus_only, tiny_model, tmp_path):
-    from rollart.actors.policy import file_content_digest
+    from rollart.actors.kernel.policy import file_content_digest
 
     bus, run = memory_bus_only, new_run()
     proxy = LLMProxy(run=run, model_dir=str(tiny_model))
@@ -157,7 +157,7 @@ async def test_refused_version_is_retried_after_a_backoff(memory_bus_only, tiny_
 
 async def test_failed_status_publish_does_not_stop_the_proxy(memory_bus_only, tiny_model, tmp_path,
                                                             caplog):
-    from rollart.actors.policy import file_content_digest
+    from rollart.actors.kernel.policy import file_content_digest
     from rollart.bus import BusError
 
     bus, run = memory_bus_only, new_run()

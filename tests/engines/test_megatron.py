@@ -313,7 +313,7 @@ def test_quickstart_steps_through_rollart_run(tmp_path):
     names = set(load_file(weights[-1]))
     assert "model.layers.0.self_attn.q_proj.weight" in names and not any("decoder." in n for n in names)
     # the trainer that made them was the megatron GPTModel (its checkpoint says so)
-    from rollart.actors.trainer_files import RunFiles
+    from rollart.actors.trainer.files import RunFiles
 
     state = RunFiles(folder).load_checkpoint()
     assert any(k.startswith("gpt.decoder.layers.0.") for k in state["backend"]["model"])

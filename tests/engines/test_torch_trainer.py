@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from rollart.actors.policy import file_content_digest  # noqa: E402
+from rollart.actors.kernel.policy import file_content_digest  # noqa: E402
 from rollart.algos.losses import LossConfig  # noqa: E402
 from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, _lr_factor  # noqa: E402
 

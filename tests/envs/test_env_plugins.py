@@ -41,7 +41,7 @@ async def rollout(cfg: RunConfig, groups: int, timeout: float = 120):
 
 
 def system_prompt(tiny_model, d) -> str:
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
 
     text = ChatFormat.load(tiny_model).decode(d.token_ids, skip_special=False)
     return text.split("<|im_start|>user", 1)[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from rollart.actors.llm_proxy import LLMProxy
+from rollart.actors.generate.proxy import LLMProxy
 
 
 @dataclass(kw_only=True, eq=False)

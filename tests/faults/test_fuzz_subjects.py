@@ -6,7 +6,7 @@ valid message with one field replaced by a wrong-typed or impossible value. The 
 - a stream message that does not decode or validate is dead-lettered with a reason and
   acked, never retried, never a traceback;
 - a request gets an error reply (and a dead letter);
-- core-subject junk is counted and dropped (:data:`rollart.actors.runtime.CORE_JUNK`);
+- core-subject junk is counted and dropped (:data:`rollart.actors.kernel.runtime.CORE_JUNK`);
 - nothing crashes: a short training run that receives junk on every subject finishes.
 
 Hypothesis draws the junk (derandomized: the same payloads every run).
@@ -178,10 +178,10 @@ def test_any_payload_decodes_validates_or_is_rejected(case):
 def test_core_junk_is_counted_with_one_log_line_per_subject_and_minute(caplog):
     from types import SimpleNamespace
 
-    from rollart.actors.runtime import CoreJunk, decode_core
+    from rollart.actors.kernel.runtime import CoreJunk, decode_core
 
     junk = CoreJunk(every=60.0)
-    caplog.set_level(logging.WARNING, logger="rollart.actors.runtime")
+    caplog.set_level(logging.WARNING, logger="rollart.actors.kernel.runtime")
     for i in range(50):
         subj = f"rollart.{RUN}.{'rollout.cancel' if i % 2 else 'node.heartbeat'}"
         typ = m.CancelGroup if i % 2 else m.NodeHeartbeat
@@ -199,9 +199,9 @@ async def test_a_min_version_beyond_the_published_policy_is_rejected_at_once(mem
     """The EnvManager's watch may lag KV: it reads KV again before it rejects."""
     from types import SimpleNamespace
 
-    from rollart.actors.base import Reject
-    from rollart.actors.env_manager import EnvManager
-    from rollart.actors.policy import set_policy
+    from rollart.actors.kernel.base import Reject
+    from rollart.actors.env.manager import EnvManager
+    from rollart.actors.kernel.policy import set_policy
 
     bus, run = memory_bus_only, f"mv{uuid.uuid4().hex[:8]}"
     em = EnvManager(run=run, envs={}, rollout=SimpleNamespace(alpha=1), model_dir="")
@@ -273,8 +273,8 @@ async def _dead_letters(bus, run: str, want: set[tuple[str, bytes]],
 
 @pytest.mark.slow
 async def test_junk_on_every_subject_during_a_training_run(bus, tiny_model, tmp_path, caplog):
-    from rollart.actors.base import ERROR_HEADER
-    from rollart.actors.runtime import CORE_JUNK
+    from rollart.actors.kernel.base import ERROR_HEADER
+    from rollart.actors.kernel.runtime import CORE_JUNK
     from rollart.config import RunConfig, convert
     from rollart.node.build import training_actors
     from rollart.node import Node

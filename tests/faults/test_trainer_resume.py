@@ -78,7 +78,7 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
     for r in rows:  # the α rule on recorded data: step v+1 uses min_version >= v - alpha
         assert all(mv >= (r["step"] - 1) - 1 for mv in r["traj_min_versions"])
 
-    from rollart.actors.trainer_files import RunFiles
+    from rollart.actors.trainer.files import RunFiles
 
     state = RunFiles(run_dir).load_checkpoint()
     ledger = state["ledger"]  # every trained group closed, none lost, nothing else open
@@ -88,7 +88,7 @@ def test_kill_trainer_and_resume(tmp_path, tiny_model):
 
 def _journal_state(run_dir: Path) -> tuple[int, int] | None:
     """``(steps the durable state holds, steps the full checkpoint holds)``; None: not both yet."""
-    from rollart.actors.trainer_files import RunFiles
+    from rollart.actors.trainer.files import RunFiles
 
     try:
         state = RunFiles(run_dir).load_state()

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from rollart import messages as m
-from rollart.actors.admission import group_id
+from rollart.actors.groups.admission import group_id
 from rollart.bus.codec import decode
 from tests.actors.sample_actors import new_run
 from tests.waiting import until
@@ -429,7 +429,7 @@ async def test_two_env_pools_share_work_and_one_killed_leaves_it_to_the_other(
     work; ``kill -9`` of pool b's node mid-run: the scheduler moves b's open trajectories to a
     (as ``<id>+1`` copies) and the run finishes on a, every step trained, no group lost,
     every admitted member accounted for (by itself or its copy), nothing trained twice."""
-    from rollart.actors.admission import member_slot
+    from rollart.actors.groups.admission import member_slot
 
     t0 = time.monotonic()
     _, cluster, (head_h, gen_h, a_h, b_h) = await cluster_and_hosts(hosts, nats_cluster, 4)

@@ -31,9 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollart import messages as m
-from rollart.actors.chat import ChatFormat
+from rollart.actors.env.chat import ChatFormat
 from rollart.agents.endpoint import MAX_DEPTH, AgentEndpoint, _depth, decode_request
-from rollart.agents.trajectory import AgentThreads, AgentTrajectory
+from rollart.actors.env.agent_loop import AgentTrajectory
+from rollart.agents.threads import AgentThreads
 from rollart.config import RunConfig, convert
 from tests.actors.sample_actors import collect, new_run
 from tests.e2e.test_rollout import run_groups
@@ -395,7 +396,7 @@ async def test_a_long_request_is_tokenised_off_the_event_loop(tiny_model):
     EnvManager's prompt thread, not on the event loop's."""
     import threading
 
-    from rollart.agents import trajectory as at
+    from rollart.actors.env import agent_loop as trajectory as at
 
     class Chat(ChatFormat):
         threads: list[str] = []

@@ -1,7 +1,7 @@
 """Checkpoints never run code (issue 43, finding 1).
 
 A head with no local checkpoint fetches the one in the run's object store
-(:func:`rollart.actors.checkpoint_store.fetch_checkpoint`), which whoever can write that
+(:func:`rollart.actors.trainer.checkpoint_store.fetch_checkpoint`), which whoever can write that
 bucket could have written; a run folder may hold an old ``latest.pt``. Both used to be
 unpickled (``torch.load(weights_only=False)``): a pickled object ran a shell command. Now a
 full checkpoint is safetensors plus a msgspec record (:mod:`rollart.engines.checkpoint_codec`),
@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollart import messages as m
-from rollart.actors.checkpoint_store import CHECKPOINT, STATE, fetch_checkpoint
-from rollart.actors.trainer_files import RunFiles
+from rollart.actors.trainer.checkpoint_store import CHECKPOINT, STATE, fetch_checkpoint
+from rollart.actors.trainer.files import RunFiles
 from rollart.app.launch import checkpoint_version
 from rollart.engines import checkpoint_codec as codec
 
@@ -121,7 +121,7 @@ async def test_a_forged_checkpoint_in_the_object_store_is_refused(tmp_path, bus)
     recorded bytes, a state whose digest is not hex, a state that counts a step the store
     has no record of (even 10^12 of them), a full checkpoint larger than the state says (never
     read past it): each is refused at once, the folder stays empty. On both buses."""
-    from rollart.actors.checkpoint_store import full_name, put_full, put_state
+    from rollart.actors.trainer.checkpoint_store import full_name, put_full, put_state
 
     old = RunFiles(tmp_path / "old")
     old.make()
@@ -265,7 +265,7 @@ def test_fuzz_durable_states_end_in_a_named_refusal(data):
     """A state from the store is parsed into a validated head before any file or object name
     is built from it: random states are a head or a named refusal, and an accepted head's
     digest is hex of the right length and its steps in range."""
-    from rollart.actors.trainer_files import parse_state
+    from rollart.actors.trainer.files import parse_state
 
     try:
         _, head = parse_state(data, "fuzzed state")
@@ -291,7 +291,7 @@ def test_the_recorded_digest_is_the_files_sha256(tmp_path):
 
 @pytest.mark.slow  # two processes that import torch: ~15 s on a loaded machine
 def test_an_old_checkpoint_of_ones_own_converts_with_the_restricted_loader(tmp_path):
-    """The way on that the refusal names: ``python -m rollart.actors.trainer_files <run>``
+    """The way on that the refusal names: ``python -m rollart.actors.trainer.files <run>``
     reads ``latest.pt`` with torch's weights-only loader (a pickled object is refused there
     too) and writes a full checkpoint and a state naming it; the resume then loads it."""
     import subprocess
@@ -302,7 +302,7 @@ def test_an_old_checkpoint_of_ones_own_converts_with_the_restricted_loader(tmp_p
     old = {**_state(version=4), "ledger": {"closed": {"low": 8}}, "counts": {}, "wall_s": 1.0}
     del old["journal_seq"]  # a checkpoint from before the journal
     torch.save(old, files.legacy)
-    r = subprocess.run([sys.executable, "-m", "rollart.actors.trainer_files", str(files.path)],
+    r = subprocess.run([sys.executable, "-m", "rollart.actors.trainer.files", str(files.path)],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "full-00000004.safetensors" in r.stdout
@@ -315,7 +315,7 @@ def test_an_old_checkpoint_of_ones_own_converts_with_the_restricted_loader(tmp_p
     evil = RunFiles(tmp_path / "evil")
     evil.make()
     evil.legacy.write_bytes(_pickled_checkpoint(marker))
-    r = subprocess.run([sys.executable, "-m", "rollart.actors.trainer_files", str(evil.path)],
+    r = subprocess.run([sys.executable, "-m", "rollart.actors.trainer.files", str(evil.path)],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode != 0 and "Weights only load failed" in r.stderr, r.stderr[-2000:]
     assert not marker.exists()
@@ -331,7 +331,7 @@ def _traj(g: int, i: int, reward: float = 1.0) -> m.RolloutCompleted:
 
 async def _journaled(files: RunFiles, steps: int, **kw):
     """``steps`` committed steps (records and states; no training needed to write them)."""
-    from rollart.actors.trainer_checkpoint import Checkpoints
+    from rollart.actors.trainer.checkpoint import Checkpoints
     from rollart.config import TrainerConfig
 
     files.make()
@@ -344,7 +344,7 @@ async def _journaled(files: RunFiles, steps: int, **kw):
 
 def _forged_record(data: bytes) -> bytes:
     """The same step with one trajectory's reward flipped: a valid record, other data."""
-    from rollart.actors.trainer_checkpoint import StepRecord
+    from rollart.actors.trainer.checkpoint import StepRecord
 
     rec = msgspec.msgpack.decode(data, type=StepRecord)
     trajs = [msgspec.structs.replace(t, reward=1.0 - t.reward) for t in rec.trajectories]
@@ -356,7 +356,7 @@ async def test_a_tampered_journal_record_in_the_object_store_is_refused_at_fetch
     flipped: a resume would train on other data than the run did) or by bytes that do not
     decode: the fetch refuses it by the SHA-256 the durable state records for that step,
     before decoding it, and writes nothing to the head's folder. On both buses."""
-    from rollart.actors.checkpoint_store import journal_name
+    from rollart.actors.trainer.checkpoint_store import journal_name
 
     old = RunFiles(tmp_path / "old")
     await _journaled(old, 3, bus=bus, run="tamper", object_store=True)
@@ -386,7 +386,7 @@ async def test_a_state_without_record_digests_is_read_with_a_warning(tmp_path, m
     """A durable state of format 2 (rollart from before the digests) records none: its
     records are fetched and replayed with a warning that says so (its full checkpoint is
     still digest-checked), and the next state the trainer writes covers them."""
-    from rollart.actors.checkpoint_store import put_state
+    from rollart.actors.trainer.checkpoint_store import put_state
 
     bus = memory_bus_only
     old = RunFiles(tmp_path / "old")
@@ -402,7 +402,7 @@ async def test_a_state_without_record_digests_is_read_with_a_warning(tmp_path, m
     assert "records no SHA-256 of its journal records" in caplog.text
     assert new.journal_seqs() == [1, 2]
 
-    from rollart.actors.trainer_checkpoint import Checkpoints
+    from rollart.actors.trainer.checkpoint import Checkpoints
     from rollart.config import TrainerConfig
 
     ckpt = Checkpoints(new, TrainerConfig(full_checkpoint_every=100))

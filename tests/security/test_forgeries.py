@@ -27,10 +27,10 @@ import msgspec
 import pytest
 
 from rollart import messages as m
-from rollart.actors.admission import Admission, member_seed
-from rollart.actors.ledger import GroupLedger
-from rollart.actors.policy import content_digest
-from rollart.actors.policy_gate import PolicyGate
+from rollart.actors.groups.admission import Admission, member_seed
+from rollart.actors.groups.ledger import GroupLedger
+from rollart.actors.kernel.policy import content_digest
+from rollart.actors.kernel.policy_gate import PolicyGate
 from rollart.bus import ConsumerSpec
 from rollart.bus.codec import decode, encode
 from tests.waiting import until
@@ -85,8 +85,8 @@ async def dead_letters(bus, run: str, want, deadline: float) -> dict[tuple[str, 
 @pytest.mark.slow
 async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny_model, tmp_path,
                                                                caplog):
-    from rollart.actors.admission import issued_key
-    from rollart.actors.policy import set_policy
+    from rollart.actors.groups.admission import issued_key
+    from rollart.actors.kernel.policy import set_policy
     from rollart.bus.nats import NatsBus
     from rollart.config import RunConfig, convert
     from rollart.node.build import training_actors
@@ -421,8 +421,8 @@ def test_gate_rules():
 async def test_a_refused_record_is_reported_and_the_old_version_kept(memory_bus_only, tiny_model):
     """A proxy of a run with a trainer ledger: v10^6 is refused (log + dead letter), a forged
     next version without announcement is held back, the real next version loads."""
-    from rollart.actors.llm_proxy import LLMProxy
-    from rollart.actors.policy import set_policy
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.actors.kernel.policy import set_policy
     from rollart.node import Node
     from tests.actors.sample_actors import collect, new_run
 
@@ -458,8 +458,8 @@ async def test_a_consistent_forgery_without_announcement_is_not_taken_at_once(me
     exactly the next version (what the gate could not tell from the trainer's before) are
     held back (settling) when no ``policy.published`` announced them; announced, the next
     real version loads at once."""
-    from rollart.actors.llm_proxy import LLMProxy
-    from rollart.actors.policy import set_policy
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.actors.kernel.policy import set_policy
     from rollart.node import Node
     from tests.actors.sample_actors import new_run
 
@@ -492,8 +492,8 @@ async def test_tampered_object_store_bytes_are_refused_and_the_old_version_kept(
     """Weights load only when their content digest matches the announcement: the bytes of
     v2 replaced in the object store (the announcement unchanged) are refused and reported
     (``policy.loaded`` with the error), and v1 keeps serving."""
-    from rollart.actors.llm_proxy import LLMProxy
-    from rollart.actors.policy import set_policy
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.actors.kernel.policy import set_policy
     from rollart.node import Node
     from tests.actors.sample_actors import collect, new_run
     from tests.e2e.test_weight_sync import generate, perturbed_weights

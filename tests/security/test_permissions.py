@@ -520,7 +520,7 @@ async def test_a_training_run_with_one_credential_per_role(scope, request, tiny_
     import msgspec
 
     import rollart
-    from rollart.actors.run_end import wait_run_end
+    from rollart.actors.kernel.run_end import wait_run_end
     from rollart.config import RunConfig, load
     from rollart.app.launch import drive_training, with_overrides
     from rollart.node import Node, build_actors

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from rollart import messages as m
-from rollart.actors.policy import DigestMismatch, fetch_weights
+from rollart.actors.kernel.policy import DigestMismatch, fetch_weights
 from rollart.engines.digest import sha256_digest
 
 DIGEST = "tensors-sha256:" + "0" * 64

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollart.actors.reward import _rg_args, reasoning_gym_score
+from rollart.actors.reward.actor import _rg_args, reasoning_gym_score
 
 
 def meta(args, seed="3"):

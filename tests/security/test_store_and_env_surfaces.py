@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollart import messages as m
-from rollart.actors import payloads
+from rollart.actors.kernel import payloads
 from rollart.bus.codec import encode
 from rollart.bus.nats import NatsBus
 from rollart.envs import openenv

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollart import messages as m
-from rollart.actors.policy_gate import PolicyGate
+from rollart.actors.kernel.policy_gate import PolicyGate
 from rollart.engines.digest import TensorDigest
 from rollart.engines.weight_decode import assemble_version
 from rollart.engines.weight_staging import SPARE

@@ -310,7 +310,7 @@ async def test_the_trainer_serves_tls_when_its_control_plane_has_it(tmp_path, ti
                 token=srv.token, cert_sha256=srv.cert_sha256)
         else:
             assert raw == srv.token.encode() and srv.cert_sha256 == ""
-        from rollart.actors.policy import current_policy
+        from rollart.actors.kernel.policy import current_policy
 
         pub = await until(lambda: current_policy(bus, run), deadline=30, what="v0 announced")
         blobs, name = await blobs_for_uri(bus, pub.uri, token_bucket=m.object_bucket(run))

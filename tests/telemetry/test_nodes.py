@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from rollart import messages as m
-from rollart.actors.base import Actor
-from rollart.actors.pool_watch import PoolWatch, pool_needs, watch_pools
-from rollart.actors.runtime import decode_core
+from rollart.actors.kernel.base import Actor
+from rollart.actors.kernel.pool_watch import PoolWatch, pool_needs, watch_pools
+from rollart.actors.kernel.runtime import decode_core
 from rollart.bus.codec import DecodeError, decode, encode
 from rollart.config import ActorConfig, RunConfig
 from rollart.config.placement import PoolConfig, RouteRule
@@ -165,7 +165,7 @@ async def test_rollart_nodes_lists_two_nodes_in_two_pools(nats_server, nats_bus,
 
 
 async def test_pool_watch_logs_a_missing_pool_once_and_its_return(nats_bus, caplog):
-    caplog.set_level(logging.INFO, logger="rollart.actors.pool_watch")
+    caplog.set_level(logging.INFO, logger="rollart.actors.kernel.pool_watch")
     run = new_run()
     cfg = placed_cfg(run)
     assert pool_needs(cfg) == {"big": ["mapping.generate", "route[0] (default -> big)"],
@@ -213,9 +213,9 @@ async def test_pool_watch_logs_a_missing_pool_once_and_its_return(nats_bus, capl
 async def test_scheduler_work_waits_for_a_pool_and_goes_on_when_it_joins(nats_bus, caplog):
     """The scheduler's watch logs the env pool without a node; the requests it admitted wait
     in the stream and are served once a node of that pool joins."""
-    from rollart.actors.scheduler import RolloutScheduler
+    from rollart.actors.scheduler.actor import RolloutScheduler
 
-    caplog.set_level(logging.INFO, logger="rollart.actors.pool_watch")
+    caplog.set_level(logging.INFO, logger="rollart.actors.kernel.pool_watch")
     run = new_run()
     cfg = placed_cfg(run)
     sched = RolloutScheduler.from_config(cfg, ActorConfig(), pool="head")

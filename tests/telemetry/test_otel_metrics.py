@@ -63,7 +63,7 @@ def test_exporter_none_installs_nothing_and_helpers_do_nothing(tmp_path):
 def test_without_opentelemetry_metrics_are_off_and_say_what_to_install(tmp_path):
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
-        "import rollart.actors.reward, rollart.actors.runtime, rollart.actors.service\n"
+        "import rollart.actors.reward.actor, rollart.actors.kernel.runtime, rollart.actors.kernel.service\n"
         "from rollart.config.tracing import TracingConfig\n"
         "from rollart.telemetry import otel_metrics, tracing\n"
         "otel_metrics.setup_metrics(TracingConfig(), 'x', '.')()\n"
@@ -173,7 +173,7 @@ async def test_redeliveries_and_dead_letters_are_counted(memory_bus_only, tmp_pa
 
 async def test_reward_busy_fraction_reports_a_service_until_it_stops(memory_bus_only, tmp_path):
     from rollart import messages as m
-    from rollart.actors.reward import RewardService
+    from rollart.actors.reward.actor import RewardService
 
     stop = otel_metrics.setup_metrics(TracingConfig(exporter="jsonl"), "rollart-test", tmp_path)
     try:

@@ -53,7 +53,7 @@ async def test_exporter_none_installs_nothing_and_a_run_works(memory_bus_only, t
 def test_without_opentelemetry_rollart_imports_and_tracing_says_what_to_install(tmp_path):
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
-        "import rollart.actors.env_manager, rollart.actors.llm_proxy, rollart.actors.trainer\n"
+        "import rollart.actors.env.manager, rollart.actors.generate.proxy, rollart.actors.trainer.actor\n"
         "import rollart.app.cli, rollart.node\n"
         "from rollart.config.tracing import TracingConfig\n"
         "from rollart.telemetry import tracing\n"

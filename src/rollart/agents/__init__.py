@@ -2,7 +2,7 @@
 
 The EnvManager serves an OpenAI-compatible endpoint (:mod:`rollart.agents.endpoint`) and
 runs the user's agent function with a base URL of its own per trajectory
-(:mod:`rollart.agents.trajectory`); every request becomes a turn of the trajectory, its
+(:mod:`rollart.actors.env.agent_loop`); every request becomes a turn of the trajectory, its
 tokens recorded exactly as prompted and generated (:mod:`rollart.agents.conversation`).
 Example agents: :mod:`rollart.agents.examples`.
 """

@@ -140,7 +140,7 @@ def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict]]:
 class Conversation:
     """The token-level record of one agent's conversation (see the module doc).
 
-    ``chat`` is the EnvManager's :class:`~rollart.actors.chat.ChatFormat`."""
+    ``chat`` is the EnvManager's :class:`~rollart.actors.env.chat.ChatFormat`."""
 
     chat: Any
     _seen: list[tuple] = field(default_factory=list)

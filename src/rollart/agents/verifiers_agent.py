@@ -13,7 +13,7 @@ Each trajectory is one verifiers *episode* run by verifiers itself: its env (the
 own ``vf.Env``, else ``SingleAgentEnv``), its harness (the program the model runs in) in its
 runtime, model calls through its interception server to the trajectory's endpoint, its
 scoring. Only the policy and the endpoint are rollart's; every request of the episode
-becomes a turn of the trajectory (:mod:`rollart.agents.trajectory`).
+becomes a turn of the trajectory (:mod:`rollart.actors.env.agent_loop`).
 
 The env's ``args`` are the agent's ``task``:
 
@@ -61,7 +61,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from rollart.agents.trajectory import AgentThreads
+from rollart.agents.threads import AgentThreads
 
 MODEL = "rollart-policy"
 """The model name verifiers sends (the endpoint serves the policy whatever the name)."""

@@ -16,7 +16,7 @@ from rollart.bus.memory import MemoryBus
 from rollart.bus.server import EmbeddedServer
 from rollart.config import RunConfig
 
-log = logging.getLogger("rollart")
+log = logging.getLogger(__name__)
 
 
 SECRETS_NOTE = ("secrets come only from files or environment variables (nats.password_env, "

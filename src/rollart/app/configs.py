@@ -16,7 +16,7 @@ from rollart.engines.capacity import check_context
 from rollart.engines.provision import model_dir
 from rollart.envs.check import check_envs_async
 
-log = logging.getLogger("rollart")
+log = logging.getLogger(__name__)
 
 
 def packaged_configs() -> dict[str, Path]:

@@ -9,7 +9,7 @@ One line per episode::
      "seed": 0, "reward": 1.0, "success": true, "turns": 6, "stop": "terminated",
      "env": "main", "type": "frozenlake", "policy": "bfs", "constrained": true}
 
-As in :meth:`rollart.actors.env_manager.EnvManager._trajectory`: the system message is the
+As in :meth:`rollart.actors.env.manager.EnvManager._trajectory`: the system message is the
 env config's ``instruction`` (else the env's own, else empty), each user message is
 ``turn_template`` filled with the observation and the turn (from 1), each assistant message
 is the text the policy would have generated (under constrained decoding one of the legal

@@ -14,9 +14,9 @@ import msgspec
 import yaml
 
 from rollart import messages as m
-from rollart.actors.base import Retry
-from rollart.actors.run_end import put_run_end
-from rollart.actors.runtime import decode_core
+from rollart.actors.kernel.base import Retry
+from rollart.actors.kernel.run_end import put_run_end
+from rollart.actors.kernel.runtime import decode_core
 from rollart.aio import first_of
 from rollart.app.periodic_eval import evaluate, periodic_evals, stop_evals
 from rollart.app.report import plot
@@ -45,9 +45,9 @@ def with_overrides(cfg: RunConfig, **sections) -> RunConfig:
 
 def checkpoint_version(run_path: Path) -> int | None:
     """The policy version a resume of a run folder continues from (its durable state's, which
-    may be ahead of the full checkpoint: :mod:`rollart.actors.trainer_checkpoint`); None: no
+    may be ahead of the full checkpoint: :mod:`rollart.actors.trainer.checkpoint`); None: no
     checkpoint yet."""
-    from rollart.actors.trainer_files import RunFiles
+    from rollart.actors.trainer.files import RunFiles
 
     return RunFiles(run_path).durable_version()
 
@@ -75,7 +75,7 @@ class _QuietHandBacks(logging.Filter):
 
 def quiet_hand_backs() -> None:
     """Install :class:`_QuietHandBacks` on the consumer runtime's logger (idempotent)."""
-    lg = logging.getLogger("rollart.actors.runtime")
+    lg = logging.getLogger("rollart.actors.kernel.runtime")
     if not any(isinstance(f, _QuietHandBacks) for f in lg.filters):
         lg.addFilter(_QuietHandBacks())
 
@@ -93,7 +93,7 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
 
     Waits for the trainer's last step (or the node's stop: SIGINT/SIGTERM), stops admitting,
     runs the final greedy evaluation, writes ``summary.json`` and the plot into the run
-    folder, and publishes the end of the run (:mod:`rollart.actors.run_end`), on which the
+    folder, and publishes the end of the run (:mod:`rollart.actors.kernel.run_end`), on which the
     other nodes of the run drain and exit. ``proxies``: generate replicas in this process.
     """
     quiet_hand_backs()

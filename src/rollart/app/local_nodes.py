@@ -23,7 +23,7 @@ role and the log file. A child that is alive but stuck (no node heartbeat for
 ``node.stuck_after`` seconds once it has sent one: its event loop blocked, or the process
 stopped) is killed and restarted the same way. At the
 end the children drain and exit by themselves on the end of the run
-(:func:`rollart.actors.run_end.wait_run_end`); one that does not within its deadline gets
+(:func:`rollart.actors.kernel.run_end.wait_run_end`); one that does not within its deadline gets
 SIGTERM, then SIGKILL.
 """
 
@@ -44,7 +44,7 @@ from typing import Any, Self
 
 
 from rollart import messages as m
-from rollart.actors.runtime import decode_core
+from rollart.actors.kernel.runtime import decode_core
 from rollart.app.local_plan import config_file, log_name, plan, tail
 from rollart.config import RunConfig
 from rollart.node.build import role_config

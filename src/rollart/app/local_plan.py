@@ -18,7 +18,7 @@ from rollart.config import ConfigError, RunConfig, load
 from rollart.config.placement import mapped_pools
 from rollart.node.build import role_config
 
-log = logging.getLogger("rollart.app.local_nodes")
+log = logging.getLogger(__name__)
 
 TAIL_LINES = 15
 """Lines of a child's log quoted when it exits before the end of the run."""

@@ -22,9 +22,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from rollart import messages as m
-from rollart.actors.ledger import reason_kind, watch_summary
-from rollart.actors.pool_watch import missing_pools, node_pools, pool_needs
-from rollart.actors.records import watch_record
+from rollart.actors.groups.ledger import reason_kind, watch_summary
+from rollart.actors.kernel.pool_watch import missing_pools, node_pools, pool_needs
+from rollart.actors.kernel.records import watch_record
 from rollart.app.queues import poll_jetstream, renderables
 from rollart.bus import BusError
 from rollart.bus.codec import DecodeError, decode
@@ -68,7 +68,7 @@ class RunMonitor:
         self.node_every: dict[str, float] = {}
         """Node id -> seconds between its last two heartbeats (its heartbeat interval)."""
         self.needs = dict(needs or {})
-        """Pool -> what needs it (:func:`rollart.actors.pool_watch.pool_needs` of the run's
+        """Pool -> what needs it (:func:`rollart.actors.kernel.pool_watch.pool_needs` of the run's
         config, when top was given it); empty: pools are judged from heartbeats alone."""
         self.policy: m.PolicyPublished | None = None
         self.loaded: dict[str, m.PolicyLoaded] = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.run_end import ended_already, mark_running, wait_run_end
+from rollart.actors.kernel.run_end import ended_already, mark_running, wait_run_end
 from rollart.aio import first_of, retry
 from rollart.app.args import add_nats_args, event_loop_runner, nats_overrides, quiet_libraries
 from rollart.app.configs import resolve_config
@@ -233,8 +233,8 @@ async def _until_end(bus: Bus, cfg, node: Node, *, serve: bool, embedded: bool) 
 async def _fetch_checkpoint(ns, cfg, run_path: Path) -> None:
     """``trainer.checkpoint_store: object``: a head whose run folder has no checkpoint takes
     the one in the run's object store (the head moved to this host)."""
-    from rollart.actors.checkpoint_store import fetch_checkpoint
-    from rollart.actors.trainer_files import RunFiles
+    from rollart.actors.trainer.checkpoint_store import fetch_checkpoint
+    from rollart.actors.trainer.files import RunFiles
 
     files = RunFiles(run_path)
     if files.has_checkpoint():  # before any connection: the usual case, the head's own

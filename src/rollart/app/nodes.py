@@ -22,8 +22,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from rollart import messages as m
-from rollart.actors.pool_watch import missing_pools, node_pools, pool_needs
-from rollart.actors.runtime import decode_core
+from rollart.actors.kernel.pool_watch import missing_pools, node_pools, pool_needs
+from rollart.actors.kernel.runtime import decode_core
 from rollart.app.args import add_nats_args, nats_overrides
 from rollart.app.configs import resolve_config
 from rollart.bus.connect import bus_from_config

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rollart.actors.trainer_files import EVAL_FILE, read_evals
+from rollart.actors.trainer.files import EVAL_FILE, read_evals
 from rollart.config import RunConfig
 from rollart.node import Node, rollout_actors
 

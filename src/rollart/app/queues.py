@@ -8,7 +8,7 @@ per second). It reads the training scheduler's admission counts from KV
 (``scheduler.g.admitted`` / ``.issued``), which with the trainer's ledger summary and the
 run's ``rollout.alpha`` / ``batch_groups`` give the α headroom: admission lets a group in
 while ``admitted - lost < (v + alpha + 1) * batch_groups``
-(:func:`rollart.actors.ledger.admissible`). A bus error never stops top: it is kept in
+(:func:`rollart.actors.groups.ledger.admissible`). A bus error never stops top: it is kept in
 :attr:`RunMonitor.js_error` and shown.
 """
 
@@ -22,8 +22,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from rollart import messages as m
-from rollart.actors.admission import TRAINING_PREFIX, issued_key
-from rollart.actors.pool_watch import node_pools
+from rollart.actors.groups.admission import TRAINING_PREFIX, issued_key
+from rollart.actors.kernel.pool_watch import node_pools
 from rollart.bus import BusError
 
 RunMonitor = Any
@@ -90,7 +90,7 @@ def record_consumers(mon: RunMonitor, kind: str, infos: list[dict], now: float) 
 
 def alpha_headroom(mon: RunMonitor) -> dict:
     """Admitted groups against what α allows (the scheduler's rule,
-    :func:`rollart.actors.ledger.admissible`): ``live = admitted - lost``,
+    :func:`rollart.actors.groups.ledger.admissible`): ``live = admitted - lost``,
     ``allowed = (v + alpha + 1) * batch_groups`` at the ledger's version ``v``, ``headroom =
     allowed - live`` (0: admission waits for the next step). ``alpha``, ``allowed`` and
     ``headroom`` are None without the run's config (``rollart top --config``)."""

@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from rollart.actors.trainer_files import read_evals
+from rollart.actors.trainer.files import read_evals
 from rollart.app import trace_report as tr
 from rollart.app.trace_report import LABELS, STEP_PARTS, save_png
 

@@ -14,7 +14,7 @@ import yaml
 from rich.progress import Progress, TextColumn
 
 from rollart import messages as m
-from rollart.actors.run_end import mark_running
+from rollart.actors.kernel.run_end import mark_running
 from rollart.app.args import nats_overrides, open_bus
 from rollart.app.configs import check_run_config, resolve_config
 from rollart.app.launch import below_expected_line, checkpoint_version, drive_training

@@ -111,7 +111,7 @@ def _turns(messages: list[dict]) -> tuple[str, list[tuple[str, str]]]:
 
 def conversation_layout(chat: Any, messages: list[dict], *, eot: bool) -> tuple[list[int], list[int]]:
     """``(token_ids, mask)`` of a conversation as an RL trajectory of the same turns holds
-    them (see the module docstring); ``chat`` is a :class:`rollart.actors.chat.ChatFormat`.
+    them (see the module docstring); ``chat`` is a :class:`rollart.actors.env.chat.ChatFormat`.
     ``eot``: the end-of-turn token (the tokenizer's eos) closes each assistant turn and is
     trained, as when the policy generated it."""
     system, pairs = _turns(messages)
@@ -233,7 +233,7 @@ async def play_eval(folder: str | Path, cfg: EnvConfig, seeds: list[int], *, thr
     episodes of a batch advancing turn by turn together. ``greedy=False``: sampled at the
     env's ``sampling.temperature`` and ``top_p`` (engine seed ``seed``), as the RL run's
     periodic evaluation's sampled half; keys ``sampled_*``. A seed may repeat (a group)."""
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.engines.base import GenInput
     from rollart.engines.torch_engine import TorchGenerationEngine
 
@@ -334,7 +334,7 @@ async def sft(cfg: RunConfig, rows: list[dict], run_path: Path, *, steps: int, b
     ``batch`` conversations (shuffled epochs); write the run folder; return the summary."""
     import asyncio
 
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.engines.torch_trainer import TorchTrainBackend
 
     t = cfg.trainer

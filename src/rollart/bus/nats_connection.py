@@ -39,7 +39,7 @@ from rollart.bus.auth import AuthError, guard_plaintext, refusal_kind, refusal_m
 from rollart.bus.base import BusError, BusTimeout, NoResponders
 from rollart.config.urls import redact
 
-log = logging.getLogger("rollart.bus.nats")  # one logger for every layer of the NATS bus
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager

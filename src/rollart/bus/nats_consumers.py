@@ -34,7 +34,7 @@ from rollart.bus.base import (
 )
 from rollart.bus.nats_connection import NatsConnection, headers_of, translated
 
-log = logging.getLogger("rollart.bus.nats")  # one logger for every layer of the NATS bus
+log = logging.getLogger(__name__)
 
 
 class NatsDelivery(Delivery):

@@ -22,7 +22,7 @@ import nats.js.errors
 from rollart.bus.base import BusError, BusTimeout, KVEntry, KeyValue, ObjectStore, ObjectTooLarge
 from rollart.bus.nats_connection import NatsConnection, replicas_hint, translated
 
-log = logging.getLogger("rollart.bus.nats")  # one logger for every layer of the NATS bus
+log = logging.getLogger(__name__)
 
 KV_HISTORY = 16
 """Revisions kept per key. A watch is a server-side consumer that may lag the writer; with a

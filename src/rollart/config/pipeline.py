@@ -545,7 +545,7 @@ class TrainerConfig(Base):
     is the small durable state (ledger, counters, version) plus a journal of the steps since
     the last full checkpoint (the trajectories each trained on, in order): a resume loads the
     last full checkpoint and trains the journaled steps again, losing nothing and training
-    nothing twice (:mod:`rollart.actors.trainer_checkpoint`)."""
+    nothing twice (:mod:`rollart.actors.trainer.checkpoint`)."""
     full_checkpoint_every: int = 10
     """Steps between full checkpoints (model, optimizer, scheduler, RNG: 16 bytes a
     parameter in fp32 with AdamW), taken at the first checkpoint this many versions after

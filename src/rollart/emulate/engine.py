@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollart.actors.llm_proxy import LLMProxy
+from rollart.actors.generate.proxy import LLMProxy
 from rollart.emulate.profiles import HardwareProfile
 from rollart.emulate.profiles import profile as _profile
 from rollart.emulate.profiles import time_scale as _time_scale

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.reward import RewardService
+from rollart.actors.reward.actor import RewardService
 from rollart.emulate.profiles import time_scale as _time_scale
 from rollart.emulate.records import RECORDS
 

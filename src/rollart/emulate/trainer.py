@@ -1,6 +1,6 @@
 """An emulated training backend and the Trainer that uses it.
 
-:class:`EmulatedTrainBackend` is what :class:`rollart.actors.trainer.Trainer` calls
+:class:`EmulatedTrainBackend` is what :class:`rollart.actors.trainer.actor.Trainer` calls
 (``train_step``, ``save_weights``, ``weights_digest``, ``weight_tensors``, the checkpoint
 methods) with no model at all:
 
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollart.actors.trainer import Trainer
+from rollart.actors.trainer.actor import Trainer
 from rollart.emulate.profiles import time_scale as _time_scale
 from rollart.emulate.records import RECORDS
 

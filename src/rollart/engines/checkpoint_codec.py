@@ -3,7 +3,7 @@
 A full checkpoint is a nested tree (model and optimizer tensors, AdamW's ``param_groups``,
 the LR schedule, RNG states, the ledger and counters). ``torch.save`` pickles it, and
 unpickling runs whatever constructor the bytes name: a checkpoint fetched from the run's
-object store (:mod:`rollart.actors.checkpoint_store`) is written by another process, so a
+object store (:mod:`rollart.actors.trainer.checkpoint_store`) is written by another process, so a
 pickle there is code execution on the head. Here the tree is split in two:
 
 - every tensor goes into the safetensors file under the path that leads to it

@@ -1,7 +1,7 @@
 """Weights by content: the digest of a safetensors file's tensors, not of its bytes (no torch).
 
 The trainer's backend (:mod:`rollart.engines.torch_trainer`) computes it from memory, the
-trainer and the policy readers (:mod:`rollart.actors.policy`) from files and fetched bytes;
+trainer and the policy readers (:mod:`rollart.actors.kernel.policy`) from files and fetched bytes;
 it lives here, below both.
 """
 

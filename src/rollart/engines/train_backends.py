@@ -1,5 +1,5 @@
 """The trainer's compute backend, chosen by the run config (``trainer``): what
-:class:`rollart.actors.trainer.Trainer` calls ``train_step``, ``save_weights``,
+:class:`rollart.actors.trainer.actor.Trainer` calls ``train_step``, ``save_weights``,
 ``weights_digest`` and the checkpoint methods on. Imports torch (a trainer process has it)."""
 
 from __future__ import annotations

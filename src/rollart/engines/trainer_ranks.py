@@ -1,6 +1,6 @@
 """Trainer ranks: one training step computed by ``trainer.world_size`` processes.
 
-Rank 0 is the trainer on the bus (:class:`rollart.actors.trainer.Trainer`): it takes the
+Rank 0 is the trainer on the bus (:class:`rollart.actors.trainer.actor.Trainer`): it takes the
 batches, acks, checkpoints and publishes versions, and its backend is a
 :class:`RankedTrainBackend`. Ranks 1..N-1 never touch the bus: each holds a replica of the
 model and optimizer and, per step, receives the step's samples and loss settings from rank 0

@@ -23,7 +23,7 @@ from rollart.envs.base import legal_actions_of
 from rollart.envs.errors import EnvError, WorkerError, describe, transient_setup
 from rollart.envs.registry import make_env
 
-log = logging.getLogger("rollart.envs.runner")  # the runner's log lines, wherever written
+log = logging.getLogger(__name__)
 
 
 def worker_main(conn: Any, env_type: str, env_args: dict, sys_path: list[str]) -> None:

@@ -4,7 +4,7 @@ A float field must be finite (msgspec's bounds would word NaN or infinity as
 ``Expected `float` >= -1.797e+308``) and a name printable (``str.isprintable`` has no regex).
 The runtime runs :func:`validate` on every durable and request delivery after decoding: a
 stream message that fails is dead-lettered with ``invalid: <why>``, a request gets an error
-reply, core messages are counted and dropped (``rollart.actors.runtime.decode_core``).
+reply, core messages are counted and dropped (``rollart.actors.kernel.runtime.decode_core``).
 Everything else is checked while decoding (:mod:`.fields`, the types' ``__post_init__``).
 Checks that need state (a ``min_version`` beyond the published policy) live in the handler
 that has the state.

@@ -104,7 +104,7 @@ REPLY_TYPES: dict[str, type[Message]] = {
 DIRECT_SUBJECTS: dict[str, str] = {"generate.request": "generate.direct"}
 """A service's per-replica subject: each replica also answers it on its own token, with no
 queue group, so that a requester can send the next turn of a trajectory to the replica that
-holds its KV cache (:class:`rollart.actors.service_client.ServiceClient`, ``affinity``)."""
+holds its KV cache (:class:`rollart.actors.kernel.service_client.ServiceClient`, ``affinity``)."""
 
 
 def subject(run: str, name: str, pool: str | None = None, replica: str | None = None) -> str:

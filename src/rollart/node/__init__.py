@@ -25,9 +25,9 @@ import uuid
 from collections.abc import Sequence
 
 from rollart import messages as m
-from rollart.actors.base import Actor
-from rollart.actors.runtime import ConsumerLoop
-from rollart.actors.service import Service
+from rollart.actors.kernel.base import Actor
+from rollart.actors.kernel.runtime import ConsumerLoop
+from rollart.actors.kernel.service import Service
 from rollart.aio import first_of, retry
 from rollart.bus import Bus, BusTimeout, StreamSpec
 from rollart.bus.codec import encode

@@ -21,18 +21,18 @@ from typing import Any
 
 import msgspec
 
-from rollart.actors.admission import TRAINING_PREFIX
-from rollart.actors.base import Actor
+from rollart.actors.groups.admission import TRAINING_PREFIX
+from rollart.actors.kernel.base import Actor
 from rollart.config import ActorConfig, RunConfig
 from rollart.config.placement import mapped_pools
 from rollart.envs.base import HELDOUT_SEED_OFFSET
 
 BUILTIN_ROLES = {
-    "env": "rollart.actors.env_manager:EnvManager",
-    "generate": "rollart.actors.llm_proxy:LLMProxy",
-    "reward": "rollart.actors.reward:RewardService",
-    "trainer": "rollart.actors.trainer:Trainer",
-    "scheduler": "rollart.actors.scheduler:RolloutScheduler",
+    "env": "rollart.actors.env.manager:EnvManager",
+    "generate": "rollart.actors.generate.proxy:LLMProxy",
+    "reward": "rollart.actors.reward.actor:RewardService",
+    "trainer": "rollart.actors.trainer.actor:Trainer",
+    "scheduler": "rollart.actors.scheduler.actor:RolloutScheduler",
 }
 
 TRANSIENT_DURABLE_IDLE_S = 300.0

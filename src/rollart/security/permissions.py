@@ -99,7 +99,7 @@ the weight server's token, which only the roles that read weights may learn)."""
 
 TRAJ_OBJECTS: dict[str, str] = {"env": "write", "trainer": "read", "scheduler": "read"}
 """Access to the run's trajectory object store (completions too large for one message,
-:mod:`rollart.actors.payloads`): a bucket apart from the weights', so an env credential
+:mod:`rollart.actors.kernel.payloads`): a bucket apart from the weights', so an env credential
 cannot touch weights. ``write`` creates the bucket and puts objects (no purge: rollart never
 deletes one; they expire with the bucket's time to live)."""
 

@@ -1,5 +1,5 @@
 """The trainer's step loop: take a batch of groups from the ledger, train on it, checkpoint
-(journal the step, :mod:`rollart.actors.trainer_checkpoint`), announce the new weights and the
+(journal the step, :mod:`rollart.actors.trainer.checkpoint`), announce the new weights and the
 ledger summary (:class:`StepLoop`).
 
 Groups are taken oldest first. The α rule (DESIGN.md §4): the step producing ``v+1`` uses
@@ -17,22 +17,22 @@ from collections import deque
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.admission import RESTART_BASE
-from rollart.actors.ledger import Group, GroupLedger, put_summary
-from rollart.actors.run_end import put_run_end
-from rollart.actors.trainer_checkpoint import Checkpoints, rng_state
-from rollart.actors.trainer_files import RunFiles
-from rollart.actors.trainer_publish import KvGuard, WeightPublisher
+from rollart.actors.groups.admission import RESTART_BASE
+from rollart.actors.groups.ledger import Group, GroupLedger, put_summary
+from rollart.actors.kernel.run_end import put_run_end
+from rollart.actors.trainer.checkpoint import Checkpoints, rng_state
+from rollart.actors.trainer.files import RunFiles
+from rollart.actors.trainer.publish import KvGuard, WeightPublisher
 from rollart.config import RunConfig
 from rollart.config.placement import mapped_pools
 from rollart.errors import TrainStepFailed
 from rollart.telemetry import otel_metrics, tracing
 
-log = logging.getLogger("rollart.actors.trainer")  # the trainer's log lines, wherever written
+log = logging.getLogger(__name__)
 
 
 class StepLoop:
-    """The step loop of :class:`rollart.actors.trainer.Trainer` (a mixin: the state it works
+    """The step loop of :class:`rollart.actors.trainer.actor.Trainer` (a mixin: the state it works
     on is declared, and set up, by the Trainer; the names below say which)."""
 
     name: str
@@ -248,7 +248,7 @@ class StepLoop:
     async def _publish_ledger(self, **extra: Any) -> None:
         """The ledger summary in KV (admission frees lost groups' headroom from it), with the
         run's progress (`rollart top`); once the steps are taken or the circuit breaker
-        stopped the run, the end of training (:mod:`rollart.actors.run_end`)."""
+        stopped the run, the end of training (:mod:`rollart.actors.kernel.run_end`)."""
         hist = list(self.history)[-10:]
         step_s = last_s = 0.0
         if hist:
@@ -295,7 +295,7 @@ class StepLoop:
 
     async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict | None:
         # optional dependency: train_batch imports torch (a trainer process has it)
-        from rollart.actors.train_batch import (advances_schedule, build_samples, loss_config,
+        from rollart.actors.trainer.batch import (advances_schedule, build_samples, loss_config,
                                                 next_entropy_coef, trajectory_stats)
 
         k = self.cfg.rollout.group_size

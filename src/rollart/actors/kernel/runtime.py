@@ -1,5 +1,5 @@
 """Delivery machinery behind actor handlers: fetch loops, outcomes, dead letters (the
-request/reply services are in :mod:`rollart.actors.service`)."""
+request/reply services are in :mod:`rollart.actors.kernel.service`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import time
 
 from rollart import messages as m
-from rollart.actors import payloads
-from rollart.actors.base import Actor, BoundHandler, Reject, Retry
+from rollart.actors.kernel import payloads
+from rollart.actors.kernel.base import Actor, BoundHandler, Reject, Retry
 from rollart.aio import backoff, retry
 from rollart.bus import Bus, BusError, BusTimeout, ConsumerSpec, Delivery, NoResponders, PullConsumer
 from rollart.bus.codec import DecodeError, decode, encode
@@ -225,7 +225,7 @@ class ConsumerLoop:
 
     async def _fetch_payload(self, d: Delivery, ctx: dict):
         """``(payload, reference)`` of a message whose payload is in the object store
-        (:mod:`rollart.actors.payloads`); None once the delivery has its outcome: dead-lettered
+        (:mod:`rollart.actors.kernel.payloads`); None once the delivery has its outcome: dead-lettered
         (a reference that never resolves) or nak'ed (a bus error: redelivered later)."""
         beat = self._beat(d)
         try:

@@ -14,7 +14,7 @@ loaded weights waits for the load instead of being served stale. A cancelled gro
 Each replica answers its pool's queue group ``generate.request.<pool>`` and its own subject
 ``generate.direct.<pool>.<token>`` (announced in its progress reports), where requesters
 send the later turns of the trajectories it served, so that the engine's per-trajectory KV
-cache is hit (``rollout.affinity``; :mod:`rollart.actors.service_client`).
+cache is hit (``rollout.affinity``; :mod:`rollart.actors.kernel.service_client`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, replica_suffix, serve
-from rollart.actors.cancelled import CancelledGroups
-from rollart.actors.policy_gate import PolicyGate
-from rollart.actors.proxy_policy import PolicyFollow, PolicyLoading, StalePolicy
-from rollart.actors.runtime import decode_core
-from rollart.actors.service import ServiceUnavailable
-from rollart.actors.service_client import ProgressReporter
+from rollart.actors.kernel.base import Actor, replica_suffix, serve
+from rollart.actors.kernel.cancelled import CancelledGroups
+from rollart.actors.kernel.policy_gate import PolicyGate
+from rollart.actors.generate.policy import PolicyFollow, PolicyLoading, StalePolicy
+from rollart.actors.kernel.runtime import decode_core
+from rollart.actors.kernel.service import ServiceUnavailable
+from rollart.actors.kernel.service_client import ProgressReporter
 from rollart.bus import Subscription
 from rollart.config import ActorConfig, RunConfig
 from rollart.engines import build_engine
@@ -128,7 +128,7 @@ class LLMProxy(PolicyLoading, Actor):
     _stage: Any = field(default=None, init=False, repr=False)
     """Streamed versions (``trainer.sync.format: stream``): the staging folder and the
     staged file of the version loaded, the base of the next delta
-    (:class:`rollart.actors.proxy_policy.StreamStage`); made at the first such version."""
+    (:class:`rollart.actors.generate.policy.StreamStage`); made at the first such version."""
     interrupted: int = field(default=0, init=False)
     """Engine requests stopped by an ``interrupt`` update (or the engine) and continued."""
     _seq: itertools.count = field(default_factory=itertools.count, init=False, repr=False)

@@ -1,6 +1,6 @@
 """The trainer's checkpoint in the run's object store (``trainer.checkpoint_store: object``).
 
-Every file of the checkpoint (:class:`rollart.actors.trainer_files.RunFiles`) is an object of
+Every file of the checkpoint (:class:`rollart.actors.trainer.files.RunFiles`) is an object of
 the run's bucket (:func:`rollart.messages.object_bucket`): the journal's step records
 (:data:`JOURNAL` + sequence number), the metrics record (:data:`METRICS`) and the durable
 state (:data:`STATE`) are put at every checkpoint, in that order, before the deliveries it
@@ -31,7 +31,7 @@ import logging
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.trainer_files import (
+from rollart.actors.trainer.files import (
     MAX_STATE_BYTES,
     FullRef,
     RunFiles,
@@ -44,7 +44,7 @@ from rollart.aio import retry
 from rollart.bus import BusError, ObjectTooLarge
 from rollart.engines.checkpoint_codec import CheckpointRefused
 
-log = logging.getLogger("rollart.actors.trainer")
+log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint-latest"
 """The full checkpoint of older versions (a pickle): never fetched, only named in a refusal."""
@@ -76,7 +76,7 @@ async def _put(bus: Any, run: str, objects: list[tuple[str, bytes]], what: str) 
 
 async def put_state(bus: Any, run: str, files: Any, seqs: list[int], *, what: str = "trainer") -> int:
     """Put the journal records ``seqs``, the metrics record and the durable state of ``files``
-    (a :class:`rollart.actors.trainer_files.RunFiles`) in the run's object store; returns the
+    (a :class:`rollart.actors.trainer.files.RunFiles`) in the run's object store; returns the
     bytes put. Bus errors are retried up to :data:`PUT_DEADLINE_S`, then raised."""
     def read() -> list[tuple[str, bytes]]:
         objs = [(journal_name(s), files.read_journal(s)) for s in seqs]
@@ -192,4 +192,4 @@ def legacy_refusal_store(run: str) -> CheckpointRefused:
         f"the object store of run {run!r} holds a full checkpoint in the old pickle format "
         f"({CHECKPOINT}), which is never loaded: unpickling runs code the object names. Resume "
         f"on the host whose run folder holds the checkpoint and convert it there "
-        f"(`python -m rollart.actors.trainer_files <run folder>`), or start a new run")
+        f"(`python -m rollart.actors.trainer.files <run folder>`), or start a new run")

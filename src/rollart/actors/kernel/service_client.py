@@ -37,7 +37,7 @@ attribute (for the subject it serves) and runs ``await self.progress.run()`` in 
 included) until the reply. One small message per replica per second.
 
 The request's attempts, the replica table and the progress reports are one state machine,
-read request by request; the pins' bookkeeping is :mod:`rollart.actors.replica_pins`.
+read request by request; the pins' bookkeeping is :mod:`rollart.actors.kernel.replica_pins`.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ from typing import Any
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.base import ERROR_HEADER, Actor, Reject
-from rollart.actors.replica_pins import AFFINITY_MAX, ReplicaPins
-from rollart.actors.runtime import decode_core
-from rollart.actors.service import ERROR_KIND_HEADER, REPLICA_HEADER, local_services
+from rollart.actors.kernel.base import ERROR_HEADER, Actor, Reject
+from rollart.actors.kernel.replica_pins import AFFINITY_MAX, ReplicaPins
+from rollart.actors.kernel.runtime import decode_core
+from rollart.actors.kernel.service import ERROR_KIND_HEADER, REPLICA_HEADER, local_services
 from rollart.aio import any_done, backoff, first_of
 from rollart.bus import BusError, BusTimeout, NoResponders
 from rollart.bus.codec import DecodeError, decode, encode
@@ -133,7 +133,7 @@ class ServiceClient:
         count: ``count(key)`` is called for each notable event (stats).
         local: a request whose pool has one replica, bound in this process on the same
             bus, and no other live replica in its progress reports, is a call of that
-            replica's handler (:meth:`rollart.actors.service.Service.call_local`) instead of
+            replica's handler (:meth:`rollart.actors.kernel.service.Service.call_local`) instead of
             a round trip through the bus (``rollout.local_calls``). Unavailable, an error or
             no answer within ``timeout``: the bus path takes over, as for any attempt.
     """

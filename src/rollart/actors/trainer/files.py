@@ -15,7 +15,7 @@ import msgspec
 
 from rollart.engines.checkpoint_codec import CheckpointRefused, load_file, save_file
 
-log = logging.getLogger("rollart.actors.trainer")
+log = logging.getLogger(__name__)
 
 STATE_FORMAT = 3
 """3: the state records the SHA-256 of each journal record it counts (``journal_sha256``);
@@ -116,7 +116,7 @@ def legacy_refusal(path: Path | str) -> CheckpointRefused:
         f"{path} is a full checkpoint in the old pickle format (rollart before the safetensors "
         f"checkpoint), which is never loaded: unpickling runs code the file names. Start the "
         f"run again in a new folder, or, if you wrote that file yourself, convert it with "
-        f"`python -m rollart.actors.trainer_files {Path(path).parent.parent}` (torch's "
+        f"`python -m rollart.actors.trainer.files {Path(path).parent.parent}` (torch's "
         f"restricted weights_only loader) and resume")
 
 
@@ -173,7 +173,7 @@ class RunFiles:
       SHA-256 of each journal record it counts (``journal_sha256``);
     - ``journal/<seq>.msgpack``, one per step since the last full checkpoint: the
       trajectories the step trained on, in order, and the RNG state it started from
-      (:class:`rollart.actors.trainer_checkpoint.StepRecord`), written before the state
+      (:class:`rollart.actors.trainer.checkpoint.StepRecord`), written before the state
       that counts it;
     - ``full-<seq>.safetensors``, the full checkpoint (model, optimizer, scheduler, RNG, and
       ``journal_seq``: the last step it holds; :mod:`rollart.engines.checkpoint_codec`), every
@@ -183,7 +183,7 @@ class RunFiles:
     A resume loads the full checkpoint the state names, only if its bytes have the SHA-256
     recorded there, and trains the journal's steps after its ``journal_seq`` again (each
     record only if its bytes have the SHA-256 recorded there too)
-    (:mod:`rollart.actors.trainer_checkpoint`). A ``latest.pt`` (the pickle format of older
+    (:mod:`rollart.actors.trainer.checkpoint`). A ``latest.pt`` (the pickle format of older
     versions) is refused, never unpickled.
     """
 
@@ -382,7 +382,7 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m rollart.actors.trainer_files <run folder>")
+        sys.exit("usage: python -m rollart.actors.trainer.files <run folder>")
     ref = convert_legacy(sys.argv[1])
     print(f"converted: checkpoints/full-{ref.seq:08d}.safetensors ({ref.bytes} bytes, "
           f"sha256 {ref.sha256})")

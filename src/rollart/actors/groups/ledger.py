@@ -24,7 +24,7 @@ checks ``min_version >= s - α`` per group instead and drops the rest (counted, 
 A group skipped for uniform rewards (``trainer.skip_uniform``) is lost the same way.
 
 **What the trainer takes** (defence in depth, DESIGN.md §6, even under ``rollart secure``
-permissions). Only a trajectory that admission issued: :class:`rollart.actors.admission.Admission` says why
+permissions). Only a trajectory that admission issued: :class:`rollart.actors.groups.admission.Admission` says why
 another is ``not_admitted`` (dead-lettered, never trained, never holding a member's place).
 Two *different* completions of one trajectory id are a conflict (:meth:`GroupLedger.add_completed`):
 neither is trained and both are dead-lettered, so a forged copy that arrives first cannot
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.admission import CONFLICTS_REMEMBERED, fingerprint, member_slot
-from rollart.actors.records import put_record, watch_record
+from rollart.actors.groups.admission import CONFLICTS_REMEMBERED, fingerprint, member_slot
+from rollart.actors.kernel.records import put_record, watch_record
 from rollart.bus import BusError
 from rollart.telemetry.otel_metrics import reason_kind
 
@@ -120,7 +120,7 @@ class Group:
     @property
     def outcomes(self) -> int:
         """Members with an outcome: a member moved to another env pool (``<id>+<k>``,
-        :func:`rollart.actors.admission.member_id`) counts once, whichever copies reported."""
+        :func:`rollart.actors.groups.admission.member_id`) counts once, whichever copies reported."""
         ids = [t.traj_id for t, _ in self.members] + [t for t, _ in self.dead] + self.cancelled
         if not any("+" in t for t in ids):
             return len(ids)

@@ -17,10 +17,10 @@ from typing import Annotated, Any
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.base import Actor, serve
-from rollart.actors.batching import Batcher
-from rollart.actors.service import ServiceUnavailable
-from rollart.actors.service_client import ProgressReporter
+from rollart.actors.kernel.base import Actor, serve
+from rollart.actors.kernel.batching import Batcher
+from rollart.actors.kernel.service import ServiceUnavailable
+from rollart.actors.kernel.service_client import ProgressReporter
 from rollart.config import ActorConfig, RunConfig
 from rollart.envs.reasoning import ReasoningGymEnv
 from rollart.telemetry import otel_metrics

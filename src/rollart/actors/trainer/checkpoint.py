@@ -53,10 +53,10 @@ from typing import Any
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.trainer_files import FullRef, RunFiles, check_record, unchecked_warning
+from rollart.actors.trainer.files import FullRef, RunFiles, check_record, unchecked_warning
 from rollart.config import TrainerConfig
 
-log = logging.getLogger("rollart.actors.trainer")
+log = logging.getLogger(__name__)
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -143,7 +143,7 @@ def replay(files: RunFiles, backend: Any, *, after: int, upto: int, advantage: s
     it is decoded), or a step that does not start from the version it started from before,
     raises ``ValueError`` naming it: continuing would train on other weights than the run
     published."""
-    from rollart.actors.train_batch import advances_schedule, build_samples  # imports torch
+    from rollart.actors.trainer.batch import advances_schedule, build_samples  # imports torch
 
     loaded = files.load_state_head()
     head = loaded[1] if loaded is not None else None
@@ -191,7 +191,7 @@ class Checkpoints:
         self.bus, self.run, self.name = bus, run, name
         self.object_store = object_store
         """``trainer.checkpoint_store: object``: records, state and full checkpoint are put in
-        the run's object store too (:mod:`rollart.actors.checkpoint_store`)."""
+        the run's object store too (:mod:`rollart.actors.trainer.checkpoint_store`)."""
         self.seq = 0
         """The last step recorded."""
         self.full_seq = 0
@@ -282,7 +282,7 @@ class Checkpoints:
         self.journal_sha256 = await asyncio.to_thread(write)
         self.last_state, self.durable_seq = state, seq
         if self.object_store:
-            from rollart.actors.checkpoint_store import put_state
+            from rollart.actors.trainer.checkpoint_store import put_state
 
             await put_state(self.bus, self.run, self.files, [r.seq for r in pending],
                             what=self.name)
@@ -328,7 +328,7 @@ class Checkpoints:
         del state  # the CPU copy: freed before the object store reads the file
         write_s = time.perf_counter() - t0
         if self.object_store:
-            from rollart.actors.checkpoint_store import put_full
+            from rollart.actors.trainer.checkpoint_store import put_full
 
             await put_full(self.bus, self.run, self.files, ref, what=self.name)
         prev, prev_ref = self.full_seq, self.full
@@ -340,7 +340,7 @@ class Checkpoints:
         gone = await asyncio.to_thread(self.files.prune_journal, seq)
         await asyncio.to_thread(self.files.prune_full, seq)
         if self.object_store:
-            from rollart.actors.checkpoint_store import delete_full, delete_journal
+            from rollart.actors.trainer.checkpoint_store import delete_full, delete_journal
 
             await delete_journal(self.bus, self.run, sorted(set(gone) | set(range(prev + 1, seq + 1))))
             if prev_ref is not None and prev_ref.seq != seq:

@@ -1,4 +1,4 @@
-"""Replica affinity for one :class:`~rollart.actors.service_client.ServiceClient`: which
+"""Replica affinity for one :class:`~rollart.actors.kernel.service_client.ServiceClient`: which
 replica each key's (a trajectory's) next request goes to, on that replica's own subject.
 
 A key stays with the replica that answered its last request while that replica is live and

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.records import put_record, watch_record
+from rollart.actors.kernel.records import put_record, watch_record
 from rollart.bus import BusError
 from rollart.bus.codec import DecodeError, decode
 

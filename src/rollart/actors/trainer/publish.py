@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor
-from rollart.actors.policy import content_digest, file_content_digest, set_policy
+from rollart.actors.kernel.base import Actor
+from rollart.actors.kernel.policy import content_digest, file_content_digest, set_policy
 from rollart.aio import retry
 from rollart.bus import BusError
 from rollart.bus.codec import encode
 from rollart.config import TrainerConfig, nats_settings
 from rollart.telemetry import otel_metrics
 
-log = logging.getLogger("rollart.actors.trainer")  # the trainer's log lines, wherever written
+log = logging.getLogger(__name__)
 
 GUARDED_KEYS = (m.POLICY_KEY, m.LEDGER_KEY)
 """The KV keys only the trainer writes."""
@@ -35,7 +35,7 @@ class KvGuard:
     The trainer is the only writer of ``policy.version`` and ``trainer.ledger``: when another
     client overwrote or deleted one, :meth:`guard` puts this trainer's record back, so a
     forged record lives milliseconds, and policy holders, which accept jumps and unannounced
-    records only when they stay (:class:`rollart.actors.policy_gate.PolicyGate`), never take
+    records only when they stay (:class:`rollart.actors.kernel.policy_gate.PolicyGate`), never take
     it. Only once this process wrote the key (before, it holds an earlier process's record).
     """
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.runtime import decode_core
+from rollart.actors.kernel.runtime import decode_core
 from rollart.config.placement import mapped_pools
 
 log = logging.getLogger(__name__)

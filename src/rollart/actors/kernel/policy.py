@@ -10,7 +10,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from rollart import messages as m
-from rollart.actors.records import put_record, watch_record
+from rollart.actors.kernel.records import put_record, watch_record
 from rollart.bus import Bus
 from rollart.bus.codec import decode
 from rollart.engines.digest import (  # re-exported: the digests of the policy's weights

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rollart import messages as m
-from rollart.actors import payloads
+from rollart.actors.kernel import payloads
 from rollart.aio import retry
 from rollart.bus import Bus, BusError, DuplicateConflict
 from rollart.bus.codec import decode, encode
@@ -148,7 +148,7 @@ class Actor:
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     bus: Bus | None = field(default=None, init=False, repr=False)
     progress: Any = field(default=None, init=False, repr=False)
-    """A service's :class:`~rollart.actors.service_client.ProgressReporter` (made in
+    """A service's :class:`~rollart.actors.kernel.service_client.ProgressReporter` (made in
     ``setup``): the runtime lists the requests of its subject there while they are held;
     None for an actor that reports no progress."""
 
@@ -243,10 +243,10 @@ class Actor:
         tracing on, the headers carry the current span's ``traceparent`` (unless given).
         ``once`` (with a ``msg_id``): :meth:`rollart.bus.Bus.publish_once`, which raises
         :class:`rollart.bus.DuplicateConflict` when other data holds the id.
-        ``inline_max`` >= 0 (:func:`rollart.actors.payloads.inline_limit`): an encoded message
+        ``inline_max`` >= 0 (:func:`rollart.actors.kernel.payloads.inline_limit`): an encoded message
         larger than that goes to the run's trajectory object store (objects kept
         ``store_ttl`` seconds, ``store_max_bytes`` in all) and the stream gets a reference
-        (:mod:`rollart.actors.payloads`); -1: always inline."""
+        (:mod:`rollart.actors.kernel.payloads`); -1: always inline."""
         d = m.SUBJECTS[name]
         if not isinstance(msg, d.type):
             raise TypeError(f"{name} carries {d.type.__name__}, not {type(msg).__name__}")

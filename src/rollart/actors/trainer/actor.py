@@ -5,13 +5,13 @@ that used it has been checkpointed, so a killed trainer loses nothing: what it h
 buffered is redelivered, and what it had trained is skipped by id on resume. A checkpoint is
 small (the ledger and a journal of the steps since the last full checkpoint); the full one,
 model and optimizer, is written every few steps in the background, and a resume trains the
-journaled steps again (:mod:`rollart.actors.trainer_checkpoint`).
+journaled steps again (:mod:`rollart.actors.trainer.checkpoint`).
 
 This module is the actor: its state, set-up and resume, and the handlers of what comes in
-(which completions it takes: :class:`rollart.actors.admission.Admission`; where each group
-stands: :class:`rollart.actors.ledger.GroupLedger`). The step loop is
-:mod:`rollart.actors.trainer_steps`, the announcements of weights and KV records
-:mod:`rollart.actors.trainer_publish`, the run's files :mod:`rollart.actors.trainer_files`.
+(which completions it takes: :class:`rollart.actors.groups.admission.Admission`; where each group
+stands: :class:`rollart.actors.groups.ledger.GroupLedger`). The step loop is
+:mod:`rollart.actors.trainer.steps`, the announcements of weights and KV records
+:mod:`rollart.actors.trainer.publish`, the run's files :mod:`rollart.actors.trainer.files`.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.admission import RESTART_BASE, Admission, issued_key
-from rollart.actors.base import Actor, Reject, Retry, consume
-from rollart.actors.ledger import Group, GroupLedger
-from rollart.actors.records import decode_entry
-from rollart.actors.runtime import decode_core
-from rollart.actors.trainer_checkpoint import Checkpoints, replay
-from rollart.actors.trainer_files import RunFiles
-from rollart.actors.trainer_publish import GUARDED_KEYS, KvGuard, WeightPublisher
-from rollart.actors.trainer_steps import StepLoop
+from rollart.actors.groups.admission import RESTART_BASE, Admission, issued_key
+from rollart.actors.kernel.base import Actor, Reject, Retry, consume
+from rollart.actors.groups.ledger import Group, GroupLedger
+from rollart.actors.kernel.records import decode_entry
+from rollart.actors.kernel.runtime import decode_core
+from rollart.actors.trainer.checkpoint import Checkpoints, replay
+from rollart.actors.trainer.files import RunFiles
+from rollart.actors.trainer.publish import GUARDED_KEYS, KvGuard, WeightPublisher
+from rollart.actors.trainer.steps import StepLoop
 from rollart.bus import BusError, Subscription
 from rollart.config import ActorConfig, RunConfig
 from rollart.config.schema import trainer_buffer  # RunConfig checks checkpoint_every against it
@@ -106,7 +106,7 @@ class Trainer(StepLoop, Actor):
     lost_max: int = field(default=0, init=False)
     """The most groups the trainer ever reported lost (a resume may restart below it)."""
     end_published: bool = field(default=False, init=False)
-    """The end of training was stored (:mod:`rollart.actors.run_end`)."""
+    """The end of training was stored (:mod:`rollart.actors.kernel.run_end`)."""
     skipped: list[Group] = field(default_factory=list, init=False, repr=False)
     """Groups skipped for uniform rewards since the last step (``trainer.skip_uniform``)."""
     trace_heads: dict[str, dict[str, str]] = field(default_factory=dict, init=False, repr=False)
@@ -197,7 +197,7 @@ class Trainer(StepLoop, Actor):
 
     def _load_checkpoint(self) -> None:
         """Resume: the last full checkpoint, then the journal's steps after it trained again
-        (:func:`rollart.actors.trainer_checkpoint.replay`), the durable state's ledger."""
+        (:func:`rollart.actors.trainer.checkpoint.replay`), the durable state's ledger."""
         state = self.files.load_checkpoint()
         durable = self.files.load_state()
         if state is None and durable is None:
@@ -208,7 +208,7 @@ class Trainer(StepLoop, Actor):
             self.backend.load_checkpoint_state(state["backend"])
         held = state.get("journal_seq") if state is not None else 0
         if durable is not None and held is not None and durable["seq"] >= held:
-            from rollart.actors.train_batch import loss_config  # optional: imports torch
+            from rollart.actors.trainer.batch import loss_config  # optional: imports torch
 
             full_version = self.version
             took = replay(self.files, self.backend, after=held, upto=durable["seq"],
@@ -251,7 +251,7 @@ class Trainer(StepLoop, Actor):
 
     async def _checkpoint(self, *, final: bool = False) -> dict[str, float]:
         """Make the steps so far durable (journal, then state; with ``trainer.checkpoint_store:
-        object`` in the run's object store too, :mod:`rollart.actors.checkpoint_store`), before
+        object`` in the run's object store too, :mod:`rollart.actors.trainer.checkpoint_store`), before
         the deliveries they cover are acked; a full checkpoint when one is due (``final``: the
         last step's, waited for). Returns the seconds of the durable state and the seconds
         the step waited for a full checkpoint."""
@@ -266,7 +266,7 @@ class Trainer(StepLoop, Actor):
 
     async def _publish(self) -> None:
         """Announce the current weights: ``policy.published`` and KV ``policy.version``
-        (:class:`rollart.actors.trainer_publish.WeightPublisher`)."""
+        (:class:`rollart.actors.trainer.publish.WeightPublisher`)."""
         await self.weights.publish()
 
     # -- input -------------------------------------------------------------------
@@ -304,7 +304,7 @@ class Trainer(StepLoop, Actor):
 
     async def _not_admitted(self, msg: m.RolloutCompleted) -> str | None:
         """Why a training completion is not one admission issued (None: it is); see
-        :class:`rollart.actors.admission.Admission`. The issued count is read from KV again
+        :class:`rollart.actors.groups.admission.Admission`. The issued count is read from KV again
         before a refusal (the watch may lag); a KV that cannot be read is retried later."""
         def check() -> str | None:
             lost = max(self.lost_max, self.ledger.lost)

@@ -5,10 +5,10 @@ delivered by its first ``group_size`` completions; the rest are cancelled (a com
 that EnvManagers honour; they report ``rollout.cancelled``). Admission never lets
 more than ``(v + alpha + 1) * batch_groups`` live groups in, where ``v`` is the policy
 version in KV and a group stops being live when the trainer's ledger counts it lost
-(failed or dropped): its headroom goes to a fresh group (see :mod:`rollart.actors.ledger`).
+(failed or dropped): its headroom goes to a fresh group (see :mod:`rollart.actors.groups.ledger`).
 
 Neither KV record is taken on trust (nothing on the bus is authenticated): ``v`` is the
-newest version the policy gate accepted (:class:`rollart.actors.policy_gate.PolicyGate`: one
+newest version the policy gate accepted (:class:`rollart.actors.kernel.policy_gate.PolicyGate`: one
 version at a time), and never more than the latest trainer ledger summary says; ``lost`` is
 at most the
 number of groups that are done here (a group can only be lost once its outcomes are in), so
@@ -17,12 +17,12 @@ a forged record cannot open the α bound. In ``batch`` mode groups are admitted 
 when the previous one is done.
 
 Several env pools (``mapping.env: [a, b]``): each request goes to the pool not reported
-without a live node (node heartbeats, :class:`rollart.actors.pool_watch.PoolWatch`) with the
+without a live node (node heartbeats, :class:`rollart.actors.kernel.pool_watch.PoolWatch`) with the
 fewest of this scheduler's
 trajectories still open per unit of ``pools.<name>.weight``: join the shortest queue, so a
 faster pool gets more. When a pool has had no live node for two heartbeat intervals (its
 deliveries cannot finish), its open trajectories are moved: each is re-issued to a live
-pool as ``<id>+<k>`` (:func:`rollart.actors.admission.member_id`), and the group waits for the
+pool as ``<id>+<k>`` (:func:`rollart.actors.groups.admission.member_id`), and the group waits for the
 copy. Should the old pool come back and finish the original too, the trainer takes it as
 one more member of its group or counts it extra or late (it is another sample of the same
 task); nothing is trained twice.
@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.admission import MAX_MOVES, group_id, issued_key, member_id, member_seed
-from rollart.actors.base import Actor, consume
-from rollart.actors.ledger import admissible, watch_summary
-from rollart.actors.policy_gate import PolicyGate, follow_policy
-from rollart.actors.pool_watch import PoolWatch, make_watch, run_watch
-from rollart.actors.records import put_record
-from rollart.actors.run_end import wait_run_end
+from rollart.actors.groups.admission import MAX_MOVES, group_id, issued_key, member_id, member_seed
+from rollart.actors.kernel.base import Actor, consume
+from rollart.actors.groups.ledger import admissible, watch_summary
+from rollart.actors.kernel.policy_gate import PolicyGate, follow_policy
+from rollart.actors.kernel.pool_watch import PoolWatch, make_watch, run_watch
+from rollart.actors.kernel.records import put_record
+from rollart.actors.kernel.run_end import wait_run_end
 from rollart.bus import BusError
 from rollart.bus.codec import encode
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
@@ -104,7 +104,7 @@ class RolloutScheduler(Actor):
     them and moved off a pool that lost its nodes (see the module docstring)."""
     run_cfg: RunConfig | None = field(default=None, repr=False)
     """The RunConfig (``from_config``): with ``pools`` declared, its pools without a live node
-    are logged (:mod:`rollart.actors.pool_watch`)."""
+    are logged (:mod:`rollart.actors.kernel.pool_watch`)."""
 
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,

@@ -1,4 +1,4 @@
-"""One trajectory of an :class:`~rollart.actors.env_manager.EnvManager`, piece by piece.
+"""One trajectory of an :class:`~rollart.actors.env.manager.EnvManager`, piece by piece.
 
 The EnvManager runs the turn loop; this module holds what the loop works on and the steps
 that need nothing of the actor but its name and counters:
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Reject
+from rollart.actors.kernel.base import Reject
 from rollart.aio import first_of, retry, settle
 from rollart.envs import EnvError, EnvRunner, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
 
-log = logging.getLogger("rollart.actors.env_manager")  # the EnvManager's log lines, wherever written
+log = logging.getLogger(__name__)
 
 
 class Cancelled(Exception):

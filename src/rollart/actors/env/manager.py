@@ -10,11 +10,11 @@ that starts with a stable kind token: ``env_setup:`` (the env cannot be built),
 ``env_contract:`` (reset/step returned the wrong shape), ``env_reset_failed:`` (every
 reset attempt raised), ``service_error:`` / ``decode:`` (generate or reward answered errors
 or garbage), ``config:``. Missing or lost generate/reward replicas are waited for (see
-:mod:`rollart.actors.service_client`) up to ``rollout.service_wait``, then
+:mod:`rollart.actors.kernel.service_client`) up to ``rollout.service_wait``, then
 ``service_unavailable:``.
 
 The turn loop is here; what it works on (the token-level :class:`Trace`, the running
-trajectories, the reset with retries) is in :mod:`rollart.actors.trajectory`.
+trajectories, the reset with retries) is in :mod:`rollart.actors.env.trajectory`.
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.base import Actor, Reject, Retry, consume, replica_suffix
-from rollart.actors.cancelled import CancelledGroups
-from rollart.actors.chat import ChatFormat
-from rollart.actors.lockstep import LockStep, WaveIncomplete
-from rollart.actors.payloads import TRAJ_STORE_MAX_BYTES, inline_limit
-from rollart.actors.policy import current_policy
-from rollart.actors.policy_gate import PolicyGate, follow_policy
-from rollart.actors.runtime import decode_core
-from rollart.actors.service_client import ServiceClient
-from rollart.actors.trajectory import (Cancelled, Deliveries, RunningTrajectories, Trace,
+from rollart.actors.kernel.base import Actor, Reject, Retry, consume, replica_suffix
+from rollart.actors.kernel.cancelled import CancelledGroups
+from rollart.actors.env.chat import ChatFormat
+from rollart.actors.env.lockstep import LockStep, WaveIncomplete
+from rollart.actors.kernel.payloads import TRAJ_STORE_MAX_BYTES, inline_limit
+from rollart.actors.kernel.policy import current_policy
+from rollart.actors.kernel.policy_gate import PolicyGate, follow_policy
+from rollart.actors.kernel.runtime import decode_core
+from rollart.actors.kernel.service_client import ServiceClient
+from rollart.actors.env.trajectory import (Cancelled, Deliveries, RunningTrajectories, Trace,
                                        reset_runner, reward_request, unless_cancelled)
-from rollart.agents.trajectory import AgentThreads, run_agent_trajectory
+from rollart.actors.env.agent_loop import run_agent_trajectory
+from rollart.agents.threads import AgentThreads
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
@@ -310,7 +311,7 @@ class EnvManager(Actor):
 
     def _large(self) -> dict[str, Any]:
         """How a completion too large for one message is published: through the run's
-        trajectory object store (:mod:`rollart.actors.payloads`)."""
+        trajectory object store (:mod:`rollart.actors.kernel.payloads`)."""
         return {"inline_max": inline_limit(self.bus, self.rollout.inline_max_bytes),
                 "store_ttl": self.store_ttl, "store_max_bytes": self.store_max_bytes}
 

@@ -1,7 +1,7 @@
 """Request/reply services behind actor handlers (:class:`Service`): a queue group per pool
 and a per-replica subject, slots, progress listing, error and ``unavailable`` replies, and
 calls from the same process that skip the bus (:meth:`Service.call_local`,
-``rollout.local_calls``). The durable consumers are in :mod:`rollart.actors.runtime`."""
+``rollout.local_calls``). The durable consumers are in :mod:`rollart.actors.kernel.runtime`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 import msgspec
 
 from rollart import messages as m
-from rollart.actors.base import ERROR_HEADER, Actor, BoundHandler
-from rollart.actors.runtime import CORE_JUNK, Stats, dead_letter
+from rollart.actors.kernel.base import ERROR_HEADER, Actor, BoundHandler
+from rollart.actors.kernel.runtime import CORE_JUNK, Stats, dead_letter
 from rollart.aio import first_of
 from rollart.bus import Bus, BusError
 from rollart.bus.codec import DecodeError, decode, encode
@@ -27,7 +27,7 @@ ERROR_KIND_HEADER = "Rollart-Error-Kind"
 """On an error reply: ``unavailable`` means "this replica cannot take it now, ask another"."""
 REPLICA_HEADER = "Rollart-Replica"
 """On the replies of a service with a per-replica subject: the replica's id in its progress
-reports (:class:`rollart.actors.service_client.ProgressReporter`), so that the requester
+reports (:class:`rollart.actors.kernel.service_client.ProgressReporter`), so that the requester
 can send the next request of the same trajectory to it."""
 
 
@@ -42,7 +42,7 @@ _LOCAL: dict[tuple[int, str], list["Service"]] = {}
 
 def local_services(bus: Bus | None, subject: str) -> list["Service"]:
     """The services bound in this process to ``subject`` on ``bus`` that are not stopping
-    (what :class:`rollart.actors.service_client.ServiceClient` may call without the bus)."""
+    (what :class:`rollart.actors.kernel.service_client.ServiceClient` may call without the bus)."""
     return [s for s in _LOCAL.get((id(bus), subject), ()) if not s.draining]
 
 
@@ -62,7 +62,7 @@ class Service:
     answers the per-replica subject ``<direct>.<pool>.<token>`` with no queue group,
     announces the token in its progress reports and names itself in the
     ``Rollart-Replica`` header of its replies: a requester may then send the next turn of a
-    trajectory to this replica (:class:`rollart.actors.service_client.ServiceClient`).
+    trajectory to this replica (:class:`rollart.actors.kernel.service_client.ServiceClient`).
 
     Stopping (drain) answers every request that has not started yet (waiting for a slot)
     with an ``unavailable`` error, so its requester retries elsewhere at once; requests
@@ -202,7 +202,7 @@ class Service:
     def _hold(self, msg):
         """List the request in the actor's progress reports from arrival (queued included)
         to reply: an actor whose ``progress`` reporter is for this subject (see
-        :class:`rollart.actors.service_client.ProgressReporter`)."""
+        :class:`rollart.actors.kernel.service_client.ProgressReporter`)."""
         rep = self.actor.progress
         rid = getattr(msg, "request_id", "")
         if rid and rep is not None and rep.service == self.h.settings.subject:

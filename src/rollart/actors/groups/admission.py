@@ -5,7 +5,7 @@ and group index), what the trainer can have announced (versions), and what the e
 manager adds up (reward): :class:`Admission` says why another one is ``not_admitted``.
 The names here (group ids, the issued-count key, member seeds) are the scheduler's rules,
 shared so both sides derive them the same way. The group ledger
-(:mod:`rollart.actors.ledger`) holds the state; this module holds the rules.
+(:mod:`rollart.actors.groups.ledger`) holds the state; this module holds the rules.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def fingerprint(msg: m.RolloutCompleted) -> bytes:
 
 class Readmissions(Protocol):
     """What :meth:`Admission.check` reads of the group ledger
-    (:class:`rollart.actors.ledger.GroupLedger`): the groups the trainer re-admitted."""
+    (:class:`rollart.actors.groups.ledger.GroupLedger`): the groups the trainer re-admitted."""
 
     @property
     def restarted(self) -> Mapping[int, tuple[str, int]]:

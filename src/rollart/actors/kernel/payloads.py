@@ -16,7 +16,7 @@ traj_bucket` under a name made of the trajectory id and the payload's SHA-256
 - **at least once**: the object is stored before the reference is published, and the
   reference is an ordinary stream message (acked, redelivered, dead-lettered as any);
 - **one message**: a consumer's runtime (:func:`fetch_payload`, called by
-  :class:`rollart.actors.runtime.ConsumerLoop` before it decodes) reads the object, checks its
+  :class:`rollart.actors.kernel.runtime.ConsumerLoop` before it decodes) reads the object, checks its
   size and digest and hands the handler the decoded message. A reference that does not
   decode, names another bucket or type, or whose object is missing or corrupt is permanent
   (:class:`PayloadError`: dead-lettered with a reason starting ``payload:``); a bus error while

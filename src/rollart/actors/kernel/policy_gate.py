@@ -1,7 +1,7 @@
 """Which announced policy versions a holder accepts: the gate a generation replica, the
 scheduler and an EnvManager put between the KV ``policy.version`` record and their own
 version (defence in depth, DESIGN.md §6). Reading the record and the weights is
-:mod:`rollart.actors.policy`."""
+:mod:`rollart.actors.kernel.policy`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import time
 
 from rollart import messages as m
-from rollart.actors.records import decode_entry, watch_revisions
+from rollart.actors.kernel.records import decode_entry, watch_revisions
 from rollart.aio import retry
 from rollart.bus import BusError
 from rollart.bus.codec import decode, encode
@@ -59,7 +59,7 @@ class PolicyGate:
        doubtful-but-confirmed (2 holds, versions non-decreasing) for ``settle_s``. A real
        jump (a holder whose connection was down while the trainer stepped) settles; a
        forged one does not, because the trainer puts its own record back as soon as it sees
-       another (:class:`rollart.actors.trainer_publish.KvGuard`), which resets the clock.
+       another (:class:`rollart.actors.trainer.publish.KvGuard`), which resets the clock.
 
     Rules 2 and 3c need a trainer ledger (3c also an announcement seen at all): a run that
     has none (no trainer: tests, fixed-policy rollouts) is judged by 1 (vacuous), 3a-b and 4

@@ -1,7 +1,7 @@
 """How a generation replica follows the policy: which records it loads, when a refused one is
 tried again (:class:`PolicyFollow`), and the loads themselves between the engine's
 ``pause()`` and ``resume()`` (:class:`PolicyLoading`, a part of
-:class:`rollart.actors.llm_proxy.LLMProxy`)."""
+:class:`rollart.actors.generate.proxy.LLMProxy`)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.policy import current_policy, fetch_weights
-from rollart.actors.policy_gate import PolicyGate, follow_policy
+from rollart.actors.kernel.policy import current_policy, fetch_weights
+from rollart.actors.kernel.policy_gate import PolicyGate, follow_policy
 from rollart.bus import BusError
 from rollart.bus.codec import DecodeError
 from rollart.engines.base import AsyncEngine
 from rollart.engines.weight_files import LORA_KIND, weights_kind
 from rollart.telemetry import tracing
 
-log = logging.getLogger("rollart.actors.llm_proxy")  # the proxy's log lines, wherever written
+log = logging.getLogger(__name__)
 
 
 class StalePolicy(RuntimeError):
@@ -30,7 +30,7 @@ class StalePolicy(RuntimeError):
 
 
 class PolicyLoading:
-    """The policy side of :class:`rollart.actors.llm_proxy.LLMProxy` (a mixin: the state it
+    """The policy side of :class:`rollart.actors.generate.proxy.LLMProxy` (a mixin: the state it
     works on is declared, and set up, by the proxy; the names below say which)."""
 
     name: str

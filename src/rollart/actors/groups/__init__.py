@@ -1,0 +1,3 @@
+"""What the scheduler and the trainer share: the book of training groups (:mod:`.ledger`)
+and the admission record a completion is checked against (:mod:`.admission`). The only
+package two roles may both import."""

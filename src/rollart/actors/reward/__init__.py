@@ -1,0 +1,1 @@
+"""The RewardService role: stateless scoring as a request/reply service (:mod:`.actor`)."""
