@@ -48,7 +48,7 @@ from readme_section import machine, quiet_transformers, store  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-from rollart.actors.llm_proxy import LLMProxy  # noqa: E402
+from rollart.actors.generate.proxy import LLMProxy  # noqa: E402
 from rollart.bus.memory import MemoryBus  # noqa: E402
 from rollart.config import RunConfig, convert  # noqa: E402
 from rollart.config.loader import load_yaml  # noqa: E402

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from readme_section import replace_section  # noqa: E402
 
 from rollart import messages as m
-from rollart.actors.base import Actor, consume, serve
+from rollart.actors.kernel.base import Actor, consume, serve
 from rollart.bus import Bus, ConsumerSpec, Request, StreamSpec
 from rollart.bus.codec import decode, encode
 from rollart.bus.memory import MemoryBus

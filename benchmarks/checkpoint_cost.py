@@ -9,7 +9,7 @@ every step used to) or in the background (a copy to CPU memory, then a thread).
 For each size, builds a random-init Qwen3-layout model with
 :func:`rollart.engines.tiny.build_tiny_model` (vocab 512: the parameters are in the layers),
 one :class:`rollart.engines.torch_trainer.TorchTrainBackend` (fp32, AdamW) and the trainer's
-own :class:`rollart.actors.trainer_checkpoint.Checkpoints` over a run folder on the local
+own :class:`rollart.actors.trainer.checkpoint.Checkpoints` over a run folder on the local
 disk, and measures, after one warm-up step:
 
 - **step**: the median of ``K`` plain training steps (16 samples of ~56 tokens, token-mean);
@@ -46,9 +46,9 @@ import torch
 from readme_section import markers, replace_section
 
 from rollart import messages as m
-from rollart.actors.train_batch import build_samples
-from rollart.actors.trainer_checkpoint import Checkpoints, rng_state
-from rollart.actors.trainer_files import RunFiles
+from rollart.actors.trainer.batch import build_samples
+from rollart.actors.trainer.checkpoint import Checkpoints, rng_state
+from rollart.actors.trainer.files import RunFiles
 from rollart.algos.losses import LossConfig
 from rollart.config import TrainerConfig
 from rollart.engines.tiny import build_tiny_model

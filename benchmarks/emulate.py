@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from readme_section import replace_section  # noqa: E402
 
-from rollart.actors.admission import group_id, member_id, member_seed  # noqa: E402
+from rollart.actors.groups.admission import group_id, member_id, member_seed  # noqa: E402
 from rollart.bus.memory import MemoryBus  # noqa: E402
 import msgspec  # noqa: E402
 

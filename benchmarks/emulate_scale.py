@@ -433,7 +433,7 @@ def _r(x: float | None, nd: int = 5) -> float | None:
 async def run(args) -> dict:
     import emulate as em
     from rollart import messages as m
-    from rollart.actors.run_end import put_run_end
+    from rollart.actors.kernel.run_end import put_run_end
     from rollart.bus.nats import NatsBus
     from rollart.bus.server import EmbeddedServer
 

@@ -243,9 +243,9 @@ async def run_proxy(eng, model_dir: Path, ps, max_new: int) -> tuple[float, int]
     """Through the LLMProxy: ``GenerateRequest`` messages on the MemoryBus, sent with a
     ServiceClient as an EnvManager's trajectories send them."""
     from rollart import messages as m
-    from rollart.actors.base import Actor
-    from rollart.actors.llm_proxy import LLMProxy
-    from rollart.actors.service_client import ServiceClient
+    from rollart.actors.kernel.base import Actor
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.actors.kernel.service_client import ServiceClient
     from rollart.bus.memory import MemoryBus
     from rollart.node import Node
 

@@ -204,8 +204,8 @@ def _record_cpu_time() -> None:
     """Add ``cpu_s`` to each metrics record the rollart Trainer writes: this process's CPU
     seconds from the trainer loop's start to the end of the step's ``train_step`` (the point
     where ``wall_s`` is taken). A few clock reads per step; nothing else changes."""
-    from rollart.actors.trainer import Trainer
-    from rollart.actors.trainer_files import RunFiles
+    from rollart.actors.trainer.actor import Trainer
+    from rollart.actors.trainer.files import RunFiles
     from rollart.engines.torch_trainer import TorchTrainBackend
 
     main, write, step = Trainer.main, RunFiles.write_metrics, TorchTrainBackend.train_step
@@ -401,7 +401,7 @@ def greedy_eval(cfg, weights_dir: str, episodes: int) -> dict[int, float]:
     sys.path.insert(0, str(HERE))
     from plain_loop import rollout_lockstep
 
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.engines.provision import model_dir
     from rollart.engines.torch_engine import TorchGenerationEngine
 

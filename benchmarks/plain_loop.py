@@ -13,9 +13,9 @@ of the same config, but no bus, no actors, no asyncio and no weight files: each 
    whose rewards are all equal (``skip_which``) are replaced by fresh ones, rolled out in
    lock step again, up to that many a step, as rollart's trainer and admission do (DAPO's
    dynamic sampling: the same work per step on both sides);
-2. turns them into samples with :func:`rollart.actors.train_batch.build_samples` (token
+2. turns them into samples with :func:`rollart.actors.trainer.batch.build_samples` (token
    ids, masks and behaviour log-probs exactly as an EnvManager records them, built with
-   :class:`rollart.actors.chat.ChatFormat`);
+   :class:`rollart.actors.env.chat.ChatFormat`);
 3. takes one ``TorchTrainBackend.train_step`` with ``loss_config(cfg.trainer)`` (the
    entropy coefficient adapted per step under ``trainer.entropy_target``, and the LR
    schedule moved or held by ``trainer.schedule_clock``, as the Trainer's);
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.chat import ChatFormat
-from rollart.actors.env_manager import Trace
+from rollart.actors.env.chat import ChatFormat
+from rollart.actors.env.manager import Trace
 from rollart.config import RunConfig, load
 from rollart.envs import parse_action
 from rollart.envs.base import legal_actions_of
@@ -72,7 +72,7 @@ def rollout_lockstep(engine: Any, chat: ChatFormat, env_cfg: Any, tasks: list[tu
                      counts: dict | None = None) -> list[m.RolloutCompleted]:
     """Roll out one trajectory per ``(traj_id, group_index, seed)`` in lock step.
 
-    Turn by turn this does what :class:`rollart.actors.env_manager.EnvManager` does for one
+    Turn by turn this does what :class:`rollart.actors.env.manager.EnvManager` does for one
     trajectory (chat template deltas at token level, constrained decoding to the env's
     legal actions, ``format_penalty``, ``max_context_tokens``, ``max_turns``), but with one
     batched engine call per turn over every trajectory still running. ``counts``, if given,
@@ -179,8 +179,8 @@ def run_plain(cfg: RunConfig, steps: int | None = None,
     success, token counts and the train metrics. With ``snapshot_dir`` each version's
     weights are written to ``vNNNNNN.safetensors`` there with the clock stopped.
     """
-    from rollart.actors.ledger import uniform
-    from rollart.actors.train_batch import (advances_schedule, build_samples, loss_config,
+    from rollart.actors.groups.ledger import uniform
+    from rollart.actors.trainer.batch import (advances_schedule, build_samples, loss_config,
                                             next_entropy_coef, trajectory_stats)
     from rollart.engines.base import save_weights
 

@@ -425,7 +425,7 @@ def kv_counters(engine) -> dict[str, float]:
 
 def warm_rows(args, engine, model_dir: Path, n: int) -> None:
     """One untimed engine call of ``n`` first-turn rows (the first call of a size allocates)."""
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.engines.base import GenInput
     from rollart.envs.frozenlake import INSTRUCTION, FrozenLakeEnv
 
@@ -478,8 +478,8 @@ def run_direct(args, eng: CountingEngine, model_dir: Path, run_dir: Path) -> dic
     one engine call per turn over every live trajectory, in this thread."""
     from plain_loop import rollout_lockstep
 
-    from rollart.actors.admission import group_id, member_seed
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.groups.admission import group_id, member_seed
+    from rollart.actors.env.chat import ChatFormat
 
     a = pvd_args(args)
     cfg = make_cfg(a, mode="trajectory", sigma=0.0, model_dir=model_dir, run_dir=run_dir)
@@ -827,7 +827,7 @@ def machine_info(loop_name: str) -> dict:
 
 
 def build_engine(args, model_dir: Path):
-    from rollart.actors.chat import ChatFormat
+    from rollart.actors.env.chat import ChatFormat
     from rollart.engines.base import GenInput
     from rollart.engines.torch_engine import TorchGenerationEngine
     from rollart.envs.frozenlake import INSTRUCTION, FrozenLakeEnv
