@@ -7,6 +7,8 @@
 #                    LoRA, streamed deltas; the README agent; the quickstart's α = 1 in
 #                    memory), left out of `make test`; CI runs both
 #   make test-verifiers  the verifiers adapter's tests in their own venv, $(VENV_VF)
+#   make test-openenv    the OpenEnv adapter against servers built with openenv-core, in
+#                        their own venv, $(VENV_OE)
 #   make bench-smoke every benchmark's --quick mode (tests/benchmarks: it runs, prints its
 #                    JSON, writes nothing), left out of `make test`; CI runs it
 # Set-up is redone only when pyproject.toml changes (a stamp file in the venv), so the
@@ -50,7 +52,7 @@ define install_torch
 	fi
 endef
 
-.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm test-verifiers setup-verifiers
+.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm test-verifiers setup-verifiers docs docs-serve docs-check setup-docs test-openenv setup-openenv
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
@@ -116,4 +118,62 @@ $(STAMP_VF): pyproject.toml
 	@echo "installing rollart[dev,verifiers] (editable)"
 	@$(PIP_VF) install -q -e '.[dev,verifiers]'
 	@$(VENV_VF)/bin/python -c "import verifiers, openai; print('verifiers', verifiers.__version__, 'openai', openai.__version__)"
+	@touch $@
+
+# ---- OpenEnv (`type: openenv:<url>`): the adapter against real servers built with
+# openenv-core's own create_app, in their own venv: openenv-core pulls gradio, pandas, mcp and
+# fastmcp, which the default install (the adapter needs only httpx and websockets) does without
+VENV_OE ?= .venv-openenv
+OPENENV_CORE ?= openenv-core>=0.3,<0.4
+PIP_OE := $(VENV_OE)/bin/python -m pip
+STAMP_OE := $(VENV_OE)/.rollart-setup
+
+test-openenv: $(STAMP_OE)
+	. $(VENV_OE)/bin/activate && python -m pytest -q tests/envs/test_openenv_core.py $(ARGS)
+
+setup-openenv: $(STAMP_OE)
+
+$(STAMP_OE): pyproject.toml
+	@test -x $(VENV_OE)/bin/python || { echo "creating $(VENV_OE)"; $(PYTHON) -m venv $(VENV_OE); }
+	$(call install_torch,$(PIP_OE))
+	@echo "installing rollart[dev,openenv] (editable), then $(OPENENV_CORE)"
+	@$(PIP_OE) install -q -e '.[dev,openenv]'
+	@$(PIP_OE) install -q '$(OPENENV_CORE)'
+	@$(VENV_OE)/bin/python -c "import importlib.metadata as m, openenv.core; print('openenv-core', m.version('openenv-core'))"
+	@touch $@
+
+# ---- the docs site (MkDocs Material + mkdocstrings): its own venv, so `make test`'s set-up is
+# unchanged. rollart itself (no extras: the config reference imports its config classes) and
+# pytest for the browser test; docs/hooks.py writes the config reference at build time.
+#   make docs        build docs/ into site/, strict: a broken link or reference fails
+#   make docs-serve  serve it at http://127.0.0.1:8000, rebuilt on every edit
+#   make docs-check  make docs, then open it in headless Chromium (tests/docs_site); installs
+#                    the chromium package with apt-get when it is missing and we are root;
+#                    SITE_SHOTS=DIR keeps the home page's and a tutorial's screenshots
+VENV_DOCS ?= .venv-docs
+# SITE_SHOTS: a folder for the browser test's screenshots (default: a temporary one)
+SITE_SHOTS ?=
+PIP_DOCS := $(VENV_DOCS)/bin/python -m pip
+STAMP_DOCS := $(VENV_DOCS)/.rollart-setup
+
+docs: $(STAMP_DOCS)
+	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs build --strict -d site
+
+docs-serve: $(STAMP_DOCS)
+	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs serve
+
+docs-check: docs
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing chromium (apt-get)"; \
+	  apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; \
+	else echo "no chromium, and not root with apt-get to install it: the browser test will skip (apt-get install chromium)"; fi
+	ROLLART_SITE_DIR=site ROLLART_SITE_SHOTS=$(SITE_SHOTS) $(VENV_DOCS)/bin/python -m pytest -q -n 0 -p no:randomly tests/docs_site $(ARGS)
+
+setup-docs: $(STAMP_DOCS)
+
+$(STAMP_DOCS): pyproject.toml
+	@test -x $(VENV_DOCS)/bin/python || { echo "creating $(VENV_DOCS)"; $(PYTHON) -m venv $(VENV_DOCS); }
+	@echo "installing rollart[docs] (editable) and pytest"
+	@$(PIP_DOCS) install -q -e '.[docs]' 'pytest>=8' 'pytest-xdist>=3.2' 'pytest-timeout>=2' 'pytest-asyncio>=0.23'
 	@touch $@
