@@ -34,45 +34,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import logging
 import statistics
-import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import machine, quiet_transformers, store  # noqa: E402
+from common import (RESULTS as RESULTS_DIR, add_run_flags, begin, describe_machine, finish, in_turn,
+                    quickstart_cfg, render, sayer, table, writes)
+from rollart.bus.memory import MemoryBus
+from rollart.config import RunConfig
+from rollart.node import Node
+from rollart.node.build import rollout_actors
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-
-from rollart.bus.memory import MemoryBus  # noqa: E402
-from rollart.config import RunConfig, convert  # noqa: E402
-from rollart.config.loader import load_yaml  # noqa: E402
-from rollart.node import Node  # noqa: E402
-from rollart.node.build import rollout_actors  # noqa: E402
-
-RESULTS = HERE / "results" / "affinity.json"
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+RESULTS = RESULTS_DIR / "affinity.json"
 SHARE_TARGET = 0.9
 LOAD_TARGET = 1.2
-
-
-def say(text: str) -> None:
-    print(f"[affinity] {text}", file=sys.stderr, flush=True)
+say = sayer("affinity")
 
 
 def make_cfg(args, replicas: int, affinity: bool, run_dir: Path) -> RunConfig:
-    data = load_yaml(QUICKSTART)
-    data.update(run=f"af{uuid.uuid4().hex[:8]}", run_dir=str(run_dir))
-    data["model"] = {**data.get("model", {}), "threads": args.threads}
-    data["rollout"] = {**data.get("rollout", {}), "batch_groups": args.groups,
-                       "concurrency": args.concurrency, "affinity": affinity}
-    data["actors"] = {"generate": {"replicas": replicas}, "reward": {"replicas": 0}}
-    return convert(data, RunConfig)
+    return quickstart_cfg("af", run_dir, threads=args.threads,
+                          rollout={"batch_groups": args.groups, "concurrency": args.concurrency,
+                                   "affinity": affinity},
+                          actors={"generate": {"replicas": replicas}, "reward": {"replicas": 0}})
 
 
 async def measure(args, replicas: int, affinity: bool, run_dir: Path) -> dict:
@@ -109,7 +93,7 @@ async def suite(args, run_dir: Path) -> list[dict]:
     runs = []
     for rep in range(args.reps):
         for n in args.replicas:
-            for aff in ((True, False) if rep % 2 == 0 else (False, True)):
+            for aff in in_turn((True, False), rep):
                 if n == 1 and not aff:
                     continue  # one replica: nothing to be affine to
                 r = await measure(args, n, aff, run_dir)
@@ -151,55 +135,25 @@ def summarize(args, runs: list[dict]) -> dict:
 
 
 def readme_section(res: dict) -> str:
-    c, s, mi = res["config"], res["summary"], res["machine"]
-    lines = [
-        "<!-- affinity:begin -->",
-        "## Replica-affine turns: KV-cache hits and load with 1, 2 and 4 replicas (`affinity.py`)",
-        "",
-        "`python benchmarks/affinity.py [--quick] [--reps R]` rolls out the quickstart env "
-        "(`configs/quickstart.yaml`: FrozenLake 4x4, up to 16 turns, the tiny model, sampled) in "
-        "one process on the MemoryBus with 1, 2 and 4 generate replicas, each with its own tiny "
-        "torch engine and per-trajectory KV cache, `rollout.affinity` on and off. "
-        f"{c['groups']} groups of 8 trajectories, {c['concurrency']} at once "
-        "(so new trajectories are placed all along as others end).",
-        "",
-        "- **cache share**: prompt tokens served from the replicas' KV caches / all prompt "
-        "tokens (summed over replicas); one replica holds every trajectory's cache: the ceiling.",
-        "- **load**: generate requests served per replica, max / min.",
-        "- Affinity off: the MemoryBus hands a pool's requests round robin (nats-server: at "
-        "random), so requests are balanced by construction and a trajectory's turns scatter.",
-        "",
-        f"Last run {res['timestamp']}: {mi['cpu_count']} CPUs, load {mi['loadavg_start'][0]} at "
-        f"start, Python {mi['python']}, {c['reps']} repetition(s), {c['threads']} torch thread "
-        f"per engine, total {res['total_s']:.0f} s. Medians over repetitions.",
-        "",
-        "| replicas | affinity | cache share | of 1 replica | load max/min | turns | wall (s) |",
-        "|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for n, row in s["by_replicas"].items():
-        for name, v in row.items():
-            of1 = f"{v['share_of_one'] * 100:.1f}%" if "share_of_one" in v else "-"
-            lines.append(f"| {n} | {name} | {v['cache_share']:.3f} | {of1} | "
-                         f"{v['load_max_min']:.3f} | {v['turns']:.0f} | {v['wall_s']:.1f} |")
-    moves = sum(r["affinity_moves"] for r in res["runs"] if r["affinity"])
-    falls = sum(r["affinity_fallbacks"] for r in res["runs"] if r["affinity"])
-    verdict = "**met**" if s["meets_target"] else "**not met**"
-    lines += [
-        "",
-        f"Target (issue 25: with 2 and 4 replicas, a cache share >= {SHARE_TARGET:.0%} of the "
-        f"one-replica share and load max/min <= {LOAD_TARGET}): {verdict}. Over all runs with "
-        f"affinity on: {moves} pin move(s) (a saturated or unknown replica) and {falls} "
-        "fallback(s) to the queue group. Raw numbers: `benchmarks/results/affinity.json`.",
-        "<!-- affinity:end -->",
-    ]
-    return "\n".join(lines)
+    c, s = res["config"], res["summary"]
+    rows = [[n, name, f"{v['cache_share']:.3f}",
+             f"{v['share_of_one'] * 100:.1f}%" if "share_of_one" in v else None,
+             f"{v['load_max_min']:.3f}", f"{v['turns']:.0f}", f"{v['wall_s']:.1f}"]
+            for n, row in s["by_replicas"].items() for name, v in row.items()]
+    on = [r for r in res["runs"] if r["affinity"]]
+    return render("affinity", groups=c["groups"], concurrency=c["concurrency"], reps=c["reps"],
+                   table=table(["replicas", "affinity", "cache share", "of 1 replica",
+                                "load max/min", "turns", "wall (s)"], rows),
+                   share_target=f"{SHARE_TARGET:.0%}", load_target=LOAD_TARGET,
+                   verdict="**met**" if s["meets_target"] else "**not met**",
+                   moves=sum(r["affinity_moves"] for r in on),
+                   falls=sum(r["affinity_fallbacks"] for r in on),
+                   machine=describe_machine(res["machine"]), date=res["timestamp"][:10])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 repetition, fewer groups, writes nothing")
-    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
-    p.add_argument("--no-write", action="store_true", help="print only")
+    add_run_flags(p, "1 repetition, fewer groups")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --quick 1)")
     p.add_argument("--groups", type=int, default=None,
                    help="groups of 8 per run (default 48; --quick 6)")
@@ -212,25 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (1 if args.quick else 3)
     args.groups = args.groups or (6 if args.quick else 48)
     args.concurrency = args.concurrency or (16 if args.quick else 64)
-    write = not args.no_write and (args.write or not args.quick)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    quiet_transformers()
     t_start = time.perf_counter()
-    res: dict = {"benchmark": "affinity", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "quick": args.quick,
-                 "config": {k: getattr(args, k) for k in ("reps", "groups", "concurrency",
-                                                          "replicas", "threads")},
-                 "machine": machine()}
+    res = begin("affinity", args, ("reps", "groups", "concurrency", "replicas", "threads"))
     with tempfile.TemporaryDirectory(prefix="rollart-affinity-") as tmp:
         runs = asyncio.run(suite(args, Path(tmp)))
-    res["summary"] = summarize(args, runs)
-    res["runs"] = runs
-    res["total_s"] = round(time.perf_counter() - t_start, 1)
-    print(json.dumps(res, indent=2))
-    if write:
-        store(RESULTS, res, "affinity", readme_section(res))
-        say(f"wrote {RESULTS} and the README section")
-    return 0
+    res.update(summary=summarize(args, runs), runs=runs,
+               total_s=round(time.perf_counter() - t_start, 1))
+    return finish(res, writes(args), RESULTS, "affinity", readme_section, say)
 
 
 if __name__ == "__main__":

@@ -32,31 +32,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import logging
 import statistics
-import sys
 import tempfile
 import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import machine, quiet_transformers, store  # noqa: E402
+from common import (RESULTS as RESULTS_DIR, add_run_flags, begin, describe_machine, finish, in_turn,
+                    quickstart_cfg, render, sayer, table, writes)
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from rollart.actors.generate.proxy import LLMProxy
+from rollart.bus.memory import MemoryBus
+from rollart.config import RunConfig
+from rollart.node import Node
+from rollart.node.build import rollout_actors
 
-from rollart.actors.generate.proxy import LLMProxy  # noqa: E402
-from rollart.bus.memory import MemoryBus  # noqa: E402
-from rollart.config import RunConfig, convert  # noqa: E402
-from rollart.config.loader import load_yaml  # noqa: E402
-from rollart.node import Node  # noqa: E402
-from rollart.node.build import rollout_actors  # noqa: E402
-
-RESULTS = HERE / "results" / "agent_endpoint.json"
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+RESULTS = RESULTS_DIR / "agent_endpoint.json"
 AGENT = "agent:rollart.agents.examples:frozenlake"
 RAW = "agent:benchmark:raw-http"
 PATHS = ("env", "agent", "raw")
@@ -117,23 +108,19 @@ def _register_raw() -> None:
     agent_type._agents[RAW] = raw_frozenlake
 
 
-def say(text: str) -> None:
-    print(f"[agent_endpoint] {text}", file=sys.stderr, flush=True)
+say = sayer("agent_endpoint")
 
 
 def make_cfg(args, path: str, concurrency: int, run_dir: Path) -> RunConfig:
-    data = load_yaml(QUICKSTART)
-    data.update(run=f"ae{uuid.uuid4().hex[:8]}", run_dir=str(run_dir))
-    data["model"] = {**data.get("model", {}), "threads": 1}
-    env = dict(data["envs"]["main"])
-    if path in AGENTS:
-        env["type"] = AGENTS[path]
-        env["args"] = {**env.get("args", {}), "instruction": env.pop("instruction", "")}
-    data["envs"] = {"main": env}
-    data["rollout"] = {**data.get("rollout", {}), "batch_groups": args.groups,
-                       "concurrency": concurrency, "seed": 0}
-    data["actors"] = {"reward": {"replicas": 0}}
-    return convert(data, RunConfig)
+    def env(main: dict) -> dict:
+        if path in AGENTS:
+            main["type"] = AGENTS[path]
+            main["args"] = {**main.get("args", {}), "instruction": main.pop("instruction", "")}
+        return main
+
+    return quickstart_cfg("ae", run_dir, env=env, actors={"reward": {"replicas": 0}},
+                          rollout={"batch_groups": args.groups, "concurrency": concurrency,
+                                   "seed": 0})
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -177,7 +164,7 @@ async def suite(args, run_dir: Path) -> list[dict]:
     runs = []
     for rep in range(args.reps):
         for load in args.loads:
-            for path in (PATHS if rep % 2 == 0 else PATHS[::-1]):  # alternate the order
+            for path in in_turn(PATHS, rep):
                 r = await measure(args, path, load, run_dir)
                 r["rep"] = rep
                 say(f"rep {rep + 1}/{args.reps} {load:7s} {path:5s}: {r['turns']} turns in "
@@ -208,53 +195,27 @@ def summarize(args, runs: list[dict]) -> dict:
 
 
 def readme_section(res: dict) -> str:
-    c, s, mi = res["config"], res["summary"], res["machine"]
-    lines = [
-        "<!-- agent_endpoint:begin -->",
-        "## Bring your own agent: the endpoint's cost per turn (`agent_endpoint.py`)",
-        "",
-        "`python benchmarks/agent_endpoint.py [--quick]` rolls out the quickstart's FrozenLake "
-        "three ways in one process on the MemoryBus, same engine, map, seeds and sampling: "
-        "`env` (the EnvManager steps `type: frozenlake` itself), `agent` (the README's "
-        "`openai`-client agent, `rollart.agents.examples:frozenlake`, through the trajectory's "
-        "endpoint) and `raw` (the same agent posting the same JSON with one shared `httpx` "
-        "client: the endpoint's own cost, without the client library's). *Round trip*: end "
-        "of a trajectory's generation to the start of its next (everything outside the "
-        "engine: bus hops, env step, encoding; for the agents also HTTP, the client and the "
-        "endpoint's tokenisation). *CPU*: the process's CPU / turns (engine included). "
-        f"`serial`: one trajectory at a time ({c['serial_groups']} groups of 8); `loaded`: "
-        f"{c['concurrency']} at once ({c['groups']} groups of 8).",
-        "",
-        f"Last run {res['timestamp']}: {mi['cpu_count']} CPUs, load {mi['loadavg_start'][0]} at "
-        f"start, Python {mi['python']}, {c['reps']} repetition(s), medians; total "
-        f"{res['total_s']:.0f} s.",
-        "",
-        "| load | path | round trip p50 (ms) | p99 (ms) | CPU (ms/turn) | wall (ms/turn) | turns |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for load, row in s.items():
-        for p in PATHS:
-            v = row[p]
-            lines.append(f"| {load} | {p} | {v['gap_ms_p50']:.2f} | {v['gap_ms_p99']:.2f} | "
-                         f"{v['cpu_ms_per_turn']:.2f} | {v['wall_ms_per_turn']:.2f} | "
-                         f"{v['turns']:.0f} |")
+    rows = []
+    for load, row in res["summary"].items():
+        rows += [[load, p, f"{v['gap_ms_p50']:.2f}", f"{v['gap_ms_p99']:.2f}",
+                  f"{v['cpu_ms_per_turn']:.2f}", f"{v['wall_ms_per_turn']:.2f}", f"{v['turns']:.0f}"]
+                 for p, v in ((p, row[p]) for p in PATHS)]
         for p in AGENTS:
             r, x = row[f"{p}_over_env"], row[f"{p}_extra_ms"]
-            lines.append(f"| {load} | {p} / env | {r.get('gap_ms_p50', 0):.2f}x | "
-                         f"{r.get('gap_ms_p99', 0):.2f}x | {r.get('cpu_ms_per_turn', 0):.2f}x | "
-                         f"{r.get('wall_ms_per_turn', 0):.2f}x | |")
-            lines.append(f"| {load} | {p} - env (ms) | {x['round_trip_p50']:+.2f} | "
-                         f"{x['round_trip_p99']:+.2f} | {x['cpu']:+.2f} | | |")
-    lines += ["", "Raw numbers: `benchmarks/results/agent_endpoint.json`.",
-              "<!-- agent_endpoint:end -->"]
-    return "\n".join(lines)
+            rows.append([load, f"{p} / env", *(f"{r.get(k, 0):.2f}x" for k in (
+                "gap_ms_p50", "gap_ms_p99", "cpu_ms_per_turn", "wall_ms_per_turn")), None])
+            rows.append([load, f"{p} - env (ms)", f"{x['round_trip_p50']:+.2f}",
+                         f"{x['round_trip_p99']:+.2f}", f"{x['cpu']:+.2f}", None, None])
+    return render("agent_endpoint", concurrency=res["config"]["concurrency"],
+                  reps=res["config"]["reps"], machine=describe_machine(res["machine"]),
+                  date=res["timestamp"][:10],
+                  table=table(["load", "path", "round trip p50 (ms)", "p99 (ms)", "CPU (ms/turn)",
+                               "wall (ms/turn)", "turns"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 repetition, few groups, writes nothing")
-    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
-    p.add_argument("--no-write", action="store_true", help="print only")
+    add_run_flags(p, "1 repetition, few groups")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --quick 1)")
     p.add_argument("--groups", type=int, default=None,
                    help="groups of 8 for the loaded runs (default 16; --quick 2)")
@@ -268,27 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (1 if args.quick else 3)
     args.groups = args.groups or (2 if args.quick else 16)
     args.serial_groups = args.serial_groups or (1 if args.quick else 4)
-    write = not args.no_write and (args.write or not args.quick)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    quiet_transformers()
+    res = begin("agent_endpoint", args, ("reps", "groups", "serial_groups", "concurrency", "loads"))
     _patch_proxy()
     _register_raw()
     t_start = time.perf_counter()
-    res: dict = {"benchmark": "agent_endpoint", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "quick": args.quick,
-                 "config": {k: getattr(args, k) for k in ("reps", "groups", "serial_groups",
-                                                          "concurrency", "loads")},
-                 "machine": machine()}
     with tempfile.TemporaryDirectory(prefix="rollart-agent-endpoint-") as tmp:
         runs = asyncio.run(suite(args, Path(tmp)))
-    res["summary"] = summarize(args, runs)
-    res["runs"] = runs
-    res["total_s"] = round(time.perf_counter() - t_start, 1)
-    print(json.dumps(res, indent=2))
-    if write:
-        store(RESULTS, res, "agent_endpoint", readme_section(res))
-        say(f"wrote {RESULTS} and the README section")
-    return 0
+    res.update(summary=summarize(args, runs), runs=runs,
+               total_s=round(time.perf_counter() - t_start, 1))
+    return finish(res, writes(args), RESULTS, "agent_endpoint", readme_section, say)
 
 
 if __name__ == "__main__":

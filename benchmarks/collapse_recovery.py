@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -47,12 +46,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from readme_section import machine, quiet_transformers, store  # noqa: E402
+from common import (RESULTS as RESULTS_DIR, HERE, child_env, labelled, machine, quiet_transformers, render,
+                    sayer, store, table)
 
-ROOT = HERE.parent
-RESULTS = HERE / "results" / "collapse_recovery.json"
+RESULTS = RESULTS_DIR / "collapse_recovery.json"
 
 
 NEAR_MISS = "RRDDR"
@@ -80,14 +77,12 @@ def near_miss(env, rng) -> NearMiss:  # a demonstrator factory for `rollart demo
     return NearMiss()
 
 
-def say(text: str) -> None:
-    print(f"[collapse-recovery {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+say = sayer("collapse-recovery")
 
 
 def collapsed_policy(work: Path, config: str, sft_steps: int) -> Path:
     """The SFT'd near-miss model folder (step 1 of the module docstring)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    env = child_env(HERE)
     demos = work / "near-miss.jsonl"
     for cmd in (["demos", config, "--policy", "collapse_recovery:near_miss", "--episodes", "32",
                  "--out", str(demos), "--quiet"],
@@ -165,41 +160,25 @@ def run_variant(config: str, variant: str, seed: int, collapsed: Path, *, learn:
             "grad_norm_after": [round(r.get("train_grad_norm", 0.0), 4) for r in post]}
 
 
-def section_name(label: str | None) -> str:
-    return "collapse_recovery" + (f":{label}" if label else "")
-
-
 def results_path(label: str | None):
     return RESULTS.with_name(f"collapse_recovery_{label}.json") if label else RESULTS
 
 
 def readme_section(res: dict) -> str:
-    name = section_name(res.get("label"))
-    title = "Climbing out of a collapse" + (f": {res['label']}" if res.get("label") else "")
-    lines = [f"<!-- {name}:begin -->",
-             f"## {title} (`collapse_recovery.py`, issue 28 item 3)", "",
-             f"`{res['command']}` on {res['date']}, {res['host']['cpu_count']} cores (load "
-             f"{res['host']['loadavg_start'][0]} at the start). Each run: the quickstart in the "
-             f"plain synchronous loop for {res['learn']} steps from random init (it learns), then "
-             f"its weights replaced by a near one-hot policy ({res.get('sft_steps', 80)} SFT steps on "
-             f"a shortest path whose fifth move is flipped into a hole: {NEAR_MISS}) with AdamW's "
-             f"moments kept, then {res['after']} more steps (cosine LR "
-             f"over all {res['learn'] + res['after']}). *Recovered*: the first step after the swap "
-             f"with sampled success >= 0.5.", "",
-             "| variant | seed | sampled before swap | recovered after (steps) | final greedy | "
-             "entropy at swap +1, +5, +10 | sampled every 5 steps after the swap |",
-             "|---|---|---|---|---|---|---|"]
-    for r in res["runs"]:
-        ent = r["entropy_after"]
-        pick = [ent[i] for i in (0, 4, 9) if i < len(ent)]
-        lines.append(f"| {r['variant']} | {r['seed']} | {r['sampled_before_swap']:.2f} | "
-                     f"{r['recovered_after'] if r['recovered_after'] is not None else 'never'} | "
-                     f"{r['final_greedy']:.1f} | {', '.join(f'{x:.3f}' for x in pick)} | "
-                     f"{', '.join(f'{x:.2f}' for x in r['sampled_after'][::5])} |")
-    lines += ["", f"Raw numbers (every step's sampled success, entropy, coefficient and gradient "
-              f"norm after the swap): `benchmarks/results/{results_path(res.get('label')).name}`.", "",
-              f"<!-- {name}:end -->"]
-    return "\n".join(lines)
+    """One table for every labelled run: this one and the stored others."""
+    rows = []
+    for r in labelled("collapse_recovery", res):
+        for run in r["runs"]:
+            ent = [run["entropy_after"][i] for i in (0, 4, 9) if i < len(run["entropy_after"])]
+            rows.append([r.get("label") or "default", f"{r['learn']} + {r['after']}",
+                         r.get("sft_steps", 80), run["variant"], run["seed"],
+                         f"{run['sampled_before_swap']:.2f}",
+                         "never" if run["recovered_after"] is None else run["recovered_after"],
+                         f"{run['final_greedy']:.1f}", ", ".join(f"{x:.3f}" for x in ent),
+                         r["date"]])
+    return render("collapse_recovery", near_miss=NEAR_MISS, table=table(
+        ["label", "steps before + after", "SFT steps", "variant", "seed", "sampled before swap",
+         "recovered after (steps)", "final greedy", "entropy at swap +1, +5, +10", "date"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
            "config": a.config, "label": a.label, "sft_steps": a.sft_steps, "runs": runs}
     print(json.dumps(res, indent=2))
     if a.write and not a.quick:
-        store(results_path(a.label), res, section_name(a.label), readme_section(res))
+        store(results_path(a.label), res, "collapse_recovery", readme_section(res))
     return 0
 
 

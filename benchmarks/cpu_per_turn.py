@@ -83,13 +83,10 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_sampler import write_sitecustomize  # noqa: E402
-from readme_section import replace_section  # noqa: E402
+from cpu_sampler import write_sitecustomize
+from common import RESULTS as RESULTS_DIR, ROOT, describe_machine, render, sayer, store, table
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results" / "cpu_per_turn.json"
+RESULTS = RESULTS_DIR / "cpu_per_turn.json"
 LAYOUTS = {"mp": "default `rollart run` of the packaged quickstart: embedded nats-server, the roles "
                  "of this host's default `node.local_processes` in child processes (one child "
                  "for generate, env and reward on <= 2 cores), local calls, env steps inline",
@@ -105,8 +102,7 @@ LAYOUT_CONFIG = {"mp2": {"node": {"local_processes": [["generate"], ["env", "rew
                              "rollout": {"local_calls": False}}}
 
 
-def say(text: str) -> None:
-    print(f"[cpu_per_turn] {text}", file=sys.stderr, flush=True)
+say = sayer("cpu_per_turn")
 
 
 # -- hops ------------------------------------------------------------------------------------
@@ -127,43 +123,43 @@ HOPS = [
 PLUMBING = {h for h, p in HOPS if p}
 ASYNCIO = "asyncio / event loop (incl. uvloop's C: epoll, sockets)"
 
-# Files (path under rollart/) -> hop. A function-name rule (below) wins over its file's hop.
+# Files (path under rollart/) -> hop, the first prefix that matches (a file before its folder).
+# A function-name rule (below) wins over its file's hop.
 _ROLLART_FILES = {
     "engines/torch_engine.py": "engine forward", "engines/kv_cache.py": "engine forward",
     "engines/choice_trie.py": "engine forward", "engines/tiny.py": "engine forward",
     "engines/base.py": "engine forward", "engines/vllm_engine.py": "engine forward",
     "engines/torch_trainer.py": "train step", "engines/train_backends.py": "train step",
     "engines/trainer_ranks.py": "train step", "engines/lora.py": "train step",
-    "actors/train_batch.py": "train step", "algos/": "train step",
+    "actors/trainer/batch.py": "train step", "algos/": "train step",
     "engines/torch_weights.py": "weights + checkpoints (per step)",
     "engines/weight_": "weights + checkpoints (per step)",
     "engines/digest.py": "weights + checkpoints (per step)",
-    "actors/trainer_publish.py": "weights + checkpoints (per step)",
-    "actors/trainer_checkpoint.py": "weights + checkpoints (per step)",
-    "actors/checkpoint_store.py": "weights + checkpoints (per step)",
-    "actors/trainer_files.py": "weights + checkpoints (per step)",
+    "actors/trainer/publish.py": "weights + checkpoints (per step)",
+    "actors/trainer/checkpoint": "weights + checkpoints (per step)",
+    "actors/trainer/files.py": "weights + checkpoints (per step)",
     "envs/": "env step",
-    "actors/chat.py": "chat encoding",
+    "actors/env/chat.py": "chat encoding",
     "messages/checks.py": "decode (msgspec + checks)",
     "bus/memory": "bus: memory",
-    "actors/runtime.py": "actor runtime (consume, serve, reply)",
-    "actors/base.py": "actor runtime (consume, serve, reply)",
+    "actors/kernel/runtime.py": "actor runtime (consume, serve, reply)",
+    "actors/kernel/base.py": "actor runtime (consume, serve, reply)",
+    "actors/kernel/service.py": "actor runtime (consume, serve, reply)",
+    "actors/kernel/run_end.py": "actor runtime (consume, serve, reply)",
     "node/": "actor runtime (consume, serve, reply)",
-    "actors/service_client.py": "service client (generate/reward calls)",
-    "actors/env_manager.py": "EnvManager turn loop", "actors/trajectory.py": "EnvManager turn loop",
-    "actors/lockstep.py": "EnvManager turn loop", "actors/cancelled.py": "EnvManager turn loop",
-    "actors/payloads.py": "EnvManager turn loop", "config/placement.py": "EnvManager turn loop",
-    "actors/llm_proxy.py": "LLMProxy (admit, versions)",
-    "actors/proxy_policy.py": "LLMProxy (admit, versions)",
-    "actors/policy_gate.py": "LLMProxy (admit, versions)", "actors/policy.py": "LLMProxy (admit, versions)",
-    "actors/batching.py": "batching", "engines/batched.py": "batching",
-    "actors/scheduler.py": "scheduler + admission", "actors/admission.py": "scheduler + admission",
-    "actors/pool_watch.py": "heartbeats / progress",
-    "actors/trainer.py": "trainer bookkeeping (ledger, batches)",
-    "actors/trainer_steps.py": "trainer bookkeeping (ledger, batches)",
-    "actors/ledger.py": "trainer bookkeeping (ledger, batches)",
-    "actors/records.py": "trainer bookkeeping (ledger, batches)",
-    "actors/run_end.py": "actor runtime (consume, serve, reply)",
+    "actors/kernel/service_client.py": "service client (generate/reward calls)",
+    "actors/env/": "EnvManager turn loop", "actors/kernel/cancelled.py": "EnvManager turn loop",
+    "actors/kernel/payloads.py": "EnvManager turn loop", "config/placement.py": "EnvManager turn loop",
+    "actors/generate/": "LLMProxy (admit, versions)",
+    "actors/kernel/policy": "LLMProxy (admit, versions)",
+    "actors/kernel/replica_pins.py": "LLMProxy (admit, versions)",
+    "actors/kernel/batching.py": "batching", "engines/batched.py": "batching",
+    "actors/scheduler/": "scheduler + admission", "actors/groups/admission.py": "scheduler + admission",
+    "actors/kernel/pool_watch.py": "heartbeats / progress",
+    "actors/kernel/progress.py": "heartbeats / progress",
+    "actors/trainer/": "trainer bookkeeping (ledger, batches)",
+    "actors/groups/": "trainer bookkeeping (ledger, batches)",
+    "actors/kernel/records.py": "trainer bookkeeping (ledger, batches)",
     "telemetry/progress.py": "heartbeats / progress", "telemetry/hardware.py": "heartbeats / progress",
     "telemetry/": "tracing / logging / metrics",
     "app/local_nodes.py": "heartbeats / progress",
@@ -459,93 +455,24 @@ def _fmt(v) -> str:
 
 
 def readme_section(res: dict) -> str:
-    begin, end = "<!-- cpu_per_turn:begin -->", "<!-- cpu_per_turn:end -->"
-    cur, base = res["current"], res.get("baseline")
-    lines = [begin, "## CPU per turn of a real run, per process and per hop (`cpu_per_turn.py`)", "",
-             "`python benchmarks/cpu_per_turn.py [--quick] [--layouts mp,mp2,mp1-bus,memory] [--steps N] "
-             "[--warm K] [--rate HZ] [--baseline LABEL]` runs `rollart run configs/quickstart.yaml` (the real "
-             "command line) for a few steps in these layouts: **mp**, the default (embedded nats-server; "
-             "trainer and scheduler in the head process; on this 2-core host one child node for generate, "
-             "env and reward, whose turns call the engine in-process: `rollout.local_calls`; env steps "
-             "inline), **mp2**, the default before (generate and env+reward nodes in two children, env steps "
-             "on threads, every turn through nats-server), **mp1-bus** (one child, `rollout.local_calls: "
-             "false`) and **memory** (`--nats memory`, one process). Over the steady part of the run (from the "
-             "`--warm`-th metrics row to the last but one) it reads every process's CPU time (psutil) and "
-             "the turns of every trajectory completed in that window (skipped groups included), and samples "
-             "each Python process with an in-process sampler started only by the benchmark (`cpu_sampler.py`, "
-             "through a `sitecustomize.py` on `PYTHONPATH`: every thread's stack at `--rate` Hz, weighted by "
-             "the CPU the thread used since the previous tick, so a blocked thread weighs nothing and a C "
-             "call is charged to its Python caller; py-spy's `record` counted blocked threads as running "
-             "here). Each stack goes to one hop by the innermost frame a rule names (`hop_of`; torch, "
-             "transformers and other libraries defer to their rollart caller). *Plumbing* is every hop but "
-             "engine forward, train step, env step, the per-step weight and checkpoint work and native "
-             "threads; nats-server counts as plumbing. The sampler's own thread is not counted.", ""]
-    runs = [("after", cur), ("before", base)] if base else [("this run", cur)]
-    def windows(r: dict) -> str:
-        return ", ".join(f"{k} {v['window_steps']} steps / {v['turns']} turns"
-                         for k, v in r["layouts"].items())
-
-    lines.append("Runs: " + "; ".join(
-        f"**{name}** {r['label']} ({r['when']}, load {r['load_start']}-{r['load_end']}, "
-        f"{r['steps']} steps, window {windows(r)})" for name, r in runs) + ".")
-    lines.append("")
-    lines += ["| layout | plumbing ms/turn | all processes ms/turn | " + ("before: plumbing | " if base else "")
-              + "target plumbing <= 0.5 |",
-              "|---|---:|---:|" + ("---:|" if base else "") + "---|"]
-    for layout, c in cur["layouts"].items():
-        b = (base or {}).get("layouts", {}).get(layout)
-        pl = c.get("plumbing_ms_per_turn")
-        lines.append(f"| {layout} | {_fmt(pl)} | {_fmt(c['ms_per_turn'])} | "
-                     + (f"{_fmt((b or {}).get('plumbing_ms_per_turn'))} | " if base else "")
-                     + ("" if pl is None else ("met" if pl <= 0.5 else "not met")) + " |")
-    lines.append("")
-    for layout in cur["layouts"]:
-        c = cur["layouts"][layout]
-        b = (base or {}).get("layouts", {}).get(layout)
-        lines += [f"### {layout}: {c['description']}", ""]
-        head = "| process | " + ("before ms/turn | " if b else "") + "ms/turn | cores |"
-        lines += [head, "|---|" + ("---:|" if b else "") + "---:|---:|"]
-        bp = {p["process"]: p for p in (b or {}).get("processes", [])}
-        for p in c["processes"]:
-            lines.append(f"| {p['process']} | " + (f"{_fmt(bp.get(p['process'], {}).get('ms_per_turn'))} | " if b else "")
-                         + f"{_fmt(p['ms_per_turn'])} | {p['cores']:.2f} |")
-        lines.append("| **all** | " + (f"**{_fmt(b['ms_per_turn'])}** | " if b else "")
-                     + f"**{_fmt(c['ms_per_turn'])}** | |")
-        lines.append("")
-        if "hops_ms_per_turn" in c:
-            procs = [p for p in c["processes"] if "hops_ms_per_turn" in p]
-            bh = (b or {}).get("hops_ms_per_turn", {})
-            cols = [p["process"] for p in procs]
-            lines += ["| hop (ms CPU per turn) | " + " | ".join(cols) + " | all | " + ("before: all |" if b else ""),
-                      "|---|" + "---:|" * (len(cols) + 1) + ("---:|" if b else "")]
-            order = [h for h, _ in HOPS] + ["nats-server"]
-            for h in order:
-                v = c["hops_ms_per_turn"].get(h)
-                if v is None and h not in bh:
-                    continue
-                cells = [_fmt(p["hops_ms_per_turn"].get(h)) for p in procs]
-                mark = "" if (h in PLUMBING or h == "nats-server") else " (not plumbing)"
-                lines.append(f"| {h}{mark} | " + " | ".join(cells) + f" | {_fmt(v)} | " + (f"{_fmt(bh.get(h))} |" if b else ""))
-            lines.append("| **plumbing** | " + " | ".join("" for _ in procs) + f" | **{_fmt(c['plumbing_ms_per_turn'])}** | "
-                         + (f"**{_fmt(b.get('plumbing_ms_per_turn'))}** |" if b else ""))
-            lines.append("")
-            lines.append(f"Sampler: {c['rate_hz']} Hz asked, ticks/s reached "
-                         + ", ".join(f"{p['process']} {p['sampler_ticks_per_s']}" for p in procs)
-                         + f"; its own CPU {c['profiler_cpu_s']} s over the {c['window_s']} s window (not counted)"
-                         + ". CPU per step of the whole tree: " + (f"{b['cpu_per_step_s']} s before, " if b else "")
-                         + f"{c['cpu_per_step_s']} s; turns per step {c['turns_per_step']}.")
-            lines.append("")
-    lines.append("Reading it: the collector runs in the thread that allocates, so the main thread's "
-                 "collections are their own row but a worker thread's are in its hop (engine forward, "
-                 "train step); a sample is weighted by the CPU its thread used since the previous one, so "
-                 "a frame right after a system call or a callback entry can collect time spent just "
-                 "before it (rows of a few hundredths are within that). The 2-core machine is shared "
-                 "with other jobs (load above): engine and train rows move with it from run to run; "
-                 "compare plumbing rows, which are the same code paths either way.")
-    lines.append("")
-    lines.append("Target: plumbing <= 0.5 ms CPU per turn. Raw numbers: `benchmarks/results/cpu_per_turn.json`.")
-    lines.append(end)
-    return "\n".join(lines)
+    """One table: ms of CPU per turn by hop (rows) and layout (columns), then the totals."""
+    cur = res["current"]
+    layouts = cur["layouts"]
+    rows = []
+    for h in [h for h, _ in HOPS] + ["nats-server"]:
+        cells = [c.get("hops_ms_per_turn", {}).get(h) for c in layouts.values()]
+        if any(x is not None for x in cells):
+            mark = "" if (h in PLUMBING or h == "nats-server") else " (not plumbing)"
+            rows.append([h + mark, *(_fmt(x) or None for x in cells)])
+    rows.append(["**plumbing**", *(_fmt(c.get("plumbing_ms_per_turn")) or None for c in layouts.values())])
+    rows.append(["all processes", *(_fmt(c["ms_per_turn"]) for c in layouts.values())])
+    rows.append(["target plumbing <= 0.5", *(None if c.get("plumbing_ms_per_turn") is None else
+                                            "met" if c["plumbing_ms_per_turn"] <= 0.5 else "**not met**"
+                                            for c in layouts.values())])
+    rows.append(["turns in the window", *(c["turns"] for c in layouts.values())])
+    return render("cpu_per_turn", label=cur["label"], steps=cur["steps"],
+                  machine=describe_machine(cur), date=cur["when"][:10],
+                  table=table(["hop (ms CPU per turn)", *layouts], rows))
 
 
 def _git_rev() -> str:
@@ -609,14 +536,9 @@ def main() -> int:
         print(json.dumps(run, indent=2))
         return 0
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    res = {"current": run, "baseline": run if args.baseline else old.get("baseline")}
-    if res["baseline"] is run:
-        res["baseline"] = json.loads(json.dumps(run))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(res, indent=2) + "\n")
-    if args.baseline:  # the before and after of one run are the same: show it once
-        res = {"current": run, "baseline": None}
-    replace_section("cpu_per_turn", readme_section(res))
+    res = {"current": run,  # --baseline: this run is also the "before" later runs compare with
+           "baseline": json.loads(json.dumps(run)) if args.baseline else old.get("baseline")}
+    store(RESULTS, res, "cpu_per_turn", readme_section(res))
     print(json.dumps(run, indent=2))
     return 0
 

@@ -42,22 +42,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from readme_section import replace_section  # noqa: E402
+from common import (HERE, RESULTS, in_turn, open_bus, public, render, replace_section, sayer, table,
+                    until_done)
 
-from rollart.actors.groups.admission import group_id, member_id, member_seed  # noqa: E402
-from rollart.bus.memory import MemoryBus  # noqa: E402
-import msgspec  # noqa: E402
+from rollart.actors.groups.admission import group_id, member_id, member_seed
+import msgspec
 
-from rollart.config import ActorConfig, RunConfig, convert  # noqa: E402
-from rollart.emulate.env import EmulatedEnv  # noqa: E402
-from rollart.emulate.profiles import PROFILES  # noqa: E402
-from rollart.emulate.records import RECORDS  # noqa: E402
-from rollart.node import Node  # noqa: E402
-from rollart.node.build import rollout_actors, training_actors  # noqa: E402
+from rollart.config import ActorConfig, RunConfig, convert
+from rollart.emulate.env import EmulatedEnv
+from rollart.emulate.profiles import PROFILES
+from rollart.emulate.records import RECORDS
+from rollart.node import Node
+from rollart.node.build import rollout_actors, training_actors
 
-RESULTS = HERE / "results"
 EMULATED = "emulated"
 ENGINE_TYPE = "rollart.emulate.engine:EmulatedLLMProxy"
 ENV_TYPE = "rollart.emulate.env:EmulatedEnv"
@@ -72,8 +69,7 @@ TOL = 0.02
 accounting is called wrong."""
 
 
-def say(text: str) -> None:
-    print(f"[emulate {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+say = sayer("emulate")
 
 
 # -- the critical path ---------------------------------------------------------------------
@@ -148,29 +144,6 @@ def pipeline_ideal(batches: list[list[dict]], train: list[float], *, alpha: int,
 
 
 # -- running the actors ----------------------------------------------------------------------
-@contextlib.asynccontextmanager
-async def open_bus(kind: str):
-    if kind == "memory":
-        bus = MemoryBus()
-        await bus.connect()
-        try:
-            yield bus
-        finally:
-            await bus.close()
-        return
-    from rollart.bus.nats import NatsBus
-    from rollart.bus.server import EmbeddedServer
-
-    with tempfile.TemporaryDirectory(prefix="rollart-emulate-nats-") as d:
-        with EmbeddedServer(Path(d) / "nats") as srv:
-            bus = NatsBus(srv.url, name="rollart-bench-emulate")
-            await bus.connect()
-            try:
-                yield bus
-            finally:
-                await bus.close()
-
-
 def emulated_model(args) -> Path:
     """A model folder for the emulated engine: the tiny model's tokenizer and config with a
     long context (``max_position_embeddings``), no weights (nothing loads them)."""
@@ -265,13 +238,7 @@ async def _run_rollout(args, cfg: RunConfig, groups: int, label: str) -> dict:
         sched, actors = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True)
         async with Node(bus, actors, heartbeat_every=0):
             cpu0 = time.process_time()
-            deadline = time.monotonic() + args.timeout
-            while not sched.all_done.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(sched.all_done.wait(), 1.0)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{label}: {sched.groups_settled}/{groups} groups after "
-                                       f"{args.timeout:.0f} s")
+            await until_done(sched, args.timeout, label, groups)
             cpu = time.process_time() - cpu0
         engines = [a._emulated for a in actors if a.role == "generate"]
     gs = sorted(sched.groups.items())
@@ -330,7 +297,7 @@ async def e1(args) -> dict:
     rows = []
     for si, sigma in enumerate(sigmas):
         by: dict[str, dict] = {}
-        for mode in (("trajectory", "batch") if si % 2 == 0 else ("batch", "trajectory")):
+        for mode in in_turn(("trajectory", "batch"), si):
             label = f"e1 sigma={sigma:g} {mode}"
             say(f"{label}: {groups} groups x {args.group_size}, concurrency {args.concurrency}")
             cfg = base_cfg(args, env_args=e1_env(args, sigma), mode=mode, alpha=0,
@@ -518,12 +485,7 @@ async def run_jobs(args, cfgs: list[RunConfig], label: str, *, groups: int,
                 await stack.enter_async_context(Node(bus, actors, heartbeat_every=0))
             deadline = time.monotonic() + args.timeout
             for sched, _ in built:
-                while not sched.all_done.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(sched.all_done.wait(), 1.0)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{label}: a job has {sched.groups_settled}/"
-                                           f"{groups} groups after {args.timeout:.0f} s")
+                await until_done(sched, deadline - time.monotonic(), f"{label}: a job", groups)
     jobs = []
     for cfg, (sched, _) in zip(cfgs, built):
         gs = list(sched.groups.values())
@@ -866,377 +828,109 @@ def check(result: dict) -> list[str]:
     return bad
 
 
-def calibration(args) -> str:
-    p = PROFILES[args.profile]
-    return (f"Calibration (approximations, `rollart.emulate.profiles`): `{p.name}` decode step "
-            f"{p.decode_base_s * 1e3:.1f} ms + {p.decode_per_seq_s * 1e3:.2f} ms per running "
-            f"sequence, prefill {p.prefill_per_token_s * 1e3:.3f} ms per prompt token ({p.source}); "
-            "env and trainer latencies are the experiment's parameters, not measurements. Limits: "
-            "one process (in-process actors; CPU work of the real actors, e.g. tokenising, is "
-            "real and unscaled, so at a small time scale it weighs more than it would on a "
-            "cluster), no network latency beyond the bus's own.")
+def _section(exp: str, res: dict, columns: list[str], rows: list[list], **values: object) -> str:
+    """Experiment ``exp``'s README section: its table, the run's settings and machine."""
+    machine = (f"{res.get('cpus')} cpu, load {res['loadavg'][0]:.2f}; wall {res.get('wall_s')} s; "
+               f"results `benchmarks/results/emulate_{exp}.json`")
+    return render(f"emulate_{exp}", table=table(columns, rows), machine=machine,
+                   profile=res["profile"], bus=res["bus"], time_scale=f"{res['time_scale']:g}",
+                   **values)
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.0%}-{max(values):.0%}"
 
 
 def e1_section(res: dict, args) -> str:
-    lines = [
-        "<!-- emulate_e1:begin -->",
-        "## E1 (emulated): trajectory- vs batch-level env interaction",
-        "",
-        "`python benchmarks/emulate.py e1` (`--quick`: a smoke run). **Emulated**: the generation "
-        f"engine (`rollart.emulate.engine`, profile `{args.profile}`, continuous batching, output "
-        f"lengths lognormal with mean {args.out_mean:g} tokens) and the env "
-        f"(`rollart.emulate.env`: reset ~N({args.reset_mu:g}, {args.reset_mu / 5:g}) s, 3-6 "
-        f"steps each ~max(0, N({args.step_mu:g}, σ)) s); real: the scheduler, the EnvManager, "
-        f"the LLMProxy and the {args.bus} bus. Modelled seconds run at x{args.time_scale:g}. "
-        f"{args.batches} batches of {args.batch_groups} groups x {args.group_size}, "
-        f"`rollout.concurrency` {args.concurrency} (one batch in flight in either mode), "
-        f"{args.replicas} generation replica(s); the same task seeds, so the same env draws, in "
-        "both modes.",
-        "",
-        "**Ideal**: the critical path of the latencies drawn in that run: trajectory mode, each "
-        "trajectory's chain (reset, then per turn its generation time in the engine at the batch "
-        "it ran in, then its step) placed FIFO on the concurrency slots; batch mode, per wave the "
-        "slowest reset plus, per turn, the slowest generation plus the slowest step. "
-        "Efficiency = ideal / measured wall time. Trainer wait: n/a (rollout only).",
-        "",
-        calibration(args),
-        "",
-        "| σ (s, emulated) | paper | ideal speed-up | measured speed-up | trajectory: ideal / measured s (eff.) | batch: ideal / measured s (eff.) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        t, b = r["trajectory"], r["batch"]
-        paper = f"{r['paper_speedup']}x" if r["paper_speedup"] else "1.23-2.27x (range)"
-        lines.append(f"| {r['sigma_model_s']:g} (emulated) | {paper} | {r['ideal_speedup']}x | "
-                     f"{r['measured_speedup']}x | {t['ideal_s']:.2f} / {t['measured_s']:.2f} "
-                     f"({t['efficiency']:.0%}) | {b['ideal_s']:.2f} / {b['measured_s']:.2f} "
-                     f"({b['efficiency']:.0%}) |")
-    ok_paper = all(r["measured_speedup"] >= (r["paper_speedup"] or PAPER_E1[1]) for r in res["rows"])
+    rows = [[f"{r['sigma_model_s']:g}", f"{r['paper_speedup']}x" if r["paper_speedup"] else "1.23-2.27x",
+             f"{r['ideal_speedup']}x", f"{r['measured_speedup']}x",
+             *(f"{r[m]['ideal_s']:.2f} / {r[m]['measured_s']:.2f} ({r[m]['efficiency']:.0%})"
+               for m in ("trajectory", "batch"))] for r in res["rows"]]
     eff = [r[m]["efficiency"] for r in res["rows"] for m in ("trajectory", "batch")]
-    lines += ["", f"Against issue 26's targets: measured speed-up >= the paper's at every σ "
-              f"(1.23x at σ 1, 2.27x at σ 10, the range's low end between): "
-              f"**{'yes' if ok_paper else 'no'}**; efficiency >= 90% of the critical-path ideal in "
-              f"both modes: **{'yes' if min(eff) >= 0.9 else 'no'}** (lowest {min(eff):.0%}). "
-              "The speed-up itself is the workload's (the ideal column): batch mode pays at every "
-              "turn the slowest env step of 32 draws (about μ + 2σ) and the slowest generation, "
-              "and never overlaps one trajectory's env step with another's generation. What "
-              "efficiency leaves out is rollart's own time per turn (the bus hops, the "
-              "EnvManager's tokenising and bookkeeping, the scheduler), which is real CPU time "
-              "and does not shrink with the time scale (at x0.01, 2026-12-02, the same runs gave 83-93%).",
-              "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, load "
-              f"{os.getloadavg()[0]:.2f}; wall {res.get('wall_s')} s; results: "
-              "`benchmarks/results/emulate_e1.json`.",
-              "<!-- emulate_e1:end -->"]
-    return "\n".join(lines)
+    ok_paper = all(r["measured_speedup"] >= (r["paper_speedup"] or PAPER_E1[1]) for r in res["rows"])
+    return _section("e1", res, ["σ (s)", "paper", "ideal speed-up", "measured speed-up",
+                                "trajectory: ideal / measured s (eff.)",
+                                "batch: ideal / measured s (eff.)"], rows,
+                    reset_mu=f"{args.reset_mu:g}", reset_sd=f"{args.reset_mu / 5:g}",
+                    step_mu=f"{args.step_mu:g}", ok_paper="yes" if ok_paper else "no",
+                    ok_eff="yes" if min(eff) >= 0.9 else "no", low_eff=f"{min(eff):.0%}")
 
 
 def e3_section(res: dict, args) -> str:
-    lines = [
-        "<!-- emulate_e3:begin -->",
-        "## E3 (emulated): asynchrony bound α vs fully synchronous",
-        "",
-        "`python benchmarks/emulate.py e3` (`--quick`: a smoke run). **Emulated**: the generation "
-        f"engine (profile `{args.profile}`), the env and the trainer backend "
-        "(`rollart.emulate.trainer`: step time per token, publish time per GB); real: the "
-        f"scheduler and α admission, the EnvManager, the LLMProxy with its weight loads, the "
-        f"Trainer actor and the {args.bus} bus. {args.steps} steps of {args.batch_groups} groups "
-        f"x {args.group_size}, concurrency {args.concurrency}. Sync = `rollout.mode: batch` "
-        "with α = 0 (each wave in lock step, then train, then publish); α = k: "
-        "`rollout.mode: trajectory`, `rollout.alpha: k`. Stage mixes are set so that the sync "
-        "step matches the paper's (measured share of the sync step below).",
-        "",
-        "**Ideal**: the critical path of the drawn latencies: batch j is admitted when the "
-        "policy reaches version j - α (the end of step j - α - 1; a weight load shows in the "
-        "turns' engine time, queued behind the pause), its "
-        "trajectories' chains run on the concurrency slots (sync: as a lock-step wave), step j "
-        "starts when batch j is complete and step j - 1 done and takes its modelled train + "
-        "publish time. Speed-up = sync wall / config wall (same work). Trainer wait = Σ "
-        "`wait_s` of `metrics.jsonl` rows / trainer wall.",
-        "",
-        calibration(args),
-        "",
-    ]
-    for mx in res["mixes"]:
-        lines += [f"**{mx['mix']} mix** (paper: {mx['paper_mix']}; emulated sync step: "
-                  f"{mx['sync_stage_mix']})", "",
-                  "| config | paper | ideal speed-up | measured speed-up | ideal / measured s | efficiency | trainer waits (ideal) |",
-                  "|---|---|---|---|---|---|---|"]
-        for c in mx["configs"]:
-            paper = "baseline" if c["config"] == "sync" else "2.65-4.58x"
-            lines.append(f"| {c['config']} (emulated) | {paper} | {c['ideal_speedup']}x | "
-                         f"{c['measured_speedup']}x | {c['ideal_s']:.2f} / {c['measured_s']:.2f} | "
-                         f"{c['efficiency']:.0%} | {c['trainer_wait_share']:.0%} "
-                         f"({c['ideal_wait_share']:.0%}) |")
-        lines.append("")
-    best = {mx["mix"]: max(c["ideal_speedup"] for c in mx["configs"]) for mx in res["mixes"]}
-    effs = [c["efficiency"] for mx in res["mixes"] for c in mx["configs"]]
-    lines += ["How to read it: the ideal speed-up is the most any system could get from this "
-              "workload's stage times (the critical path with zero overhead); here it is "
-              + ", ".join(f"{v}x ({k})" for k, v in best.items())
-              + " at the largest α. The paper's 2.65-4.58x is a production measurement against "
-              "its own synchronous baseline, whose overheads (colocated stages, batch-level "
-              "env interaction over long SWE/WebShop episodes) are larger than this emulated "
-              "baseline's, so reaching it is a property of the workload, not of rollart's "
-              "overhead; with env init dominating (failure mix) the overlap is worth more. "
-              f"Efficiency (ideal / measured) ranges {min(effs):.0%}-{max(effs):.0%} "
-              "(issue 26's target: >= 95%); the gap grows with α in the healthy mix because more "
-              "trajectories are in flight on one event loop (one process hosts every actor "
-              "here) and each turn's CPU work (tokenising ~800-token responses, the bus) is real "
-              "time, unscaled. The trainer's wait share falls with α as rollout and training "
-              "overlap; it stays high in the failure mix because env init dominates every step.",
-              "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, load "
-              f"{os.getloadavg()[0]:.2f}; wall {res.get('wall_s')} s; results: "
-              "`benchmarks/results/emulate_e3.json`.",
-              "<!-- emulate_e3:end -->"]
-    return "\n".join(lines)
+    rows = [[mx["mix"], c["config"], "baseline" if c["config"] == "sync" else "2.65-4.58x",
+             f"{c['ideal_speedup']}x", f"{c['measured_speedup']}x",
+             f"{c['ideal_s']:.2f} / {c['measured_s']:.2f}", f"{c['efficiency']:.0%}",
+             f"{c['trainer_wait_share']:.0%} ({c['ideal_wait_share']:.0%})"]
+            for mx in res["mixes"] for c in mx["configs"]]
+    return _section("e3", res, ["mix", "config", "paper", "ideal speed-up", "measured speed-up",
+                                "ideal / measured s", "efficiency", "trainer waits (ideal)"], rows,
+                    effs=_span([c["efficiency"] for mx in res["mixes"] for c in mx["configs"]]))
 
 
 def e2_section(res: dict, args) -> str:
-    env = res["env_args"]
-    lines = [
-        "<!-- emulate_e2:begin -->",
-        "## E2 (emulated): redundant env rollouts",
-        "",
-        "`python benchmarks/emulate.py e2` (`--quick`: a smoke run). **Emulated**: the "
-        f"generation engine (profile `{args.profile}`, output lengths lognormal with mean "
-        f"{args.out_mean:g} tokens) and the env (`rollart.emulate.env`, heavy-tailed: reset "
-        f"lognormal with mean {env['reset_mu']:g} s and standard deviation {env['reset_sigma']:g} s, "
-        f"2-4 steps each lognormal with mean {env['step_mu']:g} s and standard deviation "
-        f"{env['step_sigma']:g} s); real: the scheduler (groups of `group_size + redundancy`, "
-        "delivered by their first `group_size` completions, the rest cancelled), the "
-        f"EnvManager (cancels honoured mid-episode), the LLMProxy and the {args.bus} bus. "
-        f"Modelled seconds run at x{args.time_scale:g}. {args.batches} batches of "
-        f"{args.batch_groups} groups x {args.group_size}, each its own rollout with every member "
-        "in flight at once (`rollout.concurrency` = batch_groups x (group_size + k)); batch b "
-        "has the same task seeds base for every k (the members' seeds follow the scheduler's "
-        f"rule, so a group of {args.group_size} + k draws k more envs).",
-        "",
-        "**Ideal**: per batch, each group is delivered by the `group_size`-th fastest chain of "
-        "its members (a chain: reset, failed tries, each turn's generation in the engine at the "
-        "batch it ran in, each step), the batch by its slowest group; a cancelled member's "
-        "chain is bounded below by its planned env time plus the generation it had done, so "
-        "the ideal is never above what any system could do with these draws. Speed-up = the "
-        "k = 0 time / the k time. Efficiency = ideal / measured. Trainer wait: n/a (rollout "
-        "only).",
-        "",
-        calibration(args),
-        "",
-        "| k (redundant members per group) | paper | ideal speed-up | measured speed-up | ideal / measured s | efficiency | cancelled / started |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        paper = "baseline" if r["k"] == 0 else f"up to {res['paper_speedup']}x"
-        lines.append(f"| {r['k']} (emulated) | {paper} | {r['ideal_speedup']}x | "
-                     f"{r['measured_speedup']}x | {r['ideal_s']:.2f} / {r['measured_s']:.2f} | "
-                     f"{r['efficiency']:.0%} | {r['cancelled']} / {r['trajectories_started']} |")
-    best = max(res["rows"], key=lambda r: r["measured_speedup"])
-    effs = [r["efficiency"] for r in res["rows"]]
-    lines += ["", f"Against issue 26's targets: E2 >= 1.6x at the largest k: "
-              f"**{'yes' if res['rows'][-1]['measured_speedup'] >= 1.6 else 'no'}** "
-              f"({res['rows'][-1]['measured_speedup']}x at k = {res['rows'][-1]['k']}; best "
-              f"{best['measured_speedup']}x at k = {best['k']}); efficiency "
-              f"{min(effs):.0%}-{max(effs):.0%}. The speed-up is the tail's: without "
-              "redundancy a batch waits for the slowest of its "
-              f"{args.batch_groups * args.group_size} envs; with k spare members a group waits "
-              f"only for its {args.group_size}th fastest of {args.group_size} + k. Its price is k / group_size more env "
-              "resets and steps (the cancelled members' work, thrown away) and their "
-              "generation. What efficiency leaves out is rollart's own time per turn and the "
-              "cancel's round trip (scheduler -> EnvManager -> engine abort), real CPU time "
-              "that does not shrink with the time scale.",
-              "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, load "
-              f"{os.getloadavg()[0]:.2f}; wall {res.get('wall_s')} s; results: "
-              "`benchmarks/results/emulate_e2.json`.",
-              "<!-- emulate_e2:end -->"]
-    return "\n".join(lines)
+    rows = [[r["k"], "baseline" if r["k"] == 0 else f"up to {res['paper_speedup']}x",
+             f"{r['ideal_speedup']}x", f"{r['measured_speedup']}x",
+             f"{r['ideal_s']:.2f} / {r['measured_s']:.2f}", f"{r['efficiency']:.0%}",
+             f"{r['cancelled']} / {r['trajectories_started']}"] for r in res["rows"]]
+    last, best = res["rows"][-1], max(res["rows"], key=lambda r: r["measured_speedup"])
+    return _section("e2", res, ["k (redundant members)", "paper", "ideal speed-up",
+                                "measured speed-up", "ideal / measured s", "efficiency",
+                                "cancelled / started"], rows,
+                    ok="yes" if last["measured_speedup"] >= 1.6 else "no",
+                    last=f"{last['measured_speedup']}x at k = {last['k']}",
+                    best=f"{best['measured_speedup']}x at k = {best['k']}",
+                    effs=_span([r["efficiency"] for r in res["rows"]]))
 
 
 def e4_section(res: dict, args) -> str:
     ded, svc = res["rows"]
     p = res["paper"]
-    lines = [
-        "<!-- emulate_e4:begin -->",
-        "## E4 (emulated): reward as a service vs a dedicated reward GPU per job",
-        "",
-        "`python benchmarks/emulate.py e4` (`--quick`: a smoke run). **Emulated**: the "
-        f"generation engine (profile `{args.profile}`, output lengths lognormal with mean "
-        f"{args.e4_out_mean:g} tokens), the env (reset ~N(5, 1) s, 3 steps ~N(3, 1) s) and the "
-        "reward model (`rollart.emulate.reward`: a generative judge, one batched pass over "
-        f"what is queued costs {args.reward_pass_s:g} s + {args.reward_item_s:g} s per "
-        "trajectory); real: each job's scheduler, EnvManager (scorer `emulated`: the "
-        "trajectory is scored through the RewardService as it ends), LLMProxy replicas and "
-        f"RewardService, on one {args.bus} bus. {ded['jobs']} jobs, each rolling out "
-        f"{ded['batches']} batches of {args.batch_groups} groups x {args.group_size}, one "
-        "batch in flight at a time; the jobs start "
-        f"{res.get('stagger_model_s', 0) / ded['jobs']:g} modelled s apart (a cluster's jobs "
-        f"are not in step); each job owns {args.gpus_per_job} GPUs. "
-        f"**Dedicated**: {ded['generate_replicas_per_job']} generate replica(s) + its own "
-        f"reward GPU per job ({ded['gpus']} GPUs). **Service**: "
-        f"{svc['generate_replicas_per_job']} generate replicas per job and one reward GPU "
-        f"shared by every job ({svc['gpus']} GPUs). Subjects are per run, so each job reaches "
-        "the shared reward GPU through its own RewardService replica (the serverless "
-        "platform's front), which all hold the same emulated device.",
-        "",
-        "**Ideal**: per job, its trajectories' chains (reset, each turn's generation in the "
-        "engine at the batch it ran in, each step, its reward pass and the wait for it) "
-        "placed FIFO on the batch's slots, per batch; rollout time is a job's wall time per "
-        "batch, the mean over jobs. Utilisation: the reward GPU's time in a pass / the window "
-        "it served: its own job's run for a dedicated one; for the shared one the steady "
-        "state, while every job is rolling out (after the last job's start, before the first "
-        "one's end).",
-        "",
-        calibration(args),
-        "",
-        "| config | reward GPUs | paper: reward utilisation | measured reward utilisation | paper: rollout | rollout s a batch (modelled s) | ideal s | efficiency | reward wait (modelled s, mean) | judge batch |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r, pu, pr in ((ded, p["utilisation"][0], p["rollout_s"][0]),
-                      (svc, p["utilisation"][1], p["rollout_s"][1])):
-        lines.append(f"| {r['config']} (emulated) | {r['reward_devices']} | {pu:.0%} | "
-                     f"{r['reward_utilisation']:.0%} | {pr:g} s | {r['rollout_s']:.2f} "
-                     f"({r['rollout_model_s']:g}) | {r['ideal_s']:.2f} | {r['efficiency']:.0%} | "
-                     f"{r['reward_wait_model_s_mean']:g} | {r['reward_mean_batch']:g} |")
-    lines += ["", f"Rollout time dedicated / service: {res['rollout_speedup']}x measured, "
-              f"{res['ideal_speedup']}x ideal (paper {p['rollout_s'][0] / p['rollout_s'][1]:.2f}x). "
-              f"Against issue 26's target (E4 >= 85% utilisation): "
-              f"**{'yes' if svc['reward_utilisation'] >= 0.85 else 'no'}** "
-              f"({svc['reward_utilisation']:.0%}). How to read it: a dedicated reward GPU "
-              "waits for its own job's trajectories to end, so it idles through every "
-              "generation and env step; shared by the jobs it is busy about as often as their "
-              "summed demand, and its passes grow (the mean judge batch), which is what "
-              "utilisation trades against the reward wait each trajectory sees. The rollout "
-              "time gain is the GPU the service frees for generation: a job's "
-              f"{svc['generate_replicas_per_job']} replicas each run a smaller decode batch "
-              f"than its {ded['generate_replicas_per_job']}, which with continuous batching "
-              "shortens a decode step by the per-sequence share only (decode is "
-              "memory-bound), so the gain is smaller than the paper's 2.05x here; what the "
-              "paper's baseline also paid (reward computed after generation on the same "
-              "GPUs) is not modelled.",
-              "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, load "
-              f"{os.getloadavg()[0]:.2f}; wall {res.get('wall_s')} s; results: "
-              "`benchmarks/results/emulate_e4.json`.",
-              "<!-- emulate_e4:end -->"]
-    return "\n".join(lines)
+    rows = [[r["config"], r["reward_devices"], f"{pu:.0%}", f"{r['reward_utilisation']:.0%}",
+             f"{pr:g} s", f"{r['rollout_s']:.2f} ({r['rollout_model_s']:g})", f"{r['ideal_s']:.2f}",
+             f"{r['efficiency']:.0%}", f"{r['reward_wait_model_s_mean']:g}",
+             f"{r['reward_mean_batch']:g}"]
+            for r, pu, pr in ((ded, p["utilisation"][0], p["rollout_s"][0]),
+                              (svc, p["utilisation"][1], p["rollout_s"][1]))]
+    return _section("e4", res, ["config", "reward GPUs", "paper: utilisation", "utilisation",
+                                "paper: rollout", "rollout s a batch (modelled)", "ideal s",
+                                "efficiency", "reward wait (modelled s)", "judge batch"], rows,
+                    speedup=(f"{res['rollout_speedup']}x measured, {res['ideal_speedup']}x ideal "
+                             f"(paper {p['rollout_s'][0] / p['rollout_s'][1]:.2f}x)"),
+                    ok=f"**{'yes' if svc['reward_utilisation'] >= 0.85 else 'no'}** "
+                       f"({svc['reward_utilisation']:.0%})")
 
 
 def e5_section(res: dict, args) -> str:
-    rows = res["rows"]
-    mixed = rows[0]
-    lines = [
-        "<!-- emulate_e5:begin -->",
-        "## E5 (emulated): hardware affinity, h800 + h20 pools with routes vs one kind",
-        "",
-        "`python benchmarks/emulate.py e5` (`--quick`: a smoke run). **Emulated**: the "
-        "generation engine (profiles `h800` and `h20`, output lengths lognormal with mean "
-        f"{args.e5_out_mean:g} tokens) and the env (reset ~N(5, 1) s, 3 steps ~N(3, 1) s; "
-        f"{args.long_share:.0%} of the tasks long-context: {args.long_words} words per "
-        "observation, the rest 16); real: the scheduler, the EnvManager and its router, the "
-        f"LLMProxy replicas and the {args.bus} bus. The mixed config is declared as a user "
-        "would: `pools: {h800, h20, cpu}`, `mapping: {generate: [h800, h20], env: cpu, "
-        f"reward: cpu}}`, `route: [{{when: {{prompt_tokens_gt: {res['route_tokens']}}}, pool: "
-        "h800}, {pool: h20}]` (long contexts, prefill-heavy, to the compute-rich part; short "
-        "ones, decode-bound, to the cheaper bandwidth part), and `pool_profiles` gives each "
-        f"pool's replicas their hardware. Equal cost: an H20 at {res['h20_price']:g} of an "
-        f"H800's price (an assumption: rental prices differ by provider). {args.batches} "
-        f"batches of {args.batch_groups} groups x {args.group_size}, all in flight.",
-        "",
-        "**Ideal**: per batch, its slowest trajectory's chain (every trajectory starting at "
-        "once: reset, each turn's generation in the engine at the batch it ran in, each step), "
-        "from the latencies drawn in that run; speed-up = a config's time / the mixed "
-        "config's.",
-        "",
-        calibration(args),
-        "",
-        "| config | h800 + h20 (cost in H800s) | paper: mixed is faster by | ideal: mixed faster by | measured: mixed faster by | ideal / measured s | efficiency | turns per pool | engine busy |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        kind = r["config"].split("-")[0]
-        paper = "" if r is mixed else "{:g}-{:g}x".format(*res["paper"][kind])
-        pools = ", ".join(f"{k}: {v}" for k, v in sorted(r["turns_by_pool"].items()))
-        lines.append(f"| {r['config']} (emulated) | {r['h800']} + {r['h20']} "
-                     f"({r['cost_h800_units']:g}) | {paper or 'n/a'} | "
-                     f"{r['ideal_mixed_speedup']}x | {r['mixed_speedup']}x | {r['ideal_s']:.2f} / "
-                     f"{r['measured_s']:.2f} | {r['efficiency']:.0%} | {pools} | "
-                     f"{r['engine_utilisation_mean']:.0%} |")
+    mixed = res["rows"][0]
+    rows = [[r["config"], f"{r['h800']} + {r['h20']} ({r['cost_h800_units']:g})",
+             None if r is mixed else "{:g}-{:g}x".format(*res["paper"][r["config"].split("-")[0]]),
+             f"{r['ideal_mixed_speedup']}x", f"{r['mixed_speedup']}x",
+             f"{r['ideal_s']:.2f} / {r['measured_s']:.2f}", f"{r['efficiency']:.0%}",
+             ", ".join(f"{k}: {v}" for k, v in sorted(r["turns_by_pool"].items())),
+             f"{r['engine_utilisation_mean']:.0%}"] for r in res["rows"]]
     inside = {r["config"].split("-")[0]: r["mixed_speedup"] >= res["paper"][r["config"].split("-")[0]][0]
-              for r in rows[1:]}
-    lines += ["", "Against issue 26's target (E5 inside or above the paper's range): "
-              + ", ".join(f"vs {k}-only **{'yes' if v else 'no'}**" for k, v in inside.items())
-              + ". How to read it: in the emulated profiles an H800 prefills ~7x faster than "
-              "an H20 and decodes large batches faster, an H20 decodes small batches faster "
-              "and costs less, so at equal cost the H20-only fleet loses on the long-context "
-              "tasks' prefill and the H800-only fleet has fewer GPUs for the short tasks' "
-              "decode; the routes give each its share. The gain is the workload's (the ideal "
-              "column); what a route costs rollart is in `routing.py` (under a microsecond "
-              "per turn). A long task's context crosses the threshold after its first "
-              "observation, so it runs on h800 from its first turn and keeps its KV cache "
-              "there (replica affinity within the pool).",
-              "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, load "
-              f"{os.getloadavg()[0]:.2f}; wall {res.get('wall_s')} s; results: "
-              "`benchmarks/results/emulate_e5.json`.",
-              "<!-- emulate_e5:end -->"]
-    return "\n".join(lines)
+              for r in res["rows"][1:]}
+    return _section("e5", res, ["config", "h800 + h20 (cost in H800s)", "paper: mixed faster by",
+                                "ideal: mixed faster by", "measured: mixed faster by",
+                                "ideal / measured s", "efficiency", "turns per pool",
+                                "engine busy"], rows,
+                    route_tokens=res["route_tokens"], h20_price=f"{res['h20_price']:g}",
+                    inside=", ".join(f"vs {k}-only **{'yes' if v else 'no'}**"
+                                     for k, v in inside.items()))
 
 
 def e6_section(res: dict, args) -> str:
-    lines = [
-        "<!-- emulate_e6:begin -->",
-        "## E6 (emulated): scaling the generation replicas, 64 -> 128 -> 256",
-        "",
-        "`python benchmarks/emulate.py e6` (`--quick`: a smoke run). **Emulated**: the "
-        f"generation engine (profile `{args.profile}`, one replica = one emulated GPU) and the "
-        f"env (E1's: reset ~N({args.reset_mu:g}, {args.reset_mu / 5:g}) s, 3-6 steps ~N("
-        f"{args.step_mu:g}, 2) s); real: the scheduler, one EnvManager driving every "
-        f"trajectory, the LLMProxy replicas and the {args.bus} bus, **all in one process** (one "
-        f"core's event loop). {res['per_replica']} trajectories in flight per replica, one "
-        f"batch each; modelled seconds run at x{args.time_scale:g}.",
-        "",
-        "**Ideal**: the slowest trajectory's chain (every trajectory starts at once), from the "
-        "latencies drawn in that run. Throughput: trajectories per modelled second. CPU: this "
-        "process's CPU seconds from the node's start to the last group's end (rollart's own "
-        "cost: the emulated parts only sleep), per trajectory, per turn and per event (a "
-        "trajectory's request, reset and completion, and per turn its generate request, reply "
-        "and env step).",
-        "",
-        calibration(args),
-        "",
-        "| replicas (emulated GPUs) | trajectories | ideal / measured s | efficiency | throughput (traj / modelled s) | scale vs the first | CPU s | CPU per trajectory | per turn | per event | CPU / wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        lines.append(f"| {r['replicas']} | {r['trajectories']} | {r['ideal_s']:.2f} / "
-                     f"{r['measured_s']:.2f} | {r['efficiency']:.0%} | "
-                     f"{r['throughput_traj_per_model_s']:g} | {r['throughput_scale']}x "
-                     f"(ideal {r['ideal_scale']}x) | {r['cpu_s']:g} | "
-                     f"{r['cpu_ms_per_trajectory']:g} ms | {r['cpu_ms_per_turn']:g} ms | "
-                     f"{r['cpu_us_per_event']:g} µs | {r['cpu_share_of_wall']:.0%} |")
+    rows = [[r["replicas"], r["trajectories"], f"{r['ideal_s']:.2f} / {r['measured_s']:.2f}",
+             f"{r['efficiency']:.0%}", f"{r['throughput_traj_per_model_s']:g}",
+             f"{r['throughput_scale']}x (ideal {r['ideal_scale']}x)", f"{r['cpu_s']:g}",
+             f"{r['cpu_ms_per_trajectory']:g} ms", f"{r['cpu_ms_per_turn']:g} ms",
+             f"{r['cpu_us_per_event']:g} µs", f"{r['cpu_share_of_wall']:.0%}"] for r in res["rows"]]
     last = res["rows"][-1]
-    lines += ["", "How to read it: the emulated GPUs scale perfectly by construction, so "
-              "what falls short of the ideal scale is rollart's own cost. The CPU column is "
-              "the measurement: it stays about constant per turn as the fleet grows (no "
-              "per-replica work on a turn's path), and it sets how many trajectories one "
-              f"process can drive: at {last['cpu_ms_per_turn']:g} ms per turn, one core "
-              f"keeps up with about {1000 / max(last['cpu_ms_per_turn'], 1e-9):.0f} turns per "
-              "second; at this time scale the load is "
-              f"{last['cpu_share_of_wall']:.0%} of one core. A cluster spreads env managers "
-              "over node processes (`python -m rollart.node`). The paper's 1.33-2.08x is "
-              "ROLLART's lead over baselines at 64 -> 128 GPUs, not a scaling factor. The "
-              "same 2,048 trajectories over 8 node processes on one nats-server, with the "
-              "bus's latency per hop, CPU per role and a Ray fan-out beside it: "
-              "`emulate_scale.py`, the next section (\"Scale\").",
-              "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, load "
-              f"{os.getloadavg()[0]:.2f}; wall {res.get('wall_s')} s; results: "
-              "`benchmarks/results/emulate_e6.json`.",
-              "<!-- emulate_e6:end -->"]
-    return "\n".join(lines)
-
-
-def strip(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: strip(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, list):
-        return [strip(v) for v in obj]
-    return obj
+    return _section("e6", res, ["replicas (emulated GPUs)", "trajectories", "ideal / measured s",
+                                "efficiency", "traj / modelled s", "scale vs the first", "CPU s",
+                                "CPU per trajectory", "per turn", "per event", "CPU / wall"], rows,
+                    per_replica=res["per_replica"], ms_per_turn=f"{last['cpu_ms_per_turn']:g}",
+                    turns_per_s=f"{1000 / max(last['cpu_ms_per_turn'], 1e-9):.0f}")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1346,7 +1040,7 @@ async def amain(args) -> dict:
                wall_s=round(time.perf_counter() - t0, 2), host=platform.node(),
                cpus=os.cpu_count(), loadavg=[round(x, 2) for x in os.getloadavg()])
     res["accounting_errors"] = check(res)
-    return strip(res)
+    return public(res)
 
 
 def main(argv: list[str] | None = None) -> int:

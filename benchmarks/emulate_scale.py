@@ -66,12 +66,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from readme_section import replace_section  # noqa: E402
+from common import HERE, RESULTS, ROOT, render, replace_section, sayer, table  # noqa: F401 - HERE: the tests read it
 
-RESULTS = HERE / "results"
 RESULT_FILE = RESULTS / "emulate_scale.json"
 SECTION = "emulate_scale"
 PROBE_SUBJECT = "rollart-bench.probe"
@@ -81,8 +77,7 @@ RAY_NOTE = ("not run with this result: `python benchmarks/emulate_scale.py --ray
             "is the project's `bench` extra; `pip download ray` fetches ray 2.60.0 here)")
 
 
-def say(text: str) -> None:
-    print(f"[emulate_scale {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+say = sayer("emulate_scale")
 
 
 class SetupError(RuntimeError):
@@ -869,187 +864,46 @@ def ray_run(args) -> dict:
 
 # -- the README section ----------------------------------------------------------------------
 def section(res: dict) -> str:
-    lay, w, cpu = res["layout"], res["workload"], res["cpu"]
+    """The README section: a row per time scale (and per kept run), and Ray's when it ran."""
+    lay, w = res["layout"], res["workload"]
     sweep = res.get("sweep") or [sweep_row(res)]
-    head = sweep[0]
+    runs = [(f"rollart x{r['time_scale']:g}", r) for r in sweep] + [
+        (f"rollart x{r['time_scale']:g}, {r['trajectories']['admitted']} traj. (another run)", r)
+        for r in res.get("other_runs", [])]
+    hops = ("scheduler_to_env", "env_to_generate", "generate_to_env",
+            "generate_round_trip_minus_replica")
 
-    def hop(row: dict, name: str) -> str:
-        d = row["latency_ms"][name]
-        return f"{d['p50']:.1f} / {d['p99']:.1f}" if d["n"] else "n/a"
+    def hop(d: dict, p50: str = "p50", p99: str = "p99") -> str:
+        return f"{d[p50]:.1f} / {d[p99]:.1f}" if d.get("n", 1) else None
 
-    scales = ", ".join(f"x{r['time_scale']:g}" for r in sweep)
-    earlier = res.get("other_runs", [])
-    table = [(f"x{r['time_scale']:g}", r) for r in sweep] + [
-        (f"x{r['time_scale']:g}, {r['trajectories']['admitted']} trajectories (another run)", r)
-        for r in earlier]
-    lines = [
-        f"<!-- {SECTION}:begin -->",
-        "## Scale (emulated GPUs and envs): one nats-server, separate node processes",
-        "",
-        "`python benchmarks/emulate_scale.py` (`--quick`: a smoke run that writes nothing). "
-        f"One embedded nats-server and {lay['nodes']} `python -m rollart.node` processes on "
-        f"this host: a head with the scheduler only, {lay['generate_nodes']} generate nodes x "
-        f"{lay['replicas_per_generate_node']} replicas = {lay['generate_replicas']} emulated "
-        f"GPUs, {lay['env_nodes']} env nodes (one EnvManager each, `rollout.concurrency` "
-        f"{lay['env_concurrency_per_node']}). **Emulated**: the generation engine "
-        f"(`{w['profile']}` profile, outputs ~{w['out_mean_tokens']:g} tokens) and the env "
-        f"(E1's: reset ~N({w['reset_model_s'][0]:g}, {w['reset_model_s'][1]:g}) s, 3-6 steps "
-        f"~N({w['step_model_s'][0]:g}, {w['step_model_s'][1]:g}) s); modelled seconds run at "
-        f"{scales} (x1: real time). **Real**: nats-server with JetStream, the scheduler, the "
-        "EnvManagers, the LLMProxy replicas, their runtime and the node processes. All "
-        f"{w['trajectories']} trajectories are admitted at once (no trainer), so they start "
-        "together and their turns come in waves.",
-        "",
-        "| time scale | trajectories (completed / admitted) | peak in flight | turns | wall s | events/s | bus msgs/s | scheduler -> env p50 / p99 ms | env -> generate | generate -> env | round trip minus replica | probe round trip | bus share of a trajectory p50 / mean / p99 | CPU cores (all processes) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for label, r in table:
-        t, sh = r["trajectories"], r["bus_share"]
-        lines.append(
-            f"| {label} | {t['completed']} / {t['admitted']} | {r['peak_in_flight']} | "
-            f"{r['turns']} | {r['wall_s']:.1f} | {r['events_per_s']:g} | "
-            f"{r['bus_messages_in_per_s']:g} | {hop(r, 'scheduler_to_env')} | "
-            f"{hop(r, 'env_to_generate')} | {hop(r, 'generate_to_env')} | "
-            f"{hop(r, 'generate_round_trip_minus_replica')} | {hop(r, 'probe_round_trip')} | "
-            f"{_pc(sh['p50'])} / {_pc(sh['mean'])} / {_pc(sh['p99'])} | {r['cores']:g} |")
-    lines += [
-        "",
-        "| role (CPU ms per trajectory, cores) | processes | " + " | ".join(
-            f"x{r['time_scale']:g}" for r in sweep) + " |",
-        "|---|---|" + "---|" * len(sweep),
-    ]
-    labels = {k: v["label"] for k, v in cpu["roles"].items()}
-    for key in ("scheduler", "env", "generate", "nats-server"):
-        if key not in labels:
-            continue
-        cells = []
-        for r in sweep:
-            x = r["roles"].get(key)
-            cells.append(f"{x['cpu_ms_per_trajectory']:g} ms ({x['cores']:g})" if x else "n/a")
-        lines.append(f"| {labels[key]} | {cpu['roles'][key]['processes']} | " + " | ".join(cells) + " |")
-    lines.append(f"| all of them | {sum(v['processes'] for v in cpu['roles'].values())} | "
-                 + " | ".join(f"{r['cpu_ms_per_trajectory']:g} ms ({r['cores']:g})" for r in sweep)
-                 + " |")
-    fast = min(sweep, key=lambda r: r["time_scale"])
-    met = [label for label, r in table if r["bus_share"]["p99"] is not None
-           and r["bus_share"]["p99"] < BUS_SHARE_TARGET]
-    mean_met = [label for label, r in table if r["bus_share"]["mean"] is not None
-                and r["bus_share"]["mean"] < BUS_SHARE_TARGET]
-    lines += [
-        "",
-        "What is measured. CPU: `/proc/<pid>/stat` utime + stime of every node process and of "
-        "nats-server between the head printing `serving` (its start-up, "
-        f"{res['head_startup']['cpu_s']:g} CPU s, apart) and the last completion, per "
-        f"completed trajectory ({head['turns'] / max(1, head['trajectories']['completed']):.1f} "
-        "turns each); the generate nodes' CPU includes the emulated engine's own event-loop "
-        "timers. In flight: the env nodes' `on_request` deliveries held, summed over nodes "
-        "from their heartbeats (once a second). Hops, from the run's own OpenTelemetry spans "
-        f"(`tracing: {{exporter: jsonl, sample: {w['trace_sample']:g}}}`; at the headline "
-        f"scale {res['traces']['trajectories_traced']} trajectories and "
-        f"{res['traces']['turns_traced']} turns traced; one host, one clock): scheduler -> "
-        "env is the `trajectory` span's `queue_wait_s`, the request stored in JetStream to the "
-        "EnvManager handling it (all requests are published in one burst, so it includes "
-        "that burst's queue at the env nodes); env -> generate is the EnvManager's `generate` "
-        "span start to the replica's `generate.request` span start (encode, route, NATS, "
-        "decode, dispatch, and any wait for either event loop); generate -> env the replica's "
-        "span end to the `generate` span end; the round trip minus the replica's time is their "
-        "sum. The probe is a 2-byte request/reply between the benchmark and a child process, "
-        f"{w['probe_hz']:g} a second, alongside the run (nats-py at both ends, idle event loops: "
-        "the bus and the cores' contention without the actors' own loops). Bus share: per "
-        "traced trajectory, (its scheduler -> env hop + the sum of its turns' round trip minus "
-        "the replica's time) / (that hop + its `trajectory` span). Messages: nats-server's "
-        f"`/varz` ({res['bus']['messages_in_per_turn']:g} messages in per turn at the headline "
-        "scale: acks, in-progress heartbeats, node heartbeats and progress reports included).",
-        "",
-        f"Against the target (bus overhead < {BUS_SHARE_TARGET:.0%} of a trajectory's wall "
-        f"time): on average met at {', '.join(mean_met) or 'no scale'}; at the 99th "
-        f"percentile met at {', '.join(met) or 'no scale'}. Each row is one run: the tail "
-        "varies from run to run on this shared 2-core host"
-        + (" (the rows of other runs show by how much)" if earlier else "") + ". "
-        "What falls short and why: the tail. Every trajectory starts at once, so turns come in "
-        "waves (a few hundred generate requests within milliseconds), and each wave queues on "
-        "the event loops of the env and generate nodes and on 2 cores shared by "
-        f"{lay['nodes'] + 3} processes (nats-server, the nodes, the benchmark and its probe); "
-        "the scheduler -> env hop of the initial burst "
-        f"(p99 {head['latency_ms']['scheduler_to_env']['p99']:.0f} ms: "
-        f"{w['trajectories']} requests taken by {lay['env_nodes']} EnvManagers, each starting "
-        "its trajectories one by one) weighs on the trajectories that got it. The probe, "
-        "whose loops are idle, shows what the bus itself costs under the same load. A smaller "
-        "time scale is shorter modelled work for the same bus cost, so the share grows with "
-        f"it. The fastest scale here, x{fast['time_scale']:g}, keeps {fast['cores']:g} of the "
-        "2 cores busy on average (both, during a wave): about as fast as this host can run "
-        "the workload, and there the share's 99th percentile is "
-        + ("over" if (fast["bus_share"]["p99"] or 0) >= BUS_SHARE_TARGET else "still under")
-        + " the target. "
-        "Limits: 2 cores host every process (nats-server, the nodes, the benchmark), so a "
-        "hop's time includes waiting for a core; the generate replicas do no GPU work, a real "
-        "engine's CPU (tokenising, scheduling) is not here; one host, so no network latency.",
-        "",
-        *ray_lines(res),
-        "",
-        f"Machine: {res['machine']['cpus']} cores, load at the end "
-        f"{res['machine']['loadavg_end'][0]:.2f}; set-up {res['setup_s']:g} s (the worker "
-        f"nodes), drain {res['drain_s']:g} s; results: `benchmarks/results/emulate_scale.json`.",
-        f"<!-- {SECTION}:end -->",
-    ]
-    return "\n".join(lines)
+    def share(sh: dict) -> str:
+        return f"{_pc(sh['p50'])} / {_pc(sh['mean'])} / {_pc(sh['p99'])}"
 
-
-def ray_lines(res: dict) -> list[str]:
-    """The Ray comparison's paragraph (and its table, when it was run)."""
+    rows = [[label, f"{r['trajectories']['completed']} / {r['trajectories']['admitted']}",
+             r["peak_in_flight"], f"{r['wall_s']:.1f}", *(hop(r["latency_ms"][k]) for k in hops),
+             hop(r["latency_ms"]["probe_round_trip"]), share(r["bus_share"]),
+             f"{r['cpu_ms_per_trajectory']:g} ({r['cores']:g})"] for label, r in runs]
     ray = res.get("ray") or {}
-    if not ray.get("built"):
-        return [f"Ray comparison (the same fan-out with Ray actors at 1,000 trajectories): "
-                f"{ray.get('note', 'not run')}."]
-    rows = [*res.get("sweep", []), *res.get("other_runs", [])]
-    same = [r for r in rows if r["time_scale"] == ray["time_scale"]]
-    ours = next((r for r in same if r["trajectories"]["admitted"] == ray["trajectories"]["admitted"]),
-                same[0] if same else None)
-    lat, sh, c = ray["latency"], ray["bus_share"], ray["cpu"]
-
-    def hop(name: str) -> str:
-        d = lat[name]
-        return f"{d['p50_ms']:.1f} / {d['p99_ms']:.1f}"
-
-    lines = [
-        f"Ray comparison: the same fan-out with Ray {ray['version']} actors (`--ray`): the "
-        f"driver submits {ray['trajectories']['admitted']} trajectories at once to "
-        f"{ray['layout']['env_actors']} env actors, which call {ray['layout']['generate_actors']} "
-        f"generate actors of {ray['layout']['replicas_per_generate_actor']} emulated engines "
-        "each (the same engine and env classes and parameters, one replica per trajectory), "
-        f"at x{ray['time_scale']:g}; one process per actor, `num_cpus=0`. What it leaves out: "
-        f"{ray['differences']}. Hops are timed in the actors (`time.time()`, one host).",
-        "",
-        "| system | trajectories | peak in flight | wall s | scheduler -> env p50 / p99 ms | env -> generate | generate -> env | round trip minus replica | bus share p50 / mean / p99 | CPU ms per trajectory (cores) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    if ours is not None:
-        lines.append(
-            f"| rollart on nats-server | {ours['trajectories']['completed']} | "
-            f"{ours['peak_in_flight']} | {ours['wall_s']:.1f} | "
-            + " | ".join(f"{ours['latency_ms'][k]['p50']:.1f} / {ours['latency_ms'][k]['p99']:.1f}"
-                         for k in ("scheduler_to_env", "env_to_generate", "generate_to_env",
-                                   "generate_round_trip_minus_replica"))
-            + f" | {_pc(ours['bus_share']['p50'])} / {_pc(ours['bus_share']['mean'])} / "
-            f"{_pc(ours['bus_share']['p99'])} | {ours['cpu_ms_per_trajectory']:g} "
-            f"({ours['cores']:g}) |")
-    lines.append(
-        f"| Ray actors | {ray['trajectories']['completed']} | {ray['peak_in_flight']} | "
-        f"{ray['wall_s']:.1f} | {hop('scheduler_to_env')} | {hop('env_to_generate')} | "
-        f"{hop('generate_to_env')} | {hop('generate_round_trip_minus_replica')} | "
-        f"{_pc(sh['p50'])} / {_pc(sh['mean'])} / {_pc(sh['p99'])} | "
-        f"{c['cpu_ms_per_trajectory']:g} ({c['total_cores']:g}) |")
-    lines += ["", "Ray's CPU per role: " + ", ".join(
-        f"{k} {v['cpu_ms_per_trajectory']:g} ms per trajectory ({v['processes']} processes)"
-        for k, v in c["roles"].items()) + f"; `ray.init` {ray['init_s']:g} s, actors up in "
-        f"{ray['setup_s']:g} s. How to read it: both carry a turn's request and reply in a "
-        "few milliseconds at the median on this host; the per-trajectory CPU is not like for "
-        "like: rollart's also pays for the chat template and tokenizer, a durable work queue "
-        "with acks and in-progress heartbeats, node heartbeats, progress reports and tracing "
-        f"(sample {res['workload']['trace_sample']:g}), which the Ray version does not have "
-        "(a lost Ray actor loses its trajectories; a lost rollart node's are redelivered). "
-        "The scheduler -> env hop is, in both, the start-up burst of every trajectory at once."]
-    return lines
+    if ray.get("built"):
+        rows.append([f"Ray {ray['version']} x{ray['time_scale']:g}",
+                     f"{ray['trajectories']['completed']} / {ray['trajectories']['admitted']}",
+                     ray["peak_in_flight"], f"{ray['wall_s']:.1f}",
+                     *(hop(ray["latency"][k], "p50_ms", "p99_ms") for k in hops), None,
+                     share(ray["bus_share"]),
+                     f"{ray['cpu']['cpu_ms_per_trajectory']:g} ({ray['cpu']['total_cores']:g})"])
+    met = {q: ", ".join(label for label, r in runs if r["bus_share"][q] is not None
+                        and r["bus_share"][q] < BUS_SHARE_TARGET) or "no scale" for q in ("mean", "p99")}
+    mi = res["machine"]
+    return render(SECTION, nodes=lay["nodes"], generate_nodes=lay["generate_nodes"],
+                  replicas=lay["generate_replicas"], env_nodes=lay["env_nodes"],
+                  profile=w["profile"], trajectories=w["trajectories"],
+                  table=table(["run", "trajectories (done / admitted)", "peak in flight", "wall s",
+                               "scheduler -> env", "env -> generate", "generate -> env",
+                               "round trip minus replica", "probe round trip",
+                               "bus share p50 / mean / p99", "CPU ms per traj. (cores)"], rows),
+                  target=f"{BUS_SHARE_TARGET:.0%}", mean_met=met["mean"], p99_met=met["p99"],
+                  machine=f"{mi['cpus']} cpu, load at the end {mi['loadavg_end'][0]:.2f}",
+                  setup_s=f"{res['setup_s']:g}", drain_s=f"{res['drain_s']:g}")
 
 
 def _pc(x: float | None) -> str:

@@ -63,9 +63,9 @@ FULL_MODEL = dict(vocab_size=65536, hidden_size=1024, num_layers=24, num_heads=1
 QUICK_MODEL = dict(vocab_size=32768, hidden_size=512, num_layers=8, num_heads=8,
                    num_kv_heads=4, intermediate_size=2048, max_position_embeddings=4096)
 
+from common import in_turn, sayer
 
-def say(text: str) -> None:
-    print(f"[gpu-check {time.monotonic() - T0:6.1f}s] {text}", file=sys.stderr, flush=True)
+say = sayer("gpu-check")
 
 
 class Unfit(Exception):
@@ -292,7 +292,7 @@ async def throughput(args, eng, model_dir: Path) -> dict:
     await run_alone(eng.base_url, eng, [c[:1] for c in ps], 16)
     alone, proxy, walls = [], [], []
     for rep in range(args.reps):
-        for mode in (("alone", "proxy") if rep % 2 == 0 else ("proxy", "alone")):
+        for mode in in_turn(("alone", "proxy"), rep):
             await eng.flush_cache()
             if mode == "alone":
                 wall, tok = await run_alone(eng.base_url, eng, ps, args.max_new_tokens)
@@ -460,5 +460,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "src"))
     raise SystemExit(main())

@@ -15,7 +15,7 @@ Two flavours with the same draws:
 - :class:`AsyncLatencyLake` (async): ``await asyncio.sleep`` in ``async def step``, run on
   the event loop; this is how a remote env (a container reached over the network) behaves.
 
-Use them as ``type: "benchmarks.latency_envs:LatencyLake"`` with
+Use them (with ``benchmarks/`` on the import path) as ``type: "latency_envs:LatencyLake"`` with
 ``args: {mu: 10, sigma: 5, unit: 0.01, ...}`` (any other args go to ``FrozenLakeEnv``).
 """
 

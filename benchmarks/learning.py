@@ -58,23 +58,20 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from importlib import metadata
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "src"))
-from rollart.config.deploy import default_local_processes  # noqa: E402 - light, no torch
-RESULTS = HERE / "results" / "learning.json"
-README = HERE / "README.md"
-BEGIN, END = "<!-- learning:begin -->", "<!-- learning:end -->"
+from common import (RESULTS as RESULTS_DIR, ROOT, add_run_flags, describe_machine, finish, in_turn,
+                    machine, quiet_transformers, render, replace_section, sayer, table, writes)
+from rollart.config.deploy import default_local_processes  # light, no torch
+
+RESULTS = RESULTS_DIR / "learning.json"
+
 
 def _layout_words(groups: list[list[str]]) -> str:
     kids = "; ".join(", ".join(g) for g in groups)
@@ -129,23 +126,16 @@ TARGETS = [  # (variant, what, limit): rollart against the plain loop, medians o
 ]
 """``floor``: the plain loop's mean train seconds per step / the variant's s/step (1: training
 never waits for rollouts); a lower bound, unlike the other ratios (upper bounds)."""
-PLOT = HERE / "results" / "learning.png"
+PLOT = RESULTS_DIR / "learning.png"
 
 
-def say(text: str) -> None:
-    print(f"[learning-bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+say = sayer("learning-bench")
 
 
 def _quiet() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+    quiet_transformers()
 
 
 def job_config(config: str, *, run_dir: str, steps: int | None, sampling_seed: int | None = None):
@@ -263,7 +253,6 @@ def child(variant: str, config: str, workdir: str, steps: int | None, tag: str,
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if spec["alpha"] is None:
-        sys.path.insert(0, str(HERE))
         from plain_loop import run_plain
 
         def show(rec: dict) -> None:
@@ -398,7 +387,6 @@ def deterministic_env(env_cfg) -> bool:
 
 def greedy_eval(cfg, weights_dir: str, episodes: int) -> dict[int, float]:
     """Greedy success of every saved version (and version 0, the model folder's weights)."""
-    sys.path.insert(0, str(HERE))
     from plain_loop import rollout_lockstep
 
     from rollart.actors.env.chat import ChatFormat
@@ -580,35 +568,8 @@ def plot(variants: dict, path: Path) -> Path:
     return path
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def machine_info() -> dict:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "nats_py": _version("nats-py"),
-        "rollart": _version("rollart"),
-    }
+    return machine("torch", "transformers", "nats-py", "rollart")
 
 
 def _fmt_t(x: float | None) -> str:
@@ -624,118 +585,33 @@ def _fmt_v(x: float | None) -> str:
 
 
 def readme_section(results: dict) -> str:
-    mi, job = results["machine"], results["job"]
-    v = results["variants"]
-    reps = job["repeats"]
+    job, reps = results["job"], results["job"]["repeats"]
     rows = []
-    for name, r in v.items():
-        ratio = results["ratios_vs_plain"].get(name) or {}
-        p = r.get("process") or {}
-        t = _fmt_t(r["time_to_threshold_s"])
+    for name, r in results["variants"].items():
+        ratio = {} if name == "plain" else (results["ratios_vs_plain"].get(name) or {})
+        p, occ = r.get("process") or {}, r.get("occupancy") or {}
+        t, at = _fmt_t(r["time_to_threshold_s"]), _fmt_v(r["first_version"])
         if reps > 1:
             t += " (" + ", ".join(_fmt_t(x) for x in r["all_times_to_threshold_s"]) + ")"
-        is_plain = name == "plain"
-        occ = r.get("occupancy") or {}
-        occ_txt = (f"{occ['rows_per_call']:.1f} / {occ.get('waiting_when_cut', 0):.1f}"
-                   if occ.get("rows_per_call") is not None else "–")
-        at = _fmt_v(r["first_version"])
-        if reps > 1:
             at += " (" + ", ".join(_fmt_v(x) for x in r["all_first_versions"]) + ")"
-        rows.append(
-            f"| {r['label']} | {t} | {at} | {_fmt_t(r['cpu_to_threshold_s'])} | "
-            f"{_fmt_t(r['time_to_sustained_s'])} | {r['mean_step_s']:.2f} | "
-            f"{_fmt_v(r.get('tree_cpu_per_step_s'))} | "
-            f"{'–' if is_plain else (ratio.get('time_to_threshold') or 'n/a')} | "
-            f"{'–' if is_plain else ratio.get('mean_step')} | "
-            f"{'–' if is_plain else ratio.get('cpu_per_step')} | "
-            f"{_fmt_n(p.get('cores_used'), 2)} / {_fmt_n(p.get('others_cores_busy'), 2)} | "
-            f"{_fmt_n(p.get('load1_mean'), 1)} | {occ_txt} |")
-    what = (f"median of {reps} runs per variant (each run in brackets; {job['sampling_seeds']})"
-            if reps > 1 else "one run each")
-    lines = [
-        BEGIN,
-        "## Learning: time to greedy success 0.9 against a plain loop (`learning.py`)",
-        "",
-        "`python benchmarks/learning.py [--quick] [--config C] [--steps N] [--variants ...] "
-        "[--repeats R]` trains "
-        f"`{job['config']}` once per variant, one after another, each in a fresh process on this "
-        "machine, and compares wall-clock time to a greedy success of "
-        f"{THRESHOLD} with a plain single-process loop (`plain_loop.py`: batched lock-step "
-        "rollouts with the same engine, `build_samples`, `train_step`, in-memory weight copy; no "
-        "bus, no actors). Same model folder, seeds and hyper-parameters in every variant "
-        f"({job['summary']}); rollart runs call `rollart.app.run.train` in-process and override only "
-        "`rollout.alpha` (and keep every version's weights).",
-        "",
-        "Evaluation never perturbs timing: after all runs, each saved version is rolled out "
-        f"greedily offline. {job['eval_note']} *Time to 0.9* is the trainer's `wall_s` at "
-        "the step that produced the first version reaching it (first hit); *sustained* is "
-        "the first version after which every later one stays >= 0.9. `wall_s` starts at the "
-        "first step (setup excluded in every variant). *CPU to 0.9* is the training process's "
-        "CPU time over the same span (all threads; – where the run has several processes). "
-        "*CPU s/step* is the CPU of the variant's whole process tree (its nodes and "
-        "nats-server too) over its whole life, setup included, per step. Engine occupancy: "
-        "mean rows per engine call / mean requests left waiting when a call was cut (the plain "
-        "loop calls the engine once per turn with every live row).",
-        "",
-        f"Last run {results['timestamp']}: {mi['cpu_count']} CPUs ({mi['cpu_model']}), load "
-        f"{mi['loadavg_start'][0]} at start, {mi.get('loadavg_end', ['?'])[0]} at end; "
-        f"Python {mi['python']}, torch {mi['torch']}, transformers {mi['transformers']}; "
-        f"step budget {job['steps']}; {what}.",
-        "",
-        "| Variant | Time to 0.9 (s) | at version | CPU to 0.9 (s) | Sustained (s) | s/step "
-        "| CPU s/step (tree) | Time to 0.9 vs plain | s/step vs plain | CPU s/step vs plain "
-        "| Cores: ours / others | Load (1 min) | Engine rows per call / waiting when cut |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *rows,
-        "",
-    ]
-    tgt = results["target"]
-    if tgt:
-        lines.append("Targets (against the plain loop with the KV cache, medians): "
-                     + "; ".join(f"{k.replace('mean_step', 's/step').replace('time_to_threshold', 'time to 0.9')}: {t}"
-                                 for k, t in tgt.items()) + ".")
-        lines.append("")
-    if results.get("plot"):
-        lines += [f"![success against wall time]({Path(results['plot']).relative_to('benchmarks')})", ""]
-    bd = ["| Variant | Per step (mean) |", "|---|---|"]
-    for name, r in v.items():
-        b = r["breakdown"]
-        if VARIANTS[name]["alpha"] is None:
-            bd.append(f"| {r['label']} | generate {b['gen_s']:.2f} s, train {b['train_s']:.2f} s, "
-                      f"weight copy {b['sync_s'] * 1e3:.1f} ms |")
-        else:
-            a = r.get("after_steps") or {}
-            occ = r.get("occupancy") or {}
-            kv = (f", KV cache reused {occ['kv_reused_share']:.0%} of prompt tokens"
-                  if occ.get("kv_reused_share") is not None else "")
-            bd.append(f"| {r['label']} | waiting for a batch {b['wait_s']:.2f} s (step 1: "
-                      f"{b['first_wait_s']:.2f} s), train {b['train_s']:.2f} s, checkpoint + "
-                      f"publish {b['ckpt_publish_s']:.2f} s; per trajectory: generate "
-                      f"{b['traj_generate_s']:.2f} s, env {b['traj_step_s']:.3f} s; staleness "
-                      f"{b['staleness']:.2f}. Not in `wall_s`: setup {a.get('setup_s', float('nan')):.1f} s; "
-                      f"after the last step (final eval, drain, plot) "
-                      f"{a.get('after_last_step_s', float('nan')):.1f} s; engine "
-                      f"{occ.get('engine_calls', 0):.0f} calls{kv} |")
-    lines += bd
-    lines += [
-        "",
-        "Which step first reaches 0.9 depends on the sampled trajectories, and those differ "
-        "between variants (the order of engine calls differs, and α = 1 trains on data one "
-        "version old), so the time ratio mixes speed with luck; the s/step ratio is the speed "
-        "part alone. The machine is a shared 2-core one: *others* is the CPU (in cores) that "
-        "other processes used meanwhile, so the absolute seconds move a lot from run to run. "
-        "Raw numbers: `benchmarks/results/learning.json`.",
-        END,
-    ]
-    return "\n".join(lines)
-
-
-def write_readme(section: str, path: Path = README) -> None:
-    """Replace our section between the markers (the file is re-read right before writing)."""
-    sys.path.insert(0, str(HERE))
-    from readme_section import replace_section
-
-    replace_section("learning", section, path)
+        rows.append([r["label"], t, at, _fmt_t(r["cpu_to_threshold_s"]),
+                     _fmt_t(r["time_to_sustained_s"]), f"{r['mean_step_s']:.2f}",
+                     _fmt_v(r.get("tree_cpu_per_step_s")), ratio.get("time_to_threshold"),
+                     ratio.get("mean_step"), ratio.get("cpu_per_step"),
+                     f"{_fmt_n(p.get('cores_used'), 2)} / {_fmt_n(p.get('others_cores_busy'), 2)}",
+                     None if occ.get("rows_per_call") is None else f"{occ['rows_per_call']:.1f}"])
+    targets = "; ".join(f"{k.replace('mean_step', 's/step').replace('time_to_threshold', 'time to 0.9')}: {t}"
+                        for k, t in (results["target"] or {}).items())
+    return render("learning", config=job["config"], threshold=THRESHOLD, summary=job["summary"],
+                  steps=job["steps"],
+                  what=(f"median of {reps} runs per variant (each in brackets)" if reps > 1
+                        else "one run each"),
+                  targets=f"Targets (against the plain loop): {targets}. " if targets else "",
+                  machine=describe_machine(results["machine"]), date=results["timestamp"][:10],
+                  table=table(["variant", "time to 0.9 (s)", "at version", "CPU to 0.9 (s)",
+                               "sustained (s)", "s/step", "CPU s/step (tree)", "time vs plain",
+                               "s/step vs plain", "CPU s/step vs plain", "cores: ours / others",
+                               "engine rows per call"], rows))
 
 
 def job_summary(cfg) -> str:
@@ -786,8 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/quickstart.yaml")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 3 steps; prints JSON, writes nothing unless --write")
+    add_run_flags(p, "smoke run: 3 steps")
     p.add_argument("--steps", type=int, default=None, help="step budget (default trainer.steps)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {', '.join(VARIANTS)}")
@@ -799,8 +674,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-episodes", type=int, default=None,
                    help="greedy episodes per version (default 1 on a deterministic env, else 16)")
     p.add_argument("--keep", default=None, help="keep the run folders here instead of a temp dir")
-    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
-    p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--render", default=None, metavar="RESULTS_JSON",
                    help="only rewrite the README section from a saved results file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -814,8 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         results = json.loads(Path(args.render).read_text())
         results["ratios_vs_plain"], results["target"] = judge(results["variants"])
-        write_readme(readme_section(results))
-        say(f"rewrote the learning section of {README.relative_to(ROOT)} from {args.render}")
+        replace_section("learning", readme_section(results))
+        say(f"rewrote the learning section of the README from {args.render}")
         return 0
     if args.quick and not args.steps:
         args.steps = 3
@@ -823,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in variants if x not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; allowed: {', '.join(VARIANTS)}")
-    write = not args.no_write and (args.write or not args.quick)
+    write = writes(args)
     _quiet()
 
     cfg_mtime = os.path.getmtime(args.config)
@@ -864,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {n: [] for n in variants}
         order = []
         for k in range(args.repeats):
-            for name in (variants if k % 2 == 0 else variants[::-1]):
+            for name in in_turn(variants, k):
                 tag = name if args.repeats == 1 else f"{name}-r{k}"
                 order.append(tag)
                 seed = None if args.same_seed or k == 0 else k
@@ -897,13 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     results["ratios_vs_plain"] = ratios
     results["target"] = target
     results["config_changed_during_run"] = os.path.getmtime(args.config) != cfg_mtime
-    text = json.dumps(results, indent=2, ensure_ascii=False)
-    print(text)
-    if write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text + "\n")
-        write_readme(readme_section(results))
-        say(f"wrote {RESULTS.relative_to(ROOT)} and the learning section of {README.relative_to(ROOT)}")
+    finish(results, write, RESULTS, "learning", readme_section, say)
     for name, t in target.items():
         say(f"target {name}: {t}")
     if results["config_changed_during_run"]:

@@ -34,8 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from common import RESULTS, describe_machine, finish, render, table
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -49,7 +49,7 @@ def _rss_mib() -> float:
 
 
 def backend(model_dir: str | Path, variant: str, rank: int, alpha: float):
-    from rollart.config.pipeline import LORA_TARGETS
+    from rollart.config.trainer import LORA_TARGETS
     from rollart.engines.torch_trainer import TorchTrainBackend
 
     lora = {"rank": rank, "alpha": alpha, "dropout": 0.0, "targets": list(LORA_TARGETS)}
@@ -110,50 +110,16 @@ def run_child(model_dir: Path, variant: str, steps: int, rank: int, alpha: float
 
 
 def section(res: dict) -> str:
-    from readme_section import markers
-
-    begin, end = markers("lora")
-    rows = []
-    for name, r in res["models"].items():
-        f, lo = r["full"], r["lora"]
-        for v, x in (("full", f), (f"LoRA r{res['rank']}", lo)):
-            rows.append(f"| {name} | {v} | {x['trainable'] / 1e6:.3f} M of {x['params'] / 1e6:.2f} M "
-                        f"| {x['s_per_step']:.3f} | {x['rss_peak_mib']:.0f} | {x['version_bytes']:,} "
-                        f"| {x['checkpoint_bytes']:,} |")
-    ratios = "; ".join(
-        f"{name}: a version {r['full']['version_bytes'] / r['lora']['version_bytes']:.1f}x smaller, "
-        f"s/step {r['lora']['s_per_step'] / r['full']['s_per_step']:.2f}x, peak RSS "
-        f"{r['lora']['rss_peak_mib'] - r['full']['rss_peak_mib']:+.0f} MiB"
-        for name, r in res["models"].items())
-    return f"""{begin}
-## LoRA against full fine-tuning (`lora.py`)
-
-`python benchmarks/lora.py [--quick] [--steps K] [--rank R] [--alpha A]` runs the trainer's
-torch backend with full fine-tuning and with `trainer.lora: {{rank: {res['rank']}, alpha:
-{res['alpha']:g}}}` (the 7 attention and MLP projections of every layer) on the same batch,
-1 torch thread: s/step with both in one process taking the same steps alternately (median
-of {res['steps']} after a warm-up), peak RSS of each in a fresh child process after two steps.
-Batch: 64 quickstart-shaped samples ({res['tokens']} tokens, one micro-batch), AdamW;
-"version" is the file one published version is (LoRA: the adapter), "checkpoint" the
-trainer's checkpoint (model or adapters, optimizer, scheduler).
-
-Last run {res['when']}: {res['cpus']} CPUs, load {res['load_start']:.2f} at start,
-{res['load_end']:.2f} at end, torch {res['torch']}, peft {res['peft']}; total {res['total_s']:.0f} s.
-
-| model | variant | trained params | s/step | peak RSS MiB | bytes per version | checkpoint bytes |
-|---|---|---:|---:|---:|---:|---:|
-{chr(10).join(rows)}
-
-{ratios}. The forward and backward still run through the whole frozen model, plus the
-adapters' matmuls and their saved activations; what LoRA saves is the gradients and AdamW
-state of the base (12 bytes per frozen parameter: 41 MB at 3.4 M parameters) and the size
-of every weight update sent to the generators. On models this small the step's activations
-(and the adapters' own) outweigh those savings, so the peak RSS is not lower, and a step
-costs about what a full one does (the adapters' extra ops against the base's weight
-gradients saved); LoRA's memory and time advantage needs a base whose weights and optimizer
-state, not activations, fill the memory.
-Raw numbers: `benchmarks/results/lora.json`.
-{end}"""
+    rows = [[name, v, f"{x['trainable'] / 1e6:.3f} M of {x['params'] / 1e6:.2f} M",
+             f"{x['s_per_step']:.3f}", f"{x['rss_peak_mib']:.0f}", f"{x['version_bytes']:,}",
+             f"{x['checkpoint_bytes']:,}"]
+            for name, r in res["models"].items()
+            for v, x in (("full", r["full"]), (f"LoRA r{res['rank']}", r["lora"]))]
+    return render("lora", rank=res["rank"], alpha=f"{res['alpha']:g}", tokens=res["tokens"],
+                  steps=res["steps"], torch=res["torch"], peft=res["peft"],
+                  machine=describe_machine(res), date=res["when"][:10],
+                  table=table(["model", "variant", "trained params", "s/step", "peak RSS MiB",
+                               "bytes per version", "checkpoint bytes"], rows))
 
 
 def main() -> None:
@@ -170,7 +136,7 @@ def main() -> None:
         return
     import peft
     import torch
-    from readme_section import replace_section
+
     from trainer_ranks import batch
 
     from rollart.engines.tiny import build_tiny_model
@@ -191,11 +157,7 @@ def main() -> None:
            "torch": torch.__version__, "peft": peft.__version__, "steps": steps, "rank": args.rank,
            "alpha": args.alpha, "tokens": sum(len(s.token_ids) for s in batch()),
            "total_s": time.time() - t0, "models": out}
-    print(json.dumps(res, indent=2))
-    if not args.quick:
-        (HERE / "results").mkdir(exist_ok=True)
-        (HERE / "results" / "lora.json").write_text(json.dumps(res, indent=2))
-        replace_section("lora", section(res))
+    finish(res, not args.quick, RESULTS / "lora.json", "lora", section)
 
 
 if __name__ == "__main__":

@@ -20,22 +20,16 @@ and the ``megatron`` section of ``benchmarks/README.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "src"))
+from common import RESULTS as RESULTS_DIR, finish, in_turn, render, table
 
-from readme_section import markers, replace_section  # noqa: E402
-
-RESULTS = HERE / "results" / "megatron_backend.json"
+RESULTS = RESULTS_DIR / "megatron_backend.json"
 MODELS = {"quickstart (h64 x 2)": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                                              intermediate_size=128),
           "wider (h256 x 4)": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -45,7 +39,7 @@ MODELS = {"quickstart (h64 x 2)": dict(hidden_size=64, num_layers=2, num_heads=2
 def batch(n: int = 32, length: int = 96, vocab: int = 512, seed: int = 0):
     import torch
 
-    from rollart.engines.torch_trainer import TrainSample
+    from rollart.engines.train_samples import TrainSample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -82,7 +76,7 @@ def bench_model(name: str, tiny: dict, rounds: int, steps: int, folder: Path) ->
     first_loss = {k: be.train_step(samples, loss_cfg=loss)["loss"] for k, be in backends.items()}  # warm-up
     times = {k: {"train_step": [], "token_logprobs": [], "weights_digest": []} for k in backends}
     for r in range(rounds):
-        order = list(backends) if r % 2 == 0 else list(reversed(backends))
+        order = in_turn(list(backends), r)
         for key in order:
             be = backends[key]
             for _ in range(steps):
@@ -99,34 +93,17 @@ def bench_model(name: str, tiny: dict, rounds: int, steps: int, folder: Path) ->
 
 
 def section(res: dict) -> str:
-    begin, end = markers("megatron")
-    rows = ["| model | params | backend | train step s | logprobs s | digest s | build s |",
-            "|---|---:|---|---:|---:|---:|---:|"]
-    for name, m in res["models"].items():
-        for key in ("torch", "megatron"):
-            b = m[key]
-            rows.append(f"| {name} | {m['params']:,} | {key} | {b['train_step_s']:.3f} | "
-                        f"{b['token_logprobs_s']:.3f} | {b['weights_digest_s']:.4f} | {b['build_s']:.2f} |")
-    ratios = ", ".join(f"{n.split()[0]} {m['megatron_over_torch_train_step']:.2f}x"
-                       for n, m in res["models"].items())
-    diffs = max(m["loss_abs_diff"] for m in res["models"].values())
-    return "\n".join([
-        begin,
-        "## Trainer backends: `megatron` against `torch` (`megatron_backend.py`)",
-        "",
-        f"One fixed batch ({res['batch']}), quickstart loss settings, 1 torch thread, CPU, both "
-        "backends in one process on the same HF folder, interleaved; medians of "
-        f"{res['rounds']} rounds x {res['steps']} steps. megatron-core {res['megatron_core']}, torch "
-        f"{res['torch']}; load average {res['loadavg'][0]:.2f} -> {res['loadavg_after'][0]:.2f} "
-        "(2 shared cores).",
-        "",
-        *rows,
-        "",
-        f"megatron / torch train step: {ratios}. First-step loss difference at most {diffs:.1e}. "
-        "The digest column is the HF-format tensors' digest, which for megatron includes "
-        "converting the weights back to HF names (what every published version pays).",
-        end,
-    ])
+    rows = [[name, f"{m['params']:,}", key, f"{m[key]['train_step_s']:.3f}",
+             f"{m[key]['token_logprobs_s']:.3f}", f"{m[key]['weights_digest_s']:.4f}",
+             f"{m[key]['build_s']:.2f}",
+             f"{m['megatron_over_torch_train_step']:.2f}x" if key == "megatron" else None]
+            for name, m in res["models"].items() for key in ("torch", "megatron")]
+    return render("megatron", batch=res["batch"], rounds=res["rounds"], steps=res["steps"],
+                  diff=f"{max(m['loss_abs_diff'] for m in res['models'].values()):.1e}",
+                  megatron_core=res["megatron_core"], torch=res["torch"],
+                  load=f"{res['loadavg'][0]:.2f} -> {res['loadavg_after'][0]:.2f}",
+                  table=table(["model", "params", "backend", "train step s", "logprobs s",
+                               "digest s", "build s", "megatron / torch step"], rows))
 
 
 def main() -> None:
@@ -152,11 +129,7 @@ def main() -> None:
             res["models"][name] = bench_model(name, tiny, rounds, steps, Path(d))
     res["loadavg_after"] = os.getloadavg()
     res["wall_s"] = round(time.time() - t0, 1)
-    print(json.dumps(res, indent=2))
-    if not args.quick:
-        RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(json.dumps(res, indent=2) + "\n")
-        replace_section("megatron", section(res))
+    finish(res, not args.quick, RESULTS, "megatron", section)
 
 
 if __name__ == "__main__":

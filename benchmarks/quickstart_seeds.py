@@ -41,11 +41,6 @@ from pathlib import Path
 
 import yaml
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results" / "quickstart_seeds.json"
-README = HERE / "README.md"
-BEGIN, END = "<!-- quickstart_seeds:begin -->", "<!-- quickstart_seeds:end -->"
 
 LORA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 VARIANTS: dict[str, dict] = {
@@ -95,9 +90,9 @@ VARIANTS: dict[str, dict] = {
                                                "lr": 0.001, "schedule": "constant"}},
 }
 
+from common import RESULTS, ROOT, child_env, in_turn, labelled, render, sayer, store, table
 
-def say(text: str) -> None:
-    print(f"[quickstart-seeds {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+say = sayer("quickstart-seeds")
 
 
 def merged(base: dict, over: dict) -> dict:
@@ -123,7 +118,7 @@ def run_one(config: Path, variant: str, seed: int, *, nats: str | None, alpha: i
     cmd = [sys.executable, "-m", "rollart", "run", str(path), "--quiet"]
     if nats:
         cmd += ["--nats", nats]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
@@ -160,34 +155,31 @@ def after_learning(rows: list[dict], learned_at: int | None) -> dict:
             "max_grad_norm_after_0_9": None if norm is None else round(norm, 3)}
 
 
-def per_seed(results: list[dict], variant: str) -> str:
-    """One row per seed of ``variant``: final greedy success, the first steps whose sampled
-    success reached 0.5 and 0.9, wall time."""
-    lines = ["| seed | final greedy success | first step sampled >= 0.5 | first step sampled >= 0.9 | "
-             "lowest sampled after it | largest grad norm after it | wall s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in (r for r in results if r["variant"] == variant):
-        low = r.get("min_sampled_after_0_9")
-        lines.append(f"| {r['seed']} | {r.get('greedy_success', 'error')} | "
-                     f"{r.get('first_sampled_0_5') or '-'} | {r.get('first_sampled_0_9') or '-'} | "
-                     f"{'-' if low is None else round(low, 2)} | "
-                     f"{r.get('max_grad_norm_after_0_9') or '-'} | {r.get('wall_s', '-')} |")
-    return "\n".join(lines)
+def rows(out: dict) -> list[list]:
+    """One row per variant of a stored run ``out``."""
+    def median(xs: list) -> str | None:
+        xs = [x for x in xs if x is not None]
+        return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})" if xs else None
+
+    table_rows = []
+    for v in out["variants"]:
+        rs = [r for r in out["results"] if r["variant"] == v]
+        ok = sum((r.get("greedy_success") or 0) >= out["threshold"] for r in rs)
+        table_rows.append([out.get("label") or "default", v, out["nats"],
+                           "config" if out["alpha"] is None else out["alpha"],
+                           f"{ok}/{len(rs)} (>= {out['threshold']})",
+                           median([r.get("first_sampled_0_5") for r in rs]),
+                           median([r.get("wall_s") for r in rs]), out["date"]])
+    return table_rows
 
 
-def table(results: list[dict], variants: list[str], threshold: float) -> str:
-    lines = ["| variant | learned (greedy >= %.1f) | per seed: final greedy success (first step with sampled >= 0.5) | median wall s (min-max) |" % threshold,
-             "|---|---|---|---|"]
-    for v in variants:
-        rs = [r for r in results if r["variant"] == v]
-        ok = [r for r in rs if (r.get("greedy_success") or 0) >= threshold]
-        walls = [r["wall_s"] for r in rs if "wall_s" in r]
-        per = ", ".join(f"s{r['seed']}: {r.get('greedy_success', 'err')} ({r.get('first_sampled_0_5') or '-'})"
-                        for r in rs)
-        spread = (f"{statistics.median(walls):.0f} ({min(walls):.0f}-{max(walls):.0f})"
-                  if walls else "-")
-        lines.append(f"| {v} | {len(ok)}/{len(rs)} | {per} | {spread} |")
-    return "\n".join(lines)
+COLUMNS = ["label", "variant", "bus", "alpha", "learned", "first sampled 0.5", "wall s", "date"]
+
+
+def readme_section(out: dict) -> str:
+    """One table for every stored label: this run and the others."""
+    return render("quickstart_seeds", table=table(
+        COLUMNS, [row for r in labelled("quickstart_seeds", out) for row in rows(r)]))
 
 
 def main() -> int:
@@ -215,7 +207,7 @@ def main() -> int:
         p.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     order = [(v, seed) for k, seed in enumerate(seeds)
-             for v in (variants if k % 2 == 0 else variants[::-1])]  # interleaved, order flipped
+             for v in in_turn(variants, k)]
     with tempfile.TemporaryDirectory(prefix="rollart-qs-seeds-") as tmp, \
             ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         def one(job: tuple[str, int]) -> dict:
@@ -231,29 +223,12 @@ def main() -> int:
     out = {"label": label, "config": args.config, "nats": args.nats or "embedded", "alpha": args.alpha,
            "threshold": args.threshold, "seeds": seeds, "variants": variants,
            "host": {"cpus": os.cpu_count()}, "date": time.strftime("%Y-%m-%d"),
-           "results": results, "table": table(results, variants, args.threshold)}
+           "results": results}
+    out["table"] = table(COLUMNS, rows(out))
     print(json.dumps(out, indent=1))
     if args.write:
-        path = RESULTS.with_name(f"quickstart_seeds_{label}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1))
-        begin, end = BEGIN.replace(":begin", f":{label}:begin"), END.replace(":end", f":{label}:end")
-        text = README.read_text()
-        rows = "\n\n".join(f"`{v}`, per seed:\n\n{per_seed(results, v)}" for v in variants)
-        walls = [r["wall_s"] for r in results if "wall_s" in r]
-        section = (f"{begin}\n#### Quickstart over seeds: {label}\n\n"
-                   f"`python benchmarks/quickstart_seeds.py {' '.join(sys.argv[1:])}` on "
-                   f"{out['date']}, {os.cpu_count()} cores, bus {out['nats']}, alpha "
-                   f"{'of the config' if args.alpha is None else args.alpha}; seed s is the "
-                   f"sampling seed and the task seed (x1000); "
-                   f"{'one run at a time' if args.parallel <= 1 else f'{args.parallel} runs at once'}"
-                   f"{f', wall median {statistics.median(walls):.0f} s' if walls else ''}.\n\n"
-                   f"{out['table']}\n\n{rows}\n{end}")
-        if begin in text:
-            text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
-        else:
-            text = text.rstrip() + "\n\n" + section + "\n"
-        README.write_text(text)
+        store(RESULTS / f"quickstart_seeds_{label}.json", out, "quickstart_seeds",
+              readme_section(out))
     return 0
 
 

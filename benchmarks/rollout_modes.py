@@ -14,7 +14,7 @@ system: a ``RolloutScheduler``, one ``EnvManager``, one ``LLMProxy`` serving a r
 model (greedy, decoding constrained to L/D/R/U), and the in-process ``MemoryBus`` (or an
 embedded ``nats-server`` with ``--bus nats``).
 
-- **Env**: ``benchmarks.latency_envs:LatencyLake``, FrozenLake 4x4 with a random map per
+- **Env**: ``latency_envs:LatencyLake``, FrozenLake 4x4 with a random map per
   seed, whose every step sleeps ``max(0, N(mu, sigma)) * unit`` seconds (default
   ``mu = 10``, ``unit = 40 ms``, so a step takes 400 ms on average; sigma is swept over
   1, 2, 5, 10 units, i.e. 40-400 ms: the paper's sigma 1-10 with mu in the same units). The draws are seeded by the task seed, so a
@@ -58,62 +58,31 @@ import contextlib
 import inspect
 import json
 import logging
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 import uuid
-from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import replace_section
+from common import (RESULTS as RESULTS_DIR, add_run_flags, describe_machine, event_loop, in_turn,
+                    loadavg, machine, open_bus, quiet_transformers, render, sayer, store, table,
+                    until_done)
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-if str(ROOT) not in sys.path:  # so that "benchmarks.latency_envs:..." imports
-    sys.path.insert(0, str(ROOT))
 
-from rollart.bus.memory import MemoryBus
 from rollart.config import RunConfig, convert
 from rollart.node.build import rollout_actors
 from rollart.node import Node
 
-RESULTS = HERE / "results" / "rollout_modes.json"
-README = HERE / "README.md"
-BEGIN, END = "<!-- rollout_modes:begin -->", "<!-- rollout_modes:end -->"
+RESULTS = RESULTS_DIR / "rollout_modes.json"
 
-ENV_TYPES = {"thread": "benchmarks.latency_envs:LatencyLake",
-             "async": "benchmarks.latency_envs:AsyncLatencyLake"}
+ENV_TYPES = {"thread": "latency_envs:LatencyLake",
+             "async": "latency_envs:AsyncLatencyLake"}
 PAPER = {"sigma_low": 1, "ratio_low": 1.23, "sigma_high": 10, "ratio_high": 2.27}
 """The paper's row: sigma 1-10 -> 1.23-2.27x (trajectory-level over batch-level)."""
 MODES = ("trajectory", "batch")
 
 
-# -- progress ----------------------------------------------------------------------------
-class Progress:
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-
-    def say(self, text: str) -> None:
-        print(f"[rollout-modes {time.monotonic() - self.t0:6.1f}s] {text}", file=sys.stderr,
-              flush=True)
-
-
-PROGRESS = Progress()
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+say = sayer("rollout-modes")
 
 
 def paper_target(sigma: float) -> tuple[float, str]:
@@ -147,21 +116,6 @@ def make_cfg(args, *, mode: str, sigma: float, model_dir: Path, run_dir: Path) -
     }, RunConfig)
 
 
-@contextlib.asynccontextmanager
-async def open_bus(kind: str, url: str | None):
-    if kind == "memory":
-        bus = MemoryBus()
-    else:
-        from rollart.bus.nats import NatsBus
-
-        bus = NatsBus(url, name="rollart-bench-rollout-modes")
-    await bus.connect()
-    try:
-        yield bus
-    finally:
-        await bus.close()
-
-
 async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run_dir: Path,
                   url: str | None, label: str, on_ready=None) -> dict:
     """Roll out ``args.batches`` batches in ``mode``; return timings and the trajectories.
@@ -181,19 +135,17 @@ async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run
             t_ready = time.perf_counter()
             if on_ready is not None:
                 on_ready(proxies)
-            deadline = time.monotonic() + args.timeout
             shown = 0
-            while not sched.all_done.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(sched.all_done.wait(), 1.0)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{label}: {sched.groups_settled}/{groups} groups after "
-                                       f"{args.timeout:.0f}s")
+
+            def tick() -> None:
+                nonlocal shown
                 done = sched.groups_settled // args.batch_groups
                 if shown < done < args.batches:
                     shown = done
-                    PROGRESS.say(f"  {label}: {done}/{args.batches} batches settled, "
-                                 f"{time.perf_counter() - t_ready:.1f}s")
+                    say(f"  {label}: {done}/{args.batches} batches settled, "
+                        f"{time.perf_counter() - t_ready:.1f}s")
+
+            await until_done(sched, args.timeout, label, groups, tick)
             t_done = time.perf_counter()
     gs = sorted(sched.groups.items())
     start = min(g.admitted_at for _, g in gs)
@@ -246,7 +198,7 @@ async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run
 
 def env_only(args, sigma: float, shape: list[tuple[int, int, int]]) -> dict:
     """Env latency alone, per batch, from the very draws the envs made (the same RNG as
-    :class:`benchmarks.latency_envs.LatencyLake`): in batch mode a wave pays, turn by turn,
+    :class:`latency_envs.LatencyLake`): in batch mode a wave pays, turn by turn,
     the slowest step of its trajectories still running; in trajectory mode, with perfect
     packing, the batch's slots share the total latency (sum over trajectories / concurrency).
     Generation, overheads and the tail of the last batch are left out."""
@@ -284,18 +236,18 @@ async def suite(args, url: str | None, engine, model_dir: Path, run_dir: Path) -
     k = 0
     for si, sigma in enumerate(args.sigmas):
         for rep in range(args.reps):
-            order = MODES if (si + rep) % 2 == 0 else MODES[::-1]
+            order = in_turn(MODES, si + rep)
             for mode in order:
                 k += 1
                 label = f"sigma={sigma:g} rep {rep + 1}/{args.reps} {mode}"
-                PROGRESS.say(f"[{k}/{total}] {label}: {args.batches} batches x "
+                say(f"[{k}/{total}] {label}: {args.batches} batches x "
                              f"{args.batch_groups * args.group_size} trajectories, load "
                              f"{loadavg()[0]}")
                 r = await measure(args, mode=mode, sigma=sigma, engine=engine,
                                   model_dir=model_dir, run_dir=run_dir, url=url, label=label)
                 r["rep"], r["order"] = rep, order.index(mode)
                 spans = "wave durations" if mode == "batch" else "batches done at"
-                PROGRESS.say(f"[{k}/{total}] {label}: {r['per_batch_s']:.2f} s/batch "
+                say(f"[{k}/{total}] {label}: {r['per_batch_s']:.2f} s/batch "
                              f"({spans} {r['batch_spans_s']}), {r['mean_turns']:.2f} turns/traj, "
                              f"generate batch mean {r['generate_batch_mean']:.1f} over "
                              f"{r['generate_batches']} batches")
@@ -547,13 +499,13 @@ async def proxy_vs_direct(args, url: str | None, engine, model_dir: Path,
         order = PVD_PATHS[k:] + PVD_PATHS[:k]
         for path in order:
             label = f"proxy-vs-direct rep {rep + 1}/{args.pvd_reps} {path}"
-            PROGRESS.say(f"{label}: {n} trajectories in flight, load {loadavg()[0]}")
+            say(f"{label}: {n} trajectories in flight, load {loadavg()[0]}")
             if path == "direct":
                 r = await asyncio.to_thread(run_direct, args, eng, model_dir, run_dir)
             else:
                 r = await run_proxy(args, path, eng, model_dir, run_dir, url, label)
             r["rep"], r["order"] = rep, order.index(path)
-            PROGRESS.say(f"{label}: {r['wall_s']:.2f} s, {r['tokens']} tokens, "
+            say(f"{label}: {r['wall_s']:.2f} s, {r['tokens']} tokens, "
                          f"{r['tokens_per_s']:.1f} tok/s, {r['engine_calls']} engine calls, "
                          f"{r['mean_rows']:.1f} rows/call"
                          + (f", {r['mean_queued_at_call_end']} queued at call end"
@@ -610,220 +562,51 @@ async def proxy_vs_direct(args, url: str | None, engine, model_dir: Path,
     }
 
 
-def pvd_lines(pvd: dict) -> list[str]:
-    """The README lines of the proxy-vs-direct measurement."""
-    c, s = pvd["config"], pvd["summary"]
-    loads = [x for r in pvd["runs"] for x in (r["loadavg_start"][0], r["loadavg_end"][0])]
-    names = {"direct": "direct (`rollout_lockstep`)", "proxy": "proxy, `rollout.mode: trajectory`",
-             "proxy_batch": "proxy, `rollout.mode: batch`"}
-
-    def hist(path: str) -> str:
-        """Rows per call in the path's first run, largest first."""
-        r = next(r for r in pvd["runs"] if r["path"] == path)
-        return ", ".join(f"{k} x{v}" for k, v in sorted(r["rows_hist"].items(),
-                                                         key=lambda kv: -int(kv[0])))
-
-    def opt(x, fmt="{:.1f}"):
-        return "n/a" if x is None else fmt.format(x)
-
-    def per_rep(xs: list[float]) -> str:
-        return ", ".join(f"{x:.2f}" for x in xs)
-
-    rows = []
-    for path in PVD_PATHS:
-        m = s["median"][path]
-        ratio = {"direct": "1.00", "proxy": f"**{s['ratio']:.2f}**",
-                 "proxy_batch": f"{s['ratio_batch_mode']:.2f}"}[path]
-        rows.append(
-            f"| {names[path]} | {m['wall_s']:.2f} | {m['tokens']:.0f} | {m['tokens_per_s']:.1f} | "
-            f"{ratio} | {m['engine_calls']:.0f} | {m['mean_rows']:.1f} | "
-            f"{opt(s['mean_waiting_at_cut'].get(path))} | "
-            f"{opt(s['mean_queued_at_call_end'].get(path))} | {m['engine_s']:.2f} |")
-    kv = s["kv_reused_share"]
-    return [
-        "",
-        "### Through the LLMProxy vs the engine called directly",
-        "",
-        (f"`python benchmarks/rollout_modes.py --proxy-vs-direct [--pvd-reps R]` (also part of "
-         f"the full run) rolls out {s['trajectories']} trajectories ({c['groups']} groups x "
-         f"{c['group_size']}, all in flight: `rollout.concurrency` {c['concurrency']}) with no "
-         f"env latency (LatencyLake, mu = sigma = 0), up to {c['max_turns']} turns, greedy, "
-         "the same task seeds, on the same warm torch engine (1 thread):"),
-        "",
-        ("- **direct**: `plain_loop.rollout_lockstep` calls the engine itself, one call per turn "
-         "with every live trajectory (no bus, no actors, no asyncio)."),
-        ("- **proxy**: the real actors (`RolloutScheduler`, one `EnvManager`, one `LLMProxy` "
-         f"with its `BatchedEngine`, `gather_ms` {c['gather_ms']:g}, `max_batch` {c['max_batch']}) "
-         f"on the {'MemoryBus' if c['bus'] == 'memory' else 'NatsBus'}, `rollout.mode: "
-         "trajectory`. The target is about this row."),
-        ("- **proxy, batch mode**: the same actors in `rollout.mode: batch` (the "
-         f"{s['trajectories']} trajectories generate together at each turn), for comparison: "
-         "full engine calls, so what it loses against direct is the cost of the actors and the "
-         "bus."),
-        "",
-        ("Tokens/s = generated tokens / wall seconds (direct: the `rollout_lockstep` call; proxy: "
-         f"first admission to last group done). Medians over {c['reps']} repetition(s), the "
-         "order of the paths rotating; the session KV cache is cleared before each run. "
-         "*Waiting at cut*: requests left in the queue when a call was cut "
-         "(`BatchedEngine.waiting_sizes`); *queued at call end*: requests in the queue when a "
-         "call returned (they arrived while it ran). "
-         f"Last run {pvd['timestamp']}, load {min(loads)}-{max(loads)} (1-min averages), "
-         f"total {pvd['total_s']:.0f} s."),
-        "",
-        ("| path | wall (s) | generated tokens | tokens/s | / direct | engine calls "
-         "| rows per call | waiting at cut | queued at call end | engine time (s) |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *rows,
-        "",
-        (f"Proxy / direct tokens/s: **{s['ratio']:.2f}** (per repetition "
-         f"{per_rep(s['ratio_per_rep'])}; target >= {s['target']}: "
-         f"{'pass' if s['pass'] else '**fail**'}); batch mode / direct "
-         f"{s['ratio_batch_mode']:.2f} ({per_rep(s['ratio_batch_mode_per_rep'])}). Engine time "
-         f"/ direct: {s['engine_s_ratio']:.2f} (trajectory mode), "
-         f"{s['engine_s_ratio_batch_mode']:.2f} (batch mode). Same trajectories (moves) on all "
-         f"paths: {s['same_trajectories']:.0%}; {s['turns']} turns per run."),
-        "",
-        (f"Engine calls per turn ({s['turns'] / s['trajectories']:.3g} turns per trajectory): "
-         + ", ".join(f"{p} {s['median'][p]['engine_calls'] * s['trajectories'] / s['turns']:.2f}"
-                     for p in PVD_PATHS)
-         + f". Rows per call through the proxy in the first repetition (rows x calls): "
-         f"trajectory mode {hist('proxy')}; batch mode {hist('proxy_batch')}. Prompt tokens "
-         "served from the session KV cache: "
-         + ", ".join(f"{p} {opt(kv.get(p), '{:.0%}')}" for p in PVD_PATHS) + "."),
-    ]
+def modes_table(results: dict) -> str:
+    """A row per sigma: the two modes' seconds per batch, their ratio against the paper's."""
+    rows = [[f"{r['sigma']:g} / {r['sigma_s'] * 1e3:g}", f"{r['trajectory_per_batch_s']:.2f}",
+             f"{r['batch_per_batch_s']:.2f}", f"{r['ratio']:.2f}x",
+             ", ".join(f"{x:.2f}" for x in r["ratio_per_rep"]),
+             f">= {r['target']}x", "pass" if r["pass"] else "**fail**",
+             f"{r['env_only']['ratio']:.2f}x",
+             f"{r['engine_busy_per_batch_s']['trajectory']:.2f} / {r['engine_busy_per_batch_s']['batch']:.2f}",
+             f"{min(1.0, r['same_trajectories']):.0%}"] for r in results["summary"]]
+    return table(["sigma (units / ms)", "trajectory (s/batch)", "batch (s/batch)", "ratio",
+                  "per repetition", "paper", "result", "env latency only", "engine busy traj / batch",
+                  "same trajectories"], rows)
 
 
-# -- README ---------------------------------------------------------------------------------
-def modes_lines(results: dict) -> list[str]:
-    c, mi, rows = results["config"], results["machine"], results["summary"]
-    wave = c["batch_groups"] * c["group_size"]
-    sig_units = ", ".join(f"{s:g}" for s in c["sigmas"])
-    sig_ms = ", ".join(f"{s * c['unit'] * 1e3:g}" for s in c["sigmas"])
-    bus = "MemoryBus" if c["bus"] == "memory" else "NatsBus (embedded nats-server)"
-    where = ("in the env runner thread (`time.sleep`, sync env)" if c["env_kind"] == "thread"
-             else "on the event loop (`asyncio.sleep`, async env)")
-    lines = [
-        BEGIN,
-        "## Rollout modes: trajectory-level vs batch-level env interaction (`rollout_modes.py`)",
-        "",
-        ("`python benchmarks/rollout_modes.py [--quick] [--bus memory|nats] [--sigmas 1,2,5,10] "
-        "[--reps R] [--batches B]` rolls out the same groups in `rollout.mode: trajectory` and "
-        "`rollout.mode: batch` with the real actors (`RolloutScheduler`, one `EnvManager`, one "
-        f"`LLMProxy` serving the tiny torch model) on the {bus}, while every env step "
-        "sleeps a Gaussian latency, as in the paper's experiment."),
-        "",
-        (f"- **Env**: FrozenLake 4x4, a random map per seed, up to {c['max_turns']} turns; each step "
-        f"sleeps max(0, N(mu, sigma)) x unit with mu = {c['mu']:g}, unit = {c['unit'] * 1e3:g} ms "
-        f"(mean step {c['mu'] * c['unit'] * 1e3:g} ms; sigma {sig_units} = {sig_ms} ms), "
-        f"{where}; "
-        "the draws are seeded by the task seed, so a trajectory meets the same latencies in both modes."),
-        (f"- **Constant across modes**: {c['batches']} batches of {c['batch_groups']} groups x "
-        f"{c['group_size']} trajectories ({wave} per batch), one task seed per trajectory, the "
-        f"same seeds, {'greedy' if not c['sample'] else 'sampled'} decoding from one warm engine "
-        f"(so the trajectories are the same: `same_trajectories` below), "
-        f"`rollout.concurrency` = {c['concurrency']} trajectories at once, one generation replica "
-        f"(torch, {c['threads']} thread, `gather_ms` {c['gather_ms']:g})."),
-        ("- **trajectory**: each trajectory advances on its own; a finished one frees its slot for "
-        "the next at once. **batch**: a wave of "
-        f"{c['batch_groups']} groups generates together, then steps together (each phase waits "
-        "for the slowest trajectory), and the next wave starts when the wave is done."),
-        ("- **Per batch**: the span from the first admission to the last group done, divided by "
-        "the number of batches (median over repetitions; modes alternate in order). "
-        "**Ratio** = batch / trajectory: how many times longer a batch takes in batch mode, "
-        "the paper's speed-up of trajectory-level interaction."),
-        "",
-        (f"Last run {results['timestamp']}: {mi['cpu_count']} CPUs ({mi['cpu_model']}), load "
-        f"{mi['loadavg_start'][0]} at start, {mi['loadavg_end'][0]} at end "
-        f"(1-min averages during the measurements: {mi['loadavg_min']}-{mi['loadavg_max']}), "
-        f"Python {mi['python']}, torch {mi['torch']}, {c['reps']} repetition(s) per mode and sigma, "
-        f"total {results['total_s']:.0f} s."),
-        "",
-        ("| sigma (units / ms) | trajectory (s/batch) | batch (s/batch) | ratio | per repetition "
-        "| paper | result | env latency only: batch / trajectory (s/batch) | engine busy traj / batch "
-        "(s/batch) | gen. batch mean traj / batch |"),
-        "|---|---:|---:|---:|---|---|---|---:|---:|---:|",
-    ]
-    for r in rows:
-        eo, eb, gb = r["env_only"], r["engine_busy_per_batch_s"], r["generate_batch_mean"]
-        lines.append(
-            f"| {r['sigma']:g} / {r['sigma_s'] * 1e3:g} | {r['trajectory_per_batch_s']:.2f} | "
-            f"{r['batch_per_batch_s']:.2f} | **{r['ratio']:.2f}x** | "
-            f"{', '.join(f'{x:.2f}' for x in r['ratio_per_rep'])} | >= {r['target']}x "
-            f"({r['target_source']}) | {'pass' if r['pass'] else '**fail**'} | "
-            f"{eo['batch_s']:.2f} / {eo['trajectory_s']:.2f} = {eo['ratio']:.2f}x | "
-            f"{eb['trajectory']:.2f} / {eb['batch']:.2f} | "
-            f"{gb['trajectory']:.1f} / {gb['batch']:.1f} |")
-    last = rows[-1]
-    st = last["mean_stage_s"]
-    probe = results["engine_probe"]
-    turns = ("every trajectory ran the full "
-             f"{c['max_turns']} turns, so differing trajectory lengths play no part here"
-             if last["mean_turns"] == c["max_turns"] else
-             f"{last['mean_turns']:.2f} turns per trajectory on average")
-    lines += [
-        "",
-        (f"Per trajectory at sigma {last['sigma']:g} (seconds, mean over the run): trajectory mode "
-        f"generate {st['trajectory']['generate']:.2f}, step {st['trajectory']['step']:.2f}; batch "
-        f"mode generate {st['batch']['generate']:.2f}, step {st['batch']['step']:.2f}, waiting at "
-        f"the lock-step barriers {st['batch']['wait']:.2f}. {turns[0].upper() + turns[1:]}; the "
-        f"same trajectories (moves) in both modes: {min(r['same_trajectories'] for r in rows):.0%}. "
-        f"Before the suite one engine call took {probe['generate_1_s'] * 1e3:.0f} ms for 1 row and "
-        f"{probe[f'generate_{wave}_s'] * 1e3:.0f} ms for {wave} rows ({probe['prompt_tokens']}-token "
-        "first prompt; every turn re-reads the whole context)."),
-        "",
-        ("What the ratio is made of: batch mode pays, at every turn, the slowest env step of "
-        f"the wave (about mu + 2 sigma for {wave} draws) and its generation and env phases never "
-        "overlap; trajectory mode overlaps one trajectory's env step with other trajectories' "
-        "generation and refills a slot as soon as a trajectory ends. *Env latency only* replays "
-        "the envs' own latency draws without generation: per batch, the sum over turns of the "
-        f"wave's slowest step, against the total latency shared by {c['concurrency']} slots; it "
-        "grows with sigma, which is the paper's effect. The measured ratio is that plus the "
-        "overlap of generation with env steps, less the tail of the last batch in trajectory mode. "
-        "The machine is a shared 2-core host whose load (above) comes mostly from other jobs: "
-        "generation competes with them for the CPU, so absolute times move from run to run (the "
-        "env sleeps do not). Raw numbers: `benchmarks/results/rollout_modes.json`."),
-    ]
-    return lines
+def pvd_table(pvd: dict) -> str:
+    """A row per path of the proxy-vs-direct measurement."""
+    s = pvd["summary"]
+    names = {"direct": "direct", "proxy": "proxy, trajectory mode", "proxy_batch": "proxy, batch mode"}
+    ratios = {"direct": "1.00", "proxy": f"{s['ratio']:.2f}", "proxy_batch": f"{s['ratio_batch_mode']:.2f}"}
+    rows = [[names[p], f"{m['wall_s']:.2f}", f"{m['tokens']:.0f}", f"{m['tokens_per_s']:.1f}",
+             ratios[p], f"{m['engine_calls']:.0f}", f"{m['mean_rows']:.1f}", f"{m['engine_s']:.2f}",
+             None if s["kv_reused_share"].get(p) is None else f"{s['kv_reused_share'][p]:.0%}"]
+            for p, m in ((p, s["median"][p]) for p in PVD_PATHS)]
+    return table(["path", "wall (s)", "generated tokens", "tokens/s", "/ direct", "engine calls",
+                  "rows per call", "engine time (s)", "prompt tokens from KV cache"], rows)
 
 
 def readme_section(results: dict) -> str:
-    """The README section: the rollout modes (if measured) and proxy vs direct (if measured)."""
-    if results.get("summary"):
-        lines = modes_lines(results)
-    else:
-        lines = [BEGIN, ("## Rollout modes: trajectory-level vs batch-level env interaction "
-                 "(`rollout_modes.py`)"), "",
-                 ("Trajectory vs batch level: not measured yet (run `python "
-                 "benchmarks/rollout_modes.py`).")]
-    if results.get("proxy_vs_direct"):
-        lines += pvd_lines(results["proxy_vs_direct"])
-    return "\n".join([*lines, END])
-
-
-def write_readme(section: str, path: Path = README) -> None:
-    replace_section("rollout_modes", section, path)
+    """The README section: the rollout modes and proxy vs direct (each when measured)."""
+    c, pvd = results["config"], results.get("proxy_vs_direct")
+    s = pvd["summary"] if pvd else {}
+    return render(
+        "rollout_modes", mu=f"{c['mu']:g}", unit_ms=f"{c['unit'] * 1e3:g}", batches=c["batches"],
+        wave=c["batch_groups"] * c["group_size"], concurrency=c["concurrency"], reps=c["reps"],
+        modes_table=modes_table(results) if results.get("summary") else "Not measured yet.",
+        pvd_table=pvd_table(pvd) if pvd else "Not measured yet.",
+        pvd_trajectories=s.get("trajectories", "-"), pvd_ratio=f"{s.get('ratio', 0):.2f}",
+        pvd_target=s.get("target", "-"), pvd_verdict="pass" if s.get("pass") else "**fail**",
+        pvd_same=f"{s.get('same_trajectories', 0):.0%}",
+        machine=describe_machine(results["machine"]), date=results["timestamp"][:10])
 
 
 # -- main -------------------------------------------------------------------------------------
 def machine_info(loop_name: str) -> dict:
-    cpu_model = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "loadavg_start": loadavg(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "event_loop": loop_name,
-        "torch": _version("torch"),
-        "transformers": _version("transformers"),
-        "nats_py": _version("nats-py"),
-        "rollart": _version("rollart"),
-    }
+    return machine("torch", "transformers", "nats-py", "rollart", event_loop=loop_name)
 
 
 def build_engine(args, model_dir: Path):
@@ -855,9 +638,7 @@ def build_engine(args, model_dir: Path):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: sigma 1 and 10, 1 batch, 1 repetition; writes nothing "
-                        "unless --write")
+    add_run_flags(p, "smoke run: sigma 1 and 10, 1 batch, 1 repetition")
     p.add_argument("--proxy-vs-direct", action="store_true",
                    help="only the proxy-vs-direct measurement (no rollout modes); writes "
                         "nothing unless --write (then it replaces that part of the results "
@@ -866,8 +647,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="proxy-vs-direct repetitions per path (default 6, --quick 1)")
     p.add_argument("--pvd-groups", type=int, default=8,
                    help="proxy-vs-direct groups, all in flight at once (default 8, x group size)")
-    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
-    p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--bus", choices=("memory", "nats"), default="memory",
                    help="MemoryBus (default) or NatsBus to an embedded nats-server")
     p.add_argument("--sigmas", default=None, help="comma-separated sigmas in units "
@@ -907,17 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     args.pvd_reps = args.pvd_reps or (1 if args.quick else 6)
     write = not args.no_write and (args.write or not (args.quick or args.proxy_vs_direct))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    with contextlib.suppress(ImportError):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    try:
-        import uvloop
-
-        run, loop_name = uvloop.run, f"uvloop {_version('uvloop')}"
-    except ImportError:
-        run, loop_name = asyncio.run, "asyncio"
+    quiet_transformers()
+    run, loop_name = event_loop()
 
     t_start = time.perf_counter()
     results: dict = {
@@ -934,18 +704,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rollart-rollout-modes-") as tmp:
         from rollart.engines.tiny import build_tiny_model
 
-        PROGRESS.say(f"building the tiny model; load {loadavg()[0]}")
+        say(f"building the tiny model; load {loadavg()[0]}")
         model_dir = build_tiny_model(Path(tmp) / "model", seed=0)
         engine, probe = build_engine(args, model_dir)
         results["engine_probe"] = probe
-        PROGRESS.say(f"engine warm: {probe}")
+        say(f"engine warm: {probe}")
         server, url = None, None
         if args.bus == "nats":
             from rollart.bus.server import EmbeddedServer
 
             server = EmbeddedServer(Path(tmp) / "nats").start()
             url = server.url
-            PROGRESS.say(f"nats-server at {url}")
+            say(f"nats-server at {url}")
         try:
             runs, pvd = run(measurements(args, url, engine, model_dir, Path(tmp) / "runs"))
         finally:
@@ -976,23 +746,20 @@ def main(argv: list[str] | None = None) -> int:
                 old.update(proxy_vs_direct=pvd, proxy_vs_direct_pass=pvd["summary"]["pass"])
                 results = old
                 text = json.dumps(results, indent=2)
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text + "\n")
-        write_readme(readme_section(results))
-        PROGRESS.say(f"wrote {RESULTS.relative_to(ROOT)} and the rollout_modes section of "
-                     f"{README.relative_to(ROOT)}")
+        store(RESULTS, results, "rollout_modes", readme_section(results))
+        say(f"wrote {RESULTS} and the rollout_modes section of the README")
     for r in results["summary"] if runs else []:
-        PROGRESS.say(f"sigma {r['sigma']:g}: trajectory {r['trajectory_per_batch_s']:.2f} s/batch, "
+        say(f"sigma {r['sigma']:g}: trajectory {r['trajectory_per_batch_s']:.2f} s/batch, "
                      f"batch {r['batch_per_batch_s']:.2f} s/batch, ratio {r['ratio']:.2f}x "
                      f"(>= {r['target']}x: {'pass' if r['pass'] else 'FAIL'})")
     ps = pvd["summary"]
-    PROGRESS.say(f"proxy vs direct ({ps['trajectories']} in flight): direct "
+    say(f"proxy vs direct ({ps['trajectories']} in flight): direct "
                  f"{ps['median']['direct']['tokens_per_s']:.1f} tok/s, proxy "
                  f"{ps['median']['proxy']['tokens_per_s']:.1f} tok/s, ratio {ps['ratio']:.2f} "
                  f"(>= {ps['target']}: {'pass' if ps['pass'] else 'FAIL'}); batch mode "
                  f"{ps['median']['proxy_batch']['tokens_per_s']:.1f} tok/s, ratio "
                  f"{ps['ratio_batch_mode']:.2f}; same trajectories {ps['same_trajectories']:.0%}")
-    PROGRESS.say(f"total {time.perf_counter() - t_start:.0f} s")
+    say(f"total {time.perf_counter() - t_start:.0f} s")
     return 0
 
 

@@ -28,39 +28,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import logging
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 import timeit
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import store  # noqa: E402
+from common import (RESULTS as RESULTS_DIR, add_run_flags, begin, describe_machine, finish, in_turn,
+                    render, sayer, table, writes)
 
-HERE = Path(__file__).resolve().parent
+from rollart.bus.memory import MemoryBus
+from rollart.config import RunConfig, convert
+from rollart.config.placement import RouteRule, RouteWhen, Router
+from rollart.node.build import rollout_actors
+from rollart.node import Node
 
-from rollart.bus.memory import MemoryBus  # noqa: E402
-from rollart.config import RunConfig, convert  # noqa: E402
-from rollart.config.placement import RouteRule, RouteWhen, Router  # noqa: E402
-from rollart.node.build import rollout_actors  # noqa: E402
-from rollart.node import Node  # noqa: E402
-
-RESULTS = HERE / "results" / "routing.json"
+RESULTS = RESULTS_DIR / "routing.json"
 MODES = ("plain", "routed")
 ROUTED = {"pools": {"gpu": {"tags": ["gpu"]}, "cpu": {"tags": ["cpu"]}},
           "mapping": {"generate": "gpu", "env": "cpu", "reward": "cpu"},
           "route": [{"when": {"prompt_tokens_gt": 2048}, "pool": "gpu"}, {"pool": "gpu"}]}
 
 
-def say(text: str) -> None:
-    print(f"[routing] {text}", file=sys.stderr, flush=True)
+say = sayer("routing")
 
 
 def pick_cost(n: int) -> dict:
@@ -124,7 +115,7 @@ async def suite(args, engine, model_dir: Path) -> list[dict]:
     await measure(args, "plain", engine, model_dir)  # warm-up (imports, first allocations)
     runs = []
     for rep in range(args.reps):
-        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+        for mode in in_turn(MODES, rep):
             r = await measure(args, mode, engine, model_dir)
             r["rep"] = rep
             say(f"rep {rep + 1}/{args.reps} {mode}: {r['per_turn_ms']:.3f} ms/turn over "
@@ -135,62 +126,21 @@ async def suite(args, engine, model_dir: Path) -> list[dict]:
 
 
 def readme_section(res: dict) -> str:
-    c, s, p, mi = res["config"], res["summary"], res["pick_us"], res["machine"]
-    trajs = c["groups"] * c["group_size"]
-    lines = [
-        "<!-- routing:begin -->",
-        "## Routing: the cost of `route:` rules and of a generator in another pool (`routing.py`)",
-        "",
-        "`python benchmarks/routing.py [--quick] [--reps R]` measures `Router.pick` (the "
-        "EnvManager's choice of a turn's generation pool) and runs the same rollout twice "
-        "side by side on the MemoryBus: **plain** (no `pools`: every actor in one pool, no "
-        "router) and **routed** (`pools: {gpu, cpu}`, `mapping: {generate: gpu, env: cpu, "
-        "reward: cpu}`, a two-rule `route`; the EnvManager in `cpu` routes every turn to the "
-        "generator in `gpu`).",
-        "",
-        f"- **Rollout**: FrozenLake 4x4 (a random map per seed), {trajs} trajectories ({c['groups']} groups x "
-        f"{c['group_size']}) of {c['max_turns']} turns, all at once, greedy from one warm tiny "
-        f"torch engine ({c['threads']} thread), the same seeds in both modes (same moves: "
-        f"{'yes' if s['same_moves'] else 'NO'}).",
-        "- **Per turn**: the run's wall time / its turns (trajectories run at once, so this is "
-        "the throughput cost of a turn), and the mean generate round trip the EnvManager "
-        "measured (a turn's latency); median over repetitions, modes alternating in order.",
-        "",
-        f"Last run {res['timestamp']}: {mi['cpu_count']} CPUs, load {mi['loadavg_start'][0]} at "
-        f"start, Python {mi['python']}, {c['reps']} repetition(s) per mode, total "
-        f"{res['total_s']:.0f} s.",
-        "",
-        "| Router.pick | µs per turn |",
-        "|---|---:|",
-        f"| two rules, the default matches | {p['two_rules_default']} |",
-        f"| two rules, the first matches | {p['two_rules_first']} |",
-        f"| nine rules, the last matches | {p['nine_rules_last']} |",
-        "",
-        "| mode | per turn (ms) | generate round trip (ms) | per repetition (ms/turn) |",
-        "|---|---:|---:|---|",
-    ]
-    for mo in MODES:
-        lines.append(f"| {mo} | {s['per_turn_ms'][mo]:.3f} | {s['generate_rtt_ms'][mo]:.3f} | "
-                     f"{', '.join(f'{x:.3f}' for x in s['per_rep_ms'][mo])} |")
-    lines += [
-        "",
-        f"Ratio routed / plain per turn: **{s['ratio']:.3f}x** (per repetition: "
-        f"{', '.join(f'{x:.3f}' for x in s['ratio_per_rep'])}). Router.pick is "
-        f"**{s['pick_share_pct']:.4f}%** of a turn (two rules, {p['two_rules_default']} µs of "
-        f"{s['per_turn_ms']['plain']:.3f} ms): well under the 1% target. Routing adds no hop: "
-        "a turn is one request either way, only its subject's pool token differs, so the "
-        "ratio is run-to-run noise of a shared 2-core host around 1. Raw numbers: "
-        "`benchmarks/results/routing.json`.",
-        "<!-- routing:end -->",
-    ]
-    return "\n".join(lines)
+    c, s, p = res["config"], res["summary"], res["pick_us"]
+    rows = [[mo, f"{s['per_turn_ms'][mo]:.3f}", f"{s['generate_rtt_ms'][mo]:.3f}",
+             ", ".join(f"{x:.3f}" for x in s["per_rep_ms"][mo])] for mo in MODES]
+    return render("routing", trajs=c["groups"] * c["group_size"], max_turns=c["max_turns"],
+                  reps=c["reps"], same_moves="yes" if s["same_moves"] else "**no**",
+                  table=table(["mode", "per turn (ms)", "generate round trip (ms)",
+                               "per repetition (ms/turn)"], rows),
+                  ratio=f"{s['ratio']:.3f}", pick=p["two_rules_default"], pick9=p["nine_rules_last"],
+                  share=f"{s['pick_share_pct']:.4f}", machine=describe_machine(res["machine"]),
+                  date=res["timestamp"][:10])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 repetition, writes nothing")
-    p.add_argument("--write", action="store_true", help="write results and README even with --quick")
-    p.add_argument("--no-write", action="store_true", help="print only")
+    add_run_flags(p, "1 repetition")
     p.add_argument("--reps", type=int, default=None, help="repetitions per mode (default 4; --quick 1)")
     p.add_argument("--groups", type=int, default=4, help="groups (default 4)")
     p.add_argument("--group-size", type=int, default=8, help="trajectories per group (default 8)")
@@ -200,21 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
     args = p.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 4)
-    write = not args.no_write and (args.write or not args.quick)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    with contextlib.suppress(ImportError):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
     t_start = time.perf_counter()
-    res: dict = {"benchmark": "routing", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "quick": args.quick,
-                 "config": {k: getattr(args, k) for k in ("reps", "groups", "group_size",
-                                                          "max_turns", "threads", "picks")},
-                 "machine": {"cpu_count": os.cpu_count(),
-                             "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-                             "python": platform.python_version()}}
+    res = begin("routing", args, ("reps", "groups", "group_size", "max_turns", "threads", "picks"))
     res["pick_us"] = pick_cost(args.picks)
     say(f"Router.pick: {res['pick_us']} µs")
     with tempfile.TemporaryDirectory(prefix="rollart-routing-") as tmp:
@@ -244,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         r.pop("_moves")
     res["runs"] = runs
     res["total_s"] = round(time.perf_counter() - t_start, 1)
-    print(json.dumps(res, indent=2))
-    if write:
-        store(RESULTS, res, "routing", readme_section(res))
-        say(f"wrote {RESULTS} and the README section")
-    return 0
+    return finish(res, writes(args), RESULTS, "routing", readme_section, say)
 
 
 if __name__ == "__main__":

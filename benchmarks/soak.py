@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -45,17 +44,16 @@ import time
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results" / "soak.json"
+from common import (RESULTS as RESULTS_DIR, ROOT, loadavg, machine, nats_server_version, render,
+                    replace_section, sayer, store, table)
+
+RESULTS = RESULTS_DIR / "soak.json"
 WINDOW = 0.10
 """Warm-up, and each comparison window, as a fraction of the steps."""
 TOLERANCE = 0.10
 """Flat: last window's median within this fraction of the first window's."""
 
-
-def say(text: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+say = sayer("soak")
 
 
 # -- the job ------------------------------------------------------------------------------
@@ -329,30 +327,8 @@ def analyse(res: dict, steps: int, events_max_bytes: int) -> dict:
     return out
 
 
-def machine() -> dict:
-    import importlib.metadata as md
-
-    def v(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), platform.processor())
-    try:
-        from rollart.bus.server import find_binary
-
-        exe = find_binary()
-    except Exception:  # noqa: BLE001
-        exe = os.path.join(os.path.dirname(sys.executable), "nats-server")
-    try:
-        server = subprocess.run([exe, "--version"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        server = None
-    return {"cpu_count": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "torch": v("torch"), "nats-py": v("nats-py"), "nats-server": server,
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+def machine_info() -> dict:
+    return machine("torch", "nats-py", **{"nats-server": nats_server_version()})
 
 
 # -- README ---------------------------------------------------------------------------------
@@ -360,115 +336,74 @@ def _mib(b) -> str:
     return "–" if b is None else f"{b / 2**20:.2f}"
 
 
-def _row(label: str, f: dict, fmt, note: str = "") -> str:
+def _row(label: str, f: dict, fmt, note: str = "") -> list:
     if f.get("flat") is None:
-        return f"| {label} | – | – | – | – | n/a: {f.get('why', 'no samples')} |"
+        return [label, None, None, None, None, f"n/a: {f.get('why', 'no samples')}"]
     verdict = "flat" if f["flat"] else "**grows**" if f["change"] > 0 else "**shrinks**"
-    return (f"| {label} | {fmt(f['first'])} | {fmt(f['last'])} | {f['change'] * 100:+.1f}% | "
-            f"{fmt(f['min'])} – {fmt(f['max'])} | {verdict}{note} |")
+    return [label, fmt(f["first"]), fmt(f["last"]), f"{f['change'] * 100:+.1f}%",
+            f"{fmt(f['min'])} – {fmt(f['max'])}", verdict + note]
 
 
-def _store_row(f: dict) -> str:
+def _store_row(f: dict) -> list:
+    label = "store `runs/<run>/nats` on disk (MiB)"
     if f.get("bounded") is None:
-        return "| store `runs/<run>/nats` on disk (MiB) | – | – | – | – | n/a |"
+        return [label, None, None, None, None, "n/a"]
     verdict = "bounded" if f["bounded"] else "**over the ceiling**"
-    return (f"| store `runs/<run>/nats` on disk (MiB) | peak {_mib(f['peak_first_half'])} | "
-            f"peak {_mib(f['peak_second_half'])} | sawtooth | {_mib(f['min'])} – {_mib(f['max'])} "
-            f"| {verdict} (ceiling {_mib(f['ceiling'])}) |")
+    return [label, f"peak {_mib(f['peak_first_half'])}", f"peak {_mib(f['peak_second_half'])}",
+            "sawtooth", f"{_mib(f['min'])} – {_mib(f['max'])}",
+            f"{verdict} (ceiling {_mib(f['ceiling'])})"]
 
 
-def run_table(r: dict) -> list[str]:
-    job, a, mi = r["job"], r["analysis"], r["machine"]
-    n = job["steps"]
-    f1 = lambda x: f"{x:.1f}"  # noqa: E731
-    fg = lambda x: f"{x:g}"  # noqa: E731
-    rows = [_row("RSS, all processes (MiB)", a["rss_mib_total"], f1),
-            _row("threads, all processes", a["threads_total"], fg)]
+def run_rows(r: dict) -> list[list]:
+    """One run's rows, each led by the run (steps and bus)."""
+    job, a = r["job"], r["analysis"]
+    rows = [_row("RSS, all processes (MiB)", a["rss_mib_total"], _f1),
+            _row("threads, all processes", a["threads_total"], _fg)]
     for k in sorted(k for k in a if k.startswith(("rss_mib[", "threads["))):
         what, proc = k.split("[")
         rows.append(_row(f"{'RSS (MiB)' if what == 'rss_mib' else 'threads'}: {proc[:-1]}", a[k],
-                         f1 if what == "rss_mib" else fg))
-    rows += [
-        _row("events stream, live bytes (MiB)", a["events_stream_bytes"], _mib,
-             f" (cap {_mib(job['events_max_bytes'])})"),
-        _row("KV bucket, live bytes (MiB)", a["kv_bytes"], _mib),
-    ]
+                         _f1 if what == "rss_mib" else _fg))
+    rows += [_row("events stream, live bytes (MiB)", a["events_stream_bytes"], _mib,
+                  f" (cap {_mib(job['events_max_bytes'])})"),
+             _row("KV bucket, live bytes (MiB)", a["kv_bytes"], _mib)]
     if "store_bytes" in a:
         rows.append(_store_row(a["store_bytes"]))
-    rows += [
-        _row("full checkpoint (MiB)", a["checkpoint_bytes"], _mib),
-        _row("weights folder (MiB)", a["weights_bytes"], _mib),
-        _row("`metrics.jsonl` (MiB; a log, one line per step)", a["metrics_bytes"], _mib,
-             " (by design)"),
-    ]
-    judged = {k: v for k, v in a.items() if k != "metrics_bytes"}
+    rows += [_row("full checkpoint (MiB)", a["checkpoint_bytes"], _mib),
+             _row("weights folder (MiB)", a["weights_bytes"], _mib),
+             _row("`metrics.jsonl` (MiB; a log)", a["metrics_bytes"], _mib, " (by design)")]
+    run = f"{job['steps']:,} steps, {job['nats']}"
+    return [[run, *row] for row in rows]
+
+
+def _f1(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def _fg(x: float) -> str:
+    return f"{x:g}"
+
+
+def verdict(r: dict) -> str:
+    """``2,000 steps, ...: flat`` or what is not."""
+    judged = {k: v for k, v in r["analysis"].items() if k != "metrics_bytes"}
     bad = [k for k, v in judged.items() if v.get("flat", v.get("bounded")) is False]
     na = [k for k, v in judged.items() if v.get("flat", v.get("bounded")) is None]
-    verdict = ("not flat: " + ", ".join(bad)) if bad else \
-        f"everything judged is flat within {TOLERANCE:.0%} (the store: within its ceiling)"
-    if na:
-        verdict += "; not judged (run too short for the warm-up): " + ", ".join(na)
-    warm = sorted({v["warmup_step"] for v in a.values() if v.get("warmup_step")})
-    return [
-        f"**{n:,} steps** ({job['nats']}), run {r['timestamp']}: {mi['cpu_count']} CPUs "
-        f"({mi['cpu_model']}), load {mi['loadavg_start'][0]} at start, "
-        f"{mi.get('loadavg_end', ['?'])[0]} at end; {r['steps_s']:.0f} s of steps "
-        f"({r['steps_per_s']:.2f} steps/s; setup {r['setup_s']:.0f} s, after the last step "
-        f"{r['after_last_step_s']:.0f} s), {len(r['samples'])} samples (every {job['every']} "
-        f"steps), warm-up until step {' / '.join(f'{w:,}' for w in warm) or '–'}, "
-        f"{r['stderr_lines']} line(s) on the run's stderr.",
-        "",
-        "| Resource | first | last | change | range after warm-up | result |",
-        "|---|---:|---:|---:|---:|---|",
-        *rows,
-        "",
-        f"Result: {verdict}.",
-    ]
+    out = f"{r['job']['steps']:,} steps ({r['steps_per_s']:.2f} steps/s, {r['timestamp'][:10]}): "
+    out += ("not flat: " + ", ".join(bad)) if bad else "everything judged is flat"
+    return out + (f" (not judged: {', '.join(na)})" if na else "")
 
 
 def readme_section(runs: dict) -> str:
-    any_run = next(iter(runs.values()))
-    mi, job = any_run["machine"], any_run["job"]
-    lines = [
-        "<!-- soak:begin -->",
-        "## Soak: resources stay flat over a long run (`soak.py`)",
-        "",
-        "`python benchmarks/soak.py [--steps N] [--every K] [--nats memory] "
-        "[--events-max-bytes B]` (default 2,000 steps) runs `rollart run` in a child process "
-        f"on a tiny job whose steps are fast ({job['summary']}) and samples, every `K` steps, "
-        "the RSS and thread count of every process of the run (the rollart process and its "
-        "descendants: `nats-server`) from `/proc`, the live bytes of the run's events stream "
-        "and KV bucket as the server reports them, the store folder `runs/<run>/nats` on "
-        "disk, the full checkpoint `checkpoints/full-<seq>.safetensors`, the weights folder and `metrics.jsonl`.",
-        "",
-        f"*First* is the median of the samples in the {WINDOW:.0%} of the steps right after "
-        f"the warm-up, *last* the median in the last {WINDOW:.0%}; *flat* means within "
-        f"{TOLERANCE:.0%} (thread counts: or within one thread, as env steps run on "
-        f"short-lived threads). The warm-up is the first {WINDOW:.0%} of the steps; for anything "
-        f"that includes nats-server it lasts at least {SERVER_SETTLE_S:g} s after the first "
-        "step, because the server keeps the msg id of every publish for the streams' 2-minute "
-        "duplicate window and its heap settles after that: a soak of fast steps shorter than "
-        "that cannot judge it (n/a below). The events stream is capped by "
-        f"`node.events_max_bytes`, set here to {job['events_max_bytes'] / 2**20:g} MiB (the "
-        "smallest allowed; by default there is no byte cap, only `node.events_max_age`) so that the "
-        "cap is reached during the warm-up. "
-        "On disk the server frees whole 4 MiB blocks, so the store is a sawtooth: it is judged "
-        "against the ceiling the limits allow (events cap + one block, one block for the KV "
-        "bucket, 1 MiB for the rest), and its peaks in the two halves are shown.",
-        "",
-        f"Python {mi['python']}, torch {mi['torch']}, {mi['nats-server'] or 'no nats-server'}.",
-    ]
-    for key in sorted(runs, key=lambda k: runs[k]["job"]["steps"]):
-        lines += ["", *run_table(runs[key])]
-    lines += [
-        "",
-        "The checkpoint holds the model, the optimizer and the trainer's compact group ledger, so "
-        "its size does not depend on the number of steps; the weights folder keeps the last "
-        "`keep_weights` versions; `metrics.jsonl` gains one line per step (~0.9 KB here) by "
-        "design. Raw samples: `benchmarks/results/soak.json`.",
-        "<!-- soak:end -->",
-    ]
-    return "\n".join(lines)
+    order = sorted(runs.values(), key=lambda r: r["job"]["steps"])
+    mi = order[0]["machine"]
+    return render("soak", summary=order[0]["job"]["summary"], window=f"{WINDOW:.0%}",
+                  tolerance=f"{TOLERANCE:.0%}", settle=f"{SERVER_SETTLE_S:g}",
+                  python=mi["python"], torch=mi["torch"],
+                  nats_server=mi.get("nats-server") or "no nats-server",
+                  verdicts="; ".join(verdict(r) for r in order),
+                  table=table(["run", "resource", "first", "last", "change",
+                               "range after warm-up", "result"],
+                              [row for r in order for row in run_rows(r)]))
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -487,8 +422,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", action="store_true",
                    help="only rewrite the README section from results/soak.json")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    from readme_section import replace_section
 
     def stored() -> dict:
         try:
@@ -505,10 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     steps = 60 if args.quick else args.steps
     every = args.every or max(1, steps // 100)
-    mi = machine()
+    mi = machine_info()
     with tempfile.TemporaryDirectory(prefix="rollart-soak-") as tmp:
         res = run_soak(steps, every, args.nats, args.events_max_bytes, Path(tmp))
-    mi["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    mi["loadavg_end"] = loadavg()
     bus = ("in-process bus" if args.nats == "memory" else
            f"nats-server at {args.nats}" if args.nats else "embedded nats-server")
     summary = ("tiny model h32 l1 v512, 1 torch thread; FrozenLake 4x4 fixed map, max_turns 2; "
@@ -521,14 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         **res,
         "analysis": analyse(res, steps, args.events_max_bytes),
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2, ensure_ascii=False))
     if not (args.quick or args.no_write):
         runs = stored()  # one entry per (steps, bus): a longer run sits next to the default one
         runs[f"{steps}-{args.nats or 'embedded'}"] = result
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-        replace_section("soak", readme_section(runs))
-        say(f"wrote {RESULTS.relative_to(ROOT)} and the soak section of benchmarks/README.md")
+        store(RESULTS, {"runs": runs}, "soak", readme_section(runs))
+        say(f"wrote {RESULTS} and the soak section of the README")
     return 0
 
 

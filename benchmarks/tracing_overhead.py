@@ -21,20 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
 import learning  # noqa: E402  (benchmarks/ is not a package)
-from readme_section import markers, replace_section  # noqa: E402
+from common import (RESULTS as RESULTS_DIR, describe_machine, finish, in_turn, loadavg, machine,
+                    render, replace_section, table)
 
-RESULTS = HERE / "results" / "tracing.json"
+RESULTS = RESULTS_DIR / "tracing.json"
 VARIANTS = ("alpha1", "alpha1-traced")
 
 
@@ -86,57 +82,25 @@ def _median(xs: list) -> float | None:
 
 
 def section(results: dict) -> str:
-    begin, end = markers("tracing")
     v = results["variants"]
-    base, traced = v["alpha1"], v["alpha1-traced"]
-    lines = [
-        begin,
-        "## Tracing overhead: exporter `none` against `jsonl` (`tracing_overhead.py`)",
-        "",
-        f"`python benchmarks/tracing_overhead.py [--quick] [--steps N] [--repeats R]` runs the "
-        f"learning job (`{results['config']}`, α = 1, MemoryBus, {results['steps']} steps) with "
-        "tracing off and with `tracing: {exporter: jsonl}` (spans of every trajectory, turn, "
-        "engine batch and trainer step, plus the OpenTelemetry metrics), each in a fresh process, "
-        "interleaved, and compares seconds per step (setup excluded).",
-        "",
-        f"Last run {results['timestamp']}: {results['machine']['cpu_count']} CPUs, load "
-        f"{results['machine']['loadavg_start'][0]} at start; median of {results['repeats']} runs "
-        "each (every run in brackets).",
-        "",
-        "| Variant | s/step | CPU s/step | spans per step | traces.jsonl | others' cores |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for name in VARIANTS:
-        r = v[name]
-        runs = r["runs"]
-        each = ", ".join(f"{x['s_per_step']}" for x in runs)
+        runs = v[name]["runs"]
         mb = _median([x.get("traces_mb") for x in runs])
-        lines.append(
-            f"| {r['label']} | {r['s_per_step']} ({each}) | {r['cpu_s_per_step']} | "
-            f"{_median([x.get('spans_per_step') for x in runs]) or '–'} | "
-            f"{f'{mb} MB' if mb is not None else '–'} | "
-            f"{_median([x.get('others_cores_busy') for x in runs])} |")
-    ratio = results["ratio_s_per_step"]
-    off = results["off"]
-    spans = _median([x.get("spans_per_step") for x in traced["runs"]]) or 0
-    off_s = spans * off["span_ns"] * 1e-9
-    off_note = (f"Off, a span site costs {off['span_ns']} ns and a metric call {off['metric_ns']} ns "
-                f"(measured in-process); at {spans:.0f} span sites per step that is "
-                f"{off_s * 1e6:.0f} µs per step, {off_s / base['s_per_step'] * 100:.3f}% of a step: "
-                "nothing measurable. ")
-    lines += [
-        "",
-        f"Traced / untraced, s/step: **{ratio}** (median of per-round ratios; each round: "
-        f"{', '.join(str(x) for x in results['round_ratios'])}). "
-        + off_note + "Off (`exporter: none`, the default) installs no SDK: every helper is one "
-        "`None` check (tests/telemetry/test_tracing.py checks that nothing is installed). "
-        "`tracing.sample` below 1 writes only that share of the trees (its cost is not "
-        "measured here).",
-        "",
-        "Raw numbers: `benchmarks/results/tracing.json`.",
-        end,
-    ]
-    return "\n".join(lines)
+        rows.append([v[name]["label"],
+                     f"{v[name]['s_per_step']} ({', '.join(str(x['s_per_step']) for x in runs)})",
+                     v[name]["cpu_s_per_step"], _median([x.get("spans_per_step") for x in runs]),
+                     None if mb is None else f"{mb} MB",
+                     _median([x.get("others_cores_busy") for x in runs])])
+    spans = _median([x.get("spans_per_step") for x in v["alpha1-traced"]["runs"]]) or 0
+    off_s = spans * results["off"]["span_ns"] * 1e-9
+    return render("tracing", config=results["config"], steps=results["steps"],
+                  repeats=results["repeats"], ratio=results["ratio_s_per_step"],
+                  span_ns=results["off"]["span_ns"],
+                  off_share=f"{off_s / v['alpha1']['s_per_step'] * 100:.3f}",
+                  machine=describe_machine(results["machine"]), date=results["timestamp"][:10],
+                  table=table(["variant", "s/step", "CPU s/step", "spans per step", "traces.jsonl",
+                               "others' cores"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,18 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     learning._quiet()
     results: dict = {"benchmark": "tracing", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "config": args.config, "steps": args.steps, "repeats": args.repeats,
-                     "machine": {"cpu_count": os.cpu_count(),
-                                 "loadavg_start": [round(x, 2) for x in os.getloadavg()]}}
+                     "machine": machine()}
     runs: dict[str, list[dict]] = {n: [] for n in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="rollart-tracing-") as workdir:
         from rollart.engines.provision import model_dir
 
         model_dir(learning.job_config(args.config, run_dir=workdir, steps=args.steps))
         for k in range(args.repeats):
-            for name in (VARIANTS if k % 2 == 0 else VARIANTS[::-1]):
+            for name in in_turn(VARIANTS, k):
                 res = learning.run_variant(name, args, workdir, f"{name}-r{k}", k or None)
                 runs[name].append(one_run(res))
-    results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["machine"]["loadavg_end"] = loadavg()
     results["variants"] = {
         name: {"label": learning.VARIANTS[name]["label"], "runs": rs,
                "s_per_step": _median([r["s_per_step"] for r in rs]),
@@ -182,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                for b, t in zip(runs["alpha1"], runs["alpha1-traced"])]
     results["ratio_s_per_step"] = _median(results["round_ratios"])
     results["off"] = off_cost_ns()
-    print(json.dumps(results, indent=2))
-    if write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-        replace_section("tracing", section(results))
-        learning.say(f"wrote {RESULTS.relative_to(learning.ROOT)} and the tracing section of "
-                     "benchmarks/README.md")
-    return 0
+    return finish(results, write, RESULTS, "tracing", section, learning.say)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Prints JSON, writes ``results/trainer_ranks.json`` and its section of ``README.m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -28,18 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from readme_section import markers, replace_section
+from common import RESULTS, cpu_model, describe_machine, finish, render, table
 
 from rollart.algos.losses import LossConfig
 from rollart.engines.tiny import build_tiny_model
-from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample
-from rollart.engines.trainer_ranks import start_ranks
+from rollart.engines.torch_trainer import TorchTrainBackend
+from rollart.engines.train_samples import TrainSample
+from rollart.engines.rank_launch import start_ranks
 
 MODELS = {"quickstart tiny (h128, 4 layers)": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 256},
           "wider (h512, 6 layers)": {"hidden_size": 512, "num_layers": 6, "intermediate_size": 1408}}
@@ -90,36 +88,15 @@ def measure(model_dir: Path, steps: int, threads: int, logs: Path) -> dict:
 
 
 def section(res: dict) -> str:
-    begin, end = markers("trainer_ranks")
-    rows = "\n".join(
-        f"| {name} | {r['params'] / 1e6:.2f} M | {r['s_per_step_ws1']:.3f} | {r['s_per_step_ws2']:.3f} "
-        f"| **{r['speedup']:.2f}x** | {r['max_param_diff']:.1e} |" for name, r in res["models"].items())
-    return f"""{begin}
-## Trainer ranks: s/step at world size 1 vs 2 (`trainer_ranks.py`)
-
-`python benchmarks/trainer_ranks.py [--quick] [--steps K] [--threads T]` takes the same steps on
-a one-process trainer and on a `trainer.world_size: 2` group (rank 0 in the benchmark's
-process, rank 1 a child process, gloo over loopback), alternating between the two, {res['threads']}
-torch thread(s) per process. Batch: {res['samples']} samples shaped like the quickstart's
-(~110 prompt tokens, 8 single-token actions with 6 environment tokens after each;
-{res['tokens']} tokens), token-mean, AdamW. Median of {res['steps']} steps after a warm-up.
-
-Last run {res['when']}: {res['cpus']} CPUs ({res['cpu']}), load {res['load_start']:.2f} at start,
-{res['load_end']:.2f} at end, Python {res['python']}, torch {res['torch']}; total {res['total_s']:.0f} s.
-
-| model | parameters | world size 1 (s/step) | world size 2 (s/step) | speed-up | max param diff |
-|---|---:|---:|---:|---:|---:|
-{rows}
-
-Each rank computes half of the samples, then the gradients (one flat buffer) are all-reduced
-and every rank takes the same optimizer step; the last column is the largest parameter
-difference between the two trainers after all the steps (float round-off of summing the
-gradients in another order). On this shared 2-core machine two ranks can at best halve the
-compute, and only when the second core is free: the other jobs' load above decides how much
-of that shows. Starting the second rank (a Python process importing torch and loading the
-model) took {min(r['rank_start_s'] for r in res['models'].values()):.1f}-{max(r['rank_start_s'] for r in res['models'].values()):.1f} s.
-Raw numbers: `benchmarks/results/trainer_ranks.json`.
-{end}"""
+    rows = [[name, f"{r['params'] / 1e6:.2f} M", f"{r['s_per_step_ws1']:.3f}",
+             f"{r['s_per_step_ws2']:.3f}", f"{r['speedup']:.2f}x", f"{r['max_param_diff']:.1e}",
+             f"{r['rank_start_s']:.1f}"] for name, r in res["models"].items()]
+    return render("trainer_ranks", threads=res["threads"], samples=res["samples"],
+                  tokens=res["tokens"], steps=res["steps"], machine=describe_machine(res),
+                  date=res["when"][:10],
+                  table=table(["model", "parameters", "world size 1 (s/step)",
+                               "world size 2 (s/step)", "speed-up", "max param diff",
+                               "rank 1 start (s)"], rows))
 
 
 def main() -> None:
@@ -137,18 +114,13 @@ def main() -> None:
             md = build_tiny_model(Path(d) / name.split()[0], seed=0, **shape)
             out[name] = measure(md, steps, args.threads, Path(d) / "logs")
             print(name, {k: v for k, v in out[name].items() if not k.startswith("all_")}, file=sys.stderr)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = cpu_model() or ""
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(), "cpu": cpu,
            "load_start": load0, "load_end": os.getloadavg()[0], "python": platform.python_version(),
            "torch": torch.__version__, "threads": args.threads, "steps": steps,
            "samples": 64, "tokens": sum(len(s.token_ids) for s in batch()),
            "total_s": time.time() - t0, "models": out}
-    print(json.dumps(res, indent=2))
-    if not args.quick:
-        (HERE / "results").mkdir(exist_ok=True)
-        (HERE / "results" / "trainer_ranks.json").write_text(json.dumps(res, indent=2))
-        replace_section("trainer_ranks", section(res))
+    finish(res, not args.quick, RESULTS / "trainer_ranks.json", "trainer_ranks", section)
 
 
 if __name__ == "__main__":

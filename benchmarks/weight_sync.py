@@ -19,7 +19,7 @@ and dtype, in fresh child processes so that each peak RSS is its own:
   serving dtype, then each version assembled (fetch, check, decode into a staged file whose
   content digest must be the published one) and loaded, over each path: ``shm`` (the
   trainer's folder in ``/dev/shm``), ``tcp`` (the same folder served by
-  :class:`rollart.engines.weight_tcp.WeightServer`, read over loopback) and ``object``
+  :class:`rollart.engines.weight_tcp_server.WeightServer`, read over loopback) and ``object``
   (the NATS object store of an embedded server). Per version: fetch+assemble seconds, load
   seconds (the engine is paused for the load only: the generation pause of
   ``proxy.on_update: wait``), and the peak RSS above the RSS before.
@@ -45,8 +45,8 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from common import RESULTS, describe_machine, finish, render, replace_section, table
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -153,7 +153,7 @@ def trainer_child(model_dir: str, dtype: str, store: str, base_out: str, bucket_
 
     from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
     from rollart.engines.weight_staging import retire
-    from rollart.engines.weight_stream import DirBlobs
+    from rollart.engines.weight_blobs import DirBlobs
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -216,7 +216,7 @@ def generator_child(model_dir: str, dtype: str, transport: str, where: str, vers
     from rollart.engines.torch_engine import TorchGenerationEngine
     from rollart.engines.weight_decode import Assembled, assemble_version
     from rollart.engines.weight_staging import retire
-    from rollart.engines.weight_stream import DirBlobs, ObjectBlobs
+    from rollart.engines.weight_blobs import DirBlobs, ObjectBlobs
 
     eng = TorchGenerationEngine(model_dir, dtype=dtype, threads=2, kv_cache_mb=0)
     resident(eng.model)
@@ -227,7 +227,7 @@ def generator_child(model_dir: str, dtype: str, transport: str, where: str, vers
         if transport in ("shm", "file"):
             blobs = DirBlobs(where, reuse=True)
         elif transport == "tcp":
-            from rollart.engines.weight_tcp import TcpBlobs, parse_tcp_uri
+            from rollart.engines.weight_tcp_client import TcpBlobs, parse_tcp_uri
 
             host, port, token, _ = parse_tcp_uri(where + "/x")
             blobs = TcpBlobs(host, port, token)
@@ -291,7 +291,7 @@ async def _copy_to_object_store(url: str, bucket: str, store: Path, names: list[
 
 def measure(size: str, dtype: str, model_dir: Path, bucket_mb: int, transports: list[str],
             lrs: list[float], optimizer: str) -> dict:
-    from rollart.engines.weight_stream import shm_dir
+    from rollart.engines.weight_blobs import shm_dir
 
     work = Path(tempfile.mkdtemp(prefix="rollart-bench-ws-"))
     # the store in /dev/shm (RAM) unless its versions would not fit beside the processes:
@@ -307,7 +307,7 @@ def measure(size: str, dtype: str, model_dir: Path, bucket_mb: int, transports: 
             if tp in ("shm", "file"):
                 where = str(store)
             elif tp == "tcp":
-                from rollart.engines.weight_tcp import WeightServer
+                from rollart.engines.weight_tcp_server import WeightServer
 
                 srv = WeightServer(store, host="127.0.0.1")
                 srv.start_sync()
@@ -339,115 +339,46 @@ def measure(size: str, dtype: str, model_dir: Path, bucket_mb: int, transports: 
 # The README section
 # ======================================================================================
 def section(res: dict) -> str:
-    from readme_section import markers
-
-    begin, end = markers("weight_sync")
     # the machine's limits: the better of the two measurements (start, end): a ratio to a
     # limit measured while something else ran would flatter the result
     tcp = max(res["tcp_gbps"], res.get("tcp_gbps_end", 0.0))
     mem = max(res["memcpy_gbps"], res.get("memcpy_gbps_end", 0.0))
-    rows, drows, targets = [], [], []
+    rows, targets = [], []
     for key, r in res["models"].items():
         size, dtype = key.split("/")
+        model = f"{size}B ({r['trainer']['params'] / 1e6:.0f} M)"
         tv = r["trainer"]["versions"]
-        first, full = tv[0], tv[-1]  # the first anchor (new pages) and the steady-state one
-        gb = full["full_bytes"] / 1e9
+        full = tv[-1]
         for tp, g in r["generators"].items():
-            g0, gl = g["versions"][0], g["versions"][-1]
-            serve = full["publish_s"] + gl["fetch_s"] + gl["load_s"]
-            rate = full["full_bytes"] / (gl["fetch_s"]) / 1e9
-            rows.append(f"| {size}B ({r['trainer']['params'] / 1e6:.0f} M) | {dtype} | {tp} | "
-                        f"{gb:.2f} | {full['publish_s']:.2f} | {gl['fetch_s']:.2f} | {gl['load_s']:.2f} | "
-                        f"{serve:.2f} | {rate:.2f} ({rate / tcp:.0%} of TCP) | "
-                        f"{first['publish_s']:.2f} / {g0['fetch_s']:.2f} | "
-                        f"{max(first['rss_above_mib'], full['rss_above_mib']):.0f} | "
-                        f"{max(x['rss_above_mib'] for x in g['versions']):.0f} |")
+            gl = g["versions"][-1]
+            rate = full["full_bytes"] / gl["fetch_s"] / 1e9
+            rows.append([model, dtype, "full", tp, f"{full['full_bytes'] / 1e9:.2f}",
+                         f"{full['publish_s']:.2f}", f"{gl['fetch_s']:.2f}", f"{gl['load_s']:.2f}",
+                         f"{full['publish_s'] + gl['fetch_s'] + gl['load_s']:.2f}",
+                         f"{rate:.2f} ({rate / tcp:.0%} of TCP)"])
+            extra = max(x["rss_above_mib"] for x in g["versions"]) / res["bucket_mb"]
+            rows[-1].append(f"{extra:.2f}")
+            targets += [(f"fetch {tp} {size}B {dtype}", rate / tcp >= 0.5),
+                        (f"memory {tp} {size}B {dtype}", extra <= 2.2)]
         for d in tv[1:-1]:
             gs = {tp: next(x for x in g["versions"] if x["version"] == d["version"])
                   for tp, g in r["generators"].items()}
-            tcp_g = gs.get("tcp") or next(iter(gs.values()))
-            drows.append(f"| {size}B | {dtype} | {d['lr']:g} | {d['changed']:.2%} | "
-                         f"{d['wire_bytes'] / 1e6:.2f} | {d['wire_bytes'] / d['full_bytes']:.1%} | "
-                         f"{d['publish_s']:.2f} | {tcp_g['fetch_s']:.2f} | {tcp_g['load_s']:.2f} |")
+            g = gs.get("tcp") or next(iter(gs.values()))
+            share = d["wire_bytes"] / d["full_bytes"]
+            rows.append([model, dtype, f"delta, lr {d['lr']:g} ({d['changed']:.1%} changed)", "tcp",
+                         f"{d['wire_bytes'] / 1e9:.3f} ({share:.1%})", f"{d['publish_s']:.2f}",
+                         f"{g['fetch_s']:.2f}", f"{g['load_s']:.2f}",
+                         f"{d['publish_s'] + g['fetch_s'] + g['load_s']:.2f}", None, None])
             if dtype == "bfloat16" and d["lr"] == QUICKSTART_LR:
-                opt = "SGD" if size == "1.5" else "AdamW"
-                targets.append((f"delta bytes / full, bf16, quickstart LR, one {opt} step, {size}B",
-                                d["wire_bytes"] / d["full_bytes"], "<= 10%", d["wire_bytes"] / d["full_bytes"] <= 0.10))
-        for tp in ("shm", "file", "tcp"):
-            if tp in r["generators"]:
-                gv = r["generators"][tp]["versions"]
-                rate = full["full_bytes"] / gv[-1]["fetch_s"] / 1e9
-                targets.append((f"full version fetch over {tp}, {size}B {dtype}", rate / tcp,
-                                ">= 50% of loopback TCP", rate / tcp >= 0.5))
-                bucket_mib = res["bucket_mb"]
-                extra = max(x["rss_above_mib"] for x in gv)
-                targets.append((f"generator extra memory in a load (any version), {tp}, {size}B {dtype}",
-                                extra / bucket_mib, "<= 2.2 buckets", extra <= 2.2 * bucket_mib))
-    trows = "\n".join(f"| {n} | {v:.1%} | {lim} | {'pass' if ok else '**fail**'} |"
-                      if "memory" not in n else
-                      f"| {n} | {v:.2f} buckets | {lim} | {'pass' if ok else '**fail**'} |"
-                      for n, v, lim, ok in targets)
-    return f"""{begin}
-## Weight sync: streamed versions, deltas, paths (`weight_sync.py`)
-
-`python benchmarks/weight_sync.py [--quick] [--sizes 0.1,0.5,1.5] [--bucket-mb {res['bucket_mb']}]`
-publishes versions of random-init Qwen3-layout models (the tiny builder's 512-token vocabulary
-with the layers of the 76M model of NOTES.md, of Qwen3-0.6B and of Qwen3-1.7B) with
-`trainer.sync.format: stream` ({res['bucket_mb']} MiB buckets) and loads them into rollart's torch
-engine in another process over three paths: `shm` (`trainer.weights: shm`, the folder in
-`/dev/shm`), `tcp` (`trainer.weights: tcp`, that folder served by the trainer's weight server
-over loopback) and `object` (`trainer.weights: object`, the NATS object store of an embedded
-server; not for 1.5B); for the 1.5B model in fp32, whose versions would not fit in `/dev/shm`
-beside the processes, `file` (the folder on disk, `trainer.weights: file`) instead of `shm`. Version 0 is a full anchor; then, from version 0's weights, one real optimizer step
-({res['optimizer']}) per learning rate, each published as a delta over version 0. Trainer and
-generator run in fresh child processes, one after the other (2 torch threads each); "RSS above"
-is the peak resident memory during the publish or the load above the RSS just before it.
-
-Last run {res['when']}: {res['cpus']} CPUs, load {res['load_start']:.2f} at start, {res['load_end']:.2f}
-at end, Python {res['python']}, torch {res['torch']}; total {res['total_s']:.0f} s.
-Machine limits measured in the same run, before and after (the better one is the limit):
-memcpy **{mem:.1f} GB/s**, loopback TCP **{tcp:.2f} GB/s** ({res['tcp_gbps']:.2f} and
-{res.get('tcp_gbps_end', 0.0):.2f}).
-
-Full versions: the anchor published after the deltas, when trainer and generator each have a
-spare staged file to write over (the steady state; *first* is version 0, written into new
-pages). *publish*: the trainer casts, encodes and writes every bucket and the manifest, and its
-serving-dtype base file; *fetch*: the generator fetches and checks every bucket, writes it into
-its staged file and checks the content digest; *load*: the engine copies the staged file into
-its weights (the only time generation pauses, `proxy.on_update: wait`); *served*: publish +
-fetch + load. RSS above: the largest over all versions.
-
-| model | serving dtype | path | GB | publish s | fetch s | load s | served s | fetch GB/s | first: publish / fetch s | trainer RSS above MiB | generator RSS above MiB |
-|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-{chr(10).join(rows)}
-
-Deltas after one step (fetch and load over `tcp`):
-
-| model | serving dtype | lr | elements changed | wire MB | wire / full | publish s | fetch s | load s |
-|---|---|---:|---:|---:|---:|---:|---:|---:|
-{chr(10).join(drows)}
-
-| Target | Value | Limit | Result |
-|---|---:|---|---|
-{trows}
-
-What the rows say. Over `shm` a full version reaches the generator at about half of loopback
-TCP: what bounds it is one pass of SHA-256 over the version (the content digest, ~1.5 GB/s
-here, in its own thread) beside the file writes, on two shared cores. Over `tcp` the
-receive adds a copy through the socket on the same two cores (35-42%). The object store is
-nats-py's chunked transfer (7-9%). The 1.5B fp32 versions (5.6 GB, on disk because they do
-not fit in `/dev/shm` beside the processes) are bound by the disk (0.2-0.3 GB/s), not by
-rollart. A version written into new pages (the *first* column) runs at the page allocator's
-speed on this VM; later ones are written over the previous staged file's pages. Deltas:
-Adam's first step moves every weight by about the learning rate, so at the quickstart's
-3e-3 (15% of the init's 0.02 scale) every bf16 element changes and the XOR compresses only to
-~59%; at real fine-tuning rates (1e-6, 1e-5) 4% and 25% of the elements change and a delta is
-4.4% and 15% of full. The 1.5B rows use SGD (AdamW's state does not fit in 24 GiB beside the
-model): its step is the gradient times the rate, far smaller, hence 0.1% and 4%. fp32 deltas
-do not pay (every element changes its low bits).
-
-Raw numbers: `benchmarks/results/weight_sync.json`.
-{end}"""
+                targets.append((f"delta {size}B", share <= 0.10))
+    return render("weight_sync", bucket_mb=res["bucket_mb"], optimizer=res["optimizer"],
+                  memcpy=f"{mem:.1f}", tcp=f"{tcp:.2f}", torch=res["torch"],
+                  machine=describe_machine(res), date=res["when"][:10],
+                  passed=sum(ok for _, ok in targets), total=len(targets),
+                  failed=", ".join(n for n, ok in targets if not ok) or "none",
+                  table=table(["model", "serving dtype", "version", "path", "GB on the wire",
+                               "publish s", "fetch s", "load s", "served s", "fetch GB/s",
+                               "generator RSS above (buckets)"], rows))
 
 
 def main() -> None:
@@ -461,9 +392,7 @@ def main() -> None:
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.readme_only:
-        from readme_section import replace_section
-
-        replace_section("weight_sync", section(json.loads((HERE / "results" / "weight_sync.json").read_text())))
+        replace_section("weight_sync", section(json.loads((RESULTS / "weight_sync.json").read_text())))
         return
     if args.child:
         role, *rest = args.child
@@ -477,7 +406,6 @@ def main() -> None:
         return
 
     import torch
-    from readme_section import replace_section
 
     from rollart.engines.tiny import build_tiny_model
 
@@ -504,11 +432,7 @@ def main() -> None:
     res["load_end"] = os.getloadavg()[0]
     res["memcpy_gbps_end"], res["tcp_gbps_end"] = memcpy_gbps(), tcp_gbps()
     res["total_s"] = time.time() - t0
-    print(json.dumps(res, indent=2))
-    if not args.quick:
-        (HERE / "results").mkdir(exist_ok=True)
-        (HERE / "results" / "weight_sync.json").write_text(json.dumps(res, indent=2))
-        replace_section("weight_sync", section(res))
+    finish(res, not args.quick, RESULTS / "weight_sync.json", "weight_sync", section)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """rollart.aio: backoff, retry (budgets, default vs raise, what is retried, its log lines)
-and first_of (the winner, the losers cancelled and ended, a cancel of the caller)."""
+and first_of (the winner, the losers cancelled and ended, a cancel of the caller, a timeout)."""
 
 from __future__ import annotations
 
@@ -260,3 +260,29 @@ async def test_first_of_already_done_returns_at_once():
     other = asyncio.get_running_loop().create_future()
     done, pending = await first_of(f, other)
     assert done == {f} and pending == {other} and other.cancelled()
+
+
+async def test_first_of_timeout_ends_every_awaitable_and_returns_none_done():
+    started, ended = asyncio.Event(), []
+
+    async def waiter():
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append("waiter")
+
+    w = asyncio.ensure_future(waiter())
+    plain = asyncio.get_running_loop().create_future()
+    done, pending = await first_of(w, plain, timeout=0.01)
+    assert started.is_set()
+    assert done == set() and pending == {w, plain}
+    assert w.cancelled() and plain.cancelled()
+    assert ended == ["waiter"]  # its cleanup ran before first_of returned
+
+
+async def test_first_of_timeout_does_not_hide_a_winner_that_comes_in_time():
+    done, pending = await first_of(asyncio.sleep(0, "w"), asyncio.Event().wait(), timeout=60)
+    assert [f.result() for f in done] == ["w"]
+    (other,) = pending
+    assert other.cancelled()

@@ -87,14 +87,18 @@ async def retry(fn: Callable[[], Awaitable[T]], *,
         return out
 
 
-async def first_of(*aws: Awaitable[Any]) -> tuple[set[asyncio.Future], set[asyncio.Future]]:
-    """Wait until the first of ``aws`` (coroutines, tasks or futures) is done; cancel the
-    rest and wait until they have ended. Returns ``(done, cancelled)`` as the futures, so a
-    caller tells which finished (``fut.result()`` re-raises its error). If the caller is
-    cancelled while waiting, every one of ``aws`` is cancelled before the cancel goes on."""
+async def first_of(*aws: Awaitable[Any], timeout: float | None = None,
+                   ) -> tuple[set[asyncio.Future], set[asyncio.Future]]:
+    """Wait until the first of ``aws`` (coroutines, tasks or futures) is done, or
+    ``timeout`` seconds (None: no limit); cancel the rest and wait until they have ended.
+    Returns ``(done, cancelled)`` as the futures, so a caller tells which finished
+    (``fut.result()`` re-raises its error); ``done`` is empty when the time ran out. If the
+    caller is cancelled while waiting, every one of ``aws`` is cancelled before the cancel
+    goes on."""
     futs = [asyncio.ensure_future(a) for a in aws]
     try:
-        done, pending = await asyncio.wait(futs, return_when=asyncio.FIRST_COMPLETED)
+        done, pending = await asyncio.wait(futs, timeout=timeout,
+                                           return_when=asyncio.FIRST_COMPLETED)
     finally:
         rest = [f for f in futs if not f.done()]
         for f in rest:

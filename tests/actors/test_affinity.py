@@ -43,14 +43,14 @@ def record(env) -> list[tuple[str, int, str]]:
     """``(traj_id, turn, replica)`` of every turn the EnvManager ``env`` generates, in order
     (``GenerateResult.replica``: the LLMProxy's actor name)."""
     served: list[tuple[str, int, str]] = []
-    generate = env._generate
+    generate = env.generate
 
     async def recorded(req, cfg, tr, legal, turn=1):
         out = await generate(req, cfg, tr, legal, turn)
         served.append((req.traj_id, turn, out[0].replica))
         return out
 
-    env._generate = recorded
+    env.generate = recorded
     return served
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from rollart import messages as m
 from rollart.actors.groups.admission import MAX_MOVES, Admission, member_id, member_slot
-from rollart.actors.groups.ledger import Group
+from rollart.actors.groups.ledger import HeldGroup
 from rollart.config import ConfigError, RunConfig, convert
 from rollart.node import Node
 from rollart.node.build import build_actors, rollout_actors
@@ -84,7 +84,7 @@ def test_admission_takes_moved_copies_only(tail, ok):
 
 
 def test_a_moved_member_counts_once_in_the_group():
-    g = Group(index=1)
+    g = HeldGroup(index=1, need=2, size=3)
     loop = asyncio.new_event_loop()
     try:
         fut = loop.create_future()
@@ -100,7 +100,7 @@ def test_a_moved_member_counts_once_in_the_group():
 
 
 def pools_of(sched) -> collections.Counter:
-    return collections.Counter({p: n for p, n in sched.sent_to.items() if n})
+    return collections.Counter({p: n for p, n in sched.pools.sent_to.items() if n})
 
 
 async def test_one_process_run_spreads_over_both_env_pools(memory_bus_only, tiny_model):
@@ -117,7 +117,7 @@ async def test_one_process_run_spreads_over_both_env_pools(memory_bus_only, tiny
     assert s["completed"] == 8 and s["dead"] == 0 and s["moved"] == 0, s
     sent = pools_of(sched)
     assert sent["a"] == sent["b"] == 4, sent  # no heartbeats: both count as live, taken in turn
-    assert all(n == 0 for n in sched.open_in.values()), sched.open_in
+    assert all(n == 0 for n in sched.pools.open_in.values()), sched.pools.open_in
     assert {e.pool: e.stats.get("completed", 0) for e in envs} == {"a": 4, "b": 4}
 
 
@@ -157,18 +157,18 @@ async def test_a_pool_that_loses_its_node_leaves_its_work_to_the_other(nats_bus,
                     deadline=30, what="the scheduler to see pool b's node",
                     state=lambda: sched.pool_watch and sched.pool_watch.seen)
         await until(lambda: env_b.stats.get("completed", 0) >= 1 and started[0] >= 2
-                    and sched.open_in["b"] >= 2,
+                    and sched.pools.open_in["b"] >= 2,
                     deadline=120, what="pool b to finish one trajectory and hold the next",
-                    state=lambda: (sched.sent_to, sched.open_in, env_b.stats, started[0]))
+                    state=lambda: (sched.pools.sent_to, sched.pools.open_in, env_b.stats, started[0]))
         assert env_b.stats.get("completed", 0) == 1, env_b.stats
         await asyncio.wait_for(node_b.stop_and_drain(), 30)
         await until(lambda: "b" in sched.pool_watch.missing, deadline=30,
                     what="pool b reported without a live node", state=lambda: sched.summary())
         await asyncio.wait_for(sched.all_done.wait(), 180)
     s = sched.summary()
-    assert s["moved"] >= 1, (s, sched.sent_to)
+    assert s["moved"] >= 1, (s, sched.pools.sent_to)
     assert s["completed"] == 12 and s["dead"] == 0, s
     ids = [r.traj_id for r in sched.results]
     assert any("+1" in t for t in ids), ids
     assert len({member_slot(t) for t in ids}) == len(ids) == 12, ids
-    assert all(n == 0 for n in sched.open_in.values()), sched.open_in
+    assert all(n == 0 for n in sched.pools.open_in.values()), sched.pools.open_in

@@ -14,7 +14,8 @@ from rollart import messages as m
 from rollart.actors.kernel.base import Actor, Reject, serve
 from rollart.actors.kernel.service import ERROR_KIND_HEADER, REPLICA_HEADER
 from rollart.actors.kernel import service_client
-from rollart.actors.kernel.service_client import ProgressReporter, ServiceClient
+from rollart.actors.kernel.service_client import ServiceClient
+from rollart.actors.kernel.progress import ProgressReporter
 from rollart.bus.codec import encode
 from rollart.node import Node
 from tests.actors.sample_actors import new_run

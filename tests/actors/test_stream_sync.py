@@ -102,7 +102,7 @@ async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp
         assert srv.served > 0
         port = srv.port
         await trainer.weights.close()  # the trainer's teardown stops its weight server
-        from rollart.engines.weight_tcp import fetch_blob
+        from rollart.engines.weight_tcp_client import fetch_blob
 
         with pytest.raises(OSError, match="cannot reach the trainer's weight server"):
             fetch_blob("127.0.0.1", port, "t", "x", stall_s=2.0)

@@ -146,7 +146,7 @@ class _Session:
         self.refused: list[str] = []
 
     async def complete(self, body: dict) -> dict:
-        from rollart.agents.endpoint import EndpointError
+        from rollart.agents.chat_request import EndpointError
 
         if body["messages"][-1]["content"] == "bad":
             raise EndpointError(400, "messages[0] differs from the previous request")

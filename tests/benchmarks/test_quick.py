@@ -20,8 +20,10 @@ BENCH = ROOT / "benchmarks"
 pytestmark = pytest.mark.bench
 
 QUICK = sorted(p.stem for p in BENCH.glob("*.py")
-               if "--quick" in p.read_text() and p.stem not in ("gpu_check",))
-"""Scripts with a ``--quick`` mode (gpu_check needs a GPU: it says so and exits)."""
+               if "--quick" in (text := p.read_text()) and '__name__ == "__main__"' in text
+               and p.stem not in ("gpu_check",))
+"""Scripts with a ``--quick`` mode (gpu_check needs a GPU: it says so and exits; ``common`` is
+the scripts' shared module, not a script)."""
 
 
 def _stamps() -> dict[str, float]:

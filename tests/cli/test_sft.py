@@ -59,7 +59,7 @@ def test_sft_layout_is_the_rl_layout(tiny_model):
 
     from rollart.actors.env.chat import ChatFormat
     from rollart.app.demos import env_config, play_demo
-    from rollart.app.sft import conversation_layout, train_samples
+    from rollart.app.sft_data import conversation_layout, train_samples
     from rollart.envs import make_env
     from rollart.envs.demonstrators import make_demonstrator
 

@@ -47,7 +47,7 @@ async def test_quickstart_learns_with_lora(tmp_path):
     """``trainer.lora`` (adapters on the 7 projections and the head; base weights and
     embeddings frozen): the quickstart learns, every version published as an adapter file
     the generators apply."""
-    from rollart.config.pipeline import LoraConfig
+    from rollart.config.trainer import LoraConfig
     from rollart.engines.weight_files import read_header, weights_kind
 
     cfg = with_overrides(quickstart(tmp_path, "learn-lora", 1),
@@ -62,7 +62,7 @@ async def test_quickstart_learns_with_lora(tmp_path):
 async def test_quickstart_learns_with_streamed_deltas(tmp_path):
     """``trainer.sync.format: stream`` (deltas on, anchors every 8 versions): the quickstart
     learns the same, every version after the first assembled from a delta or a chain."""
-    from rollart.config.pipeline import SyncConfig
+    from rollart.config.trainer import SyncConfig
 
     cfg = with_overrides(quickstart(tmp_path, "learn-stream", 1), trainer={"sync": SyncConfig(format="stream")})
     assert cfg.trainer.sync.format == "stream" and cfg.trainer.sync.delta

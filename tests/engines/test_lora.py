@@ -192,7 +192,7 @@ def test_the_config_and_the_backend_factory(model_dir):
 def test_two_ranks_take_the_lora_step_of_one(model_dir, tmp_path):
     """For each aggregation: the adapters after one step at world size 2 equal world size 1's.
     B starts random (peft starts it at 0, where A's gradient is 0), so A and B both move."""
-    from rollart.engines.trainer_ranks import start_ranks
+    from rollart.engines.rank_launch import start_ranks
 
     kw = {**KW, "lr": 1e-3, "lora": LORA}
     ranked = start_ranks(model_dir, world_size=2, dist_timeout=60, log_dir=tmp_path, **kw)

@@ -40,7 +40,8 @@ from rollart.engines.megatron_trainer import (  # noqa: E402
     load_gpt_from_hf,
     setup_megatron,
 )
-from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, tensors_digest  # noqa: E402
+from rollart.engines.torch_trainer import TorchTrainBackend, tensors_digest  # noqa: E402
+from rollart.engines.train_samples import TrainSample  # noqa: E402
 
 # megatron-core's own deprecation notices (tp_group, ffn_hidden_size) on every forward
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron",
@@ -267,7 +268,7 @@ def test_parallel_sizes_are_checked(qwen3_dir):
 def test_config_keys_and_make_backend(tiny_model_dir):
     import msgspec
 
-    from rollart.config.pipeline import MegatronConfig, TrainerConfig
+    from rollart.config.trainer import MegatronConfig, TrainerConfig
     from rollart.engines.train_backends import make_backend
 
     assert TrainerConfig().backend == "torch"

@@ -9,7 +9,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from rollart.actors.kernel.policy import file_content_digest  # noqa: E402
 from rollart.algos.losses import LossConfig  # noqa: E402
-from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, _lr_factor  # noqa: E402
+from rollart.engines.torch_trainer import TorchTrainBackend, _lr_factor  # noqa: E402
+from rollart.engines.train_samples import TrainSample  # noqa: E402
 
 torch.set_num_threads(1)
 VOCAB = 64

@@ -20,7 +20,8 @@ pytest.importorskip("transformers")
 
 from rollart.algos.losses import LossConfig
 from rollart.engines.torch_trainer import TorchTrainBackend
-from rollart.engines.trainer_ranks import RankFailed, start_ranks
+from rollart.engines.trainer_ranks import RankFailed
+from rollart.engines.rank_launch import start_ranks
 from tests.engines.test_torch_trainer import _build, make_samples
 
 torch.set_num_threads(1)

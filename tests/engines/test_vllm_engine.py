@@ -107,7 +107,7 @@ async def use(eng, weights, name: str, version: int) -> None:
 
 def recompute(tr, prompt, resp, choices=None) -> list[float]:
     """The trainer's log-probs of `resp` after `prompt` (renormalised when constrained)."""
-    from rollart.engines.torch_trainer import TrainSample
+    from rollart.engines.train_samples import TrainSample
 
     ids = list(prompt) + list(resp)
     allowed = None

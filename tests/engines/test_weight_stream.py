@@ -19,7 +19,8 @@ from rollart.engines.digest import file_content_digest
 from rollart.engines.weight_decode import assemble_version
 from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
 from rollart.engines.weight_staging import SPARE, retire
-from rollart.engines.weight_stream import DirBlobs, StreamError, manifest_name, read_manifest
+from rollart.engines.weight_stream import StreamError, manifest_name, read_manifest
+from rollart.engines.weight_blobs import DirBlobs
 from tests.waiting import until_sync
 
 torch = pytest.importorskip("torch")
@@ -224,7 +225,7 @@ async def test_a_generator_killed_mid_assembly_leaves_a_temp_file_only(tiny_mode
     script = textwrap.dedent(f"""
         import asyncio, pathlib, threading
         from rollart.engines.weight_decode import assemble_version
-        from rollart.engines.weight_stream import DirBlobs
+        from rollart.engines.weight_blobs import DirBlobs
 
         class Slow(DirBlobs):
             n = 0

@@ -9,7 +9,9 @@ import socket
 
 import pytest
 
-from rollart.engines.weight_tcp import WeightServer, advertised_host, fetch_blob, parse_tcp_uri
+from rollart.engines.weight_tcp import advertised_host
+from rollart.engines.weight_tcp_client import fetch_blob, parse_tcp_uri
+from rollart.engines.weight_tcp_server import WeightServer
 from tests.waiting import until
 
 
@@ -90,7 +92,7 @@ def test_advertised_host_is_loopback_for_a_local_server():
 
 
 async def test_tcp_blobs_read_a_stream_folder(tmp_path):
-    from rollart.engines.weight_tcp import TcpBlobs
+    from rollart.engines.weight_tcp_client import TcpBlobs
 
     (tmp_path / "a").write_bytes(b"first" * 1000)
     (tmp_path / "b").write_bytes(b"second")

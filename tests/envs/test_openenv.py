@@ -24,14 +24,17 @@ WIN = ["R", "R", "D", "D", "D", "R"]  # the classic 4x4 map: S(0,0) .. G(3,3) ar
 
 
 class Server:
-    """``python -m tests.envs.openenv_server``, ready once its ``/health`` answers."""
+    """``python -m MODULE`` (the stand-in: :mod:`tests.envs.openenv_server`), ready once its
+    ``/health`` answers."""
+
+    MODULE = "tests.envs.openenv_server"
+    START = 60.0  # seconds it may take to print its port
 
     def __init__(self, *args: str) -> None:
         import httpx
 
-        self.proc = ReadProcess(["-m", "tests.envs.openenv_server", *args], cwd=ROOT,
-                                name="openenv server")
-        line = self.proc.line_with_sync("PORT ", deadline=60)
+        self.proc = ReadProcess(["-m", self.MODULE, *args], cwd=ROOT, name=self.MODULE)
+        line = self.proc.line_with_sync("PORT ", deadline=self.START)
         self.url = f"http://127.0.0.1:{int(line.split()[1])}"
 
         def healthy() -> bool:

@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 
 from rollart import messages as m
 from rollart.actors.env.chat import ChatFormat
-from rollart.agents.endpoint import MAX_DEPTH, AgentEndpoint, _depth, decode_request
+from rollart.agents.chat_request import MAX_DEPTH, decode_request, nesting_depth
+from rollart.agents.endpoint import AgentEndpoint
 from rollart.actors.env.agent_loop import AgentTrajectory
 from rollart.agents.threads import AgentThreads
 from rollart.config import RunConfig, convert
@@ -396,7 +397,7 @@ async def test_a_long_request_is_tokenised_off_the_event_loop(tiny_model):
     EnvManager's prompt thread, not on the event loop's."""
     import threading
 
-    from rollart.actors.env import agent_loop as trajectory as at
+    from rollart.actors.env import agent_loop as at
 
     class Chat(ChatFormat):
         threads: list[str] = []
@@ -409,7 +410,7 @@ async def test_a_long_request_is_tokenised_off_the_event_loop(tiny_model):
         chat = Chat(ChatFormat.load(tiny_model).tok)
         prompt_threads = AgentThreads(1, name="prompts")
 
-        async def _generate(self, req, cfg, tr, choice, turn, max_new_tokens=None):
+        async def generate(self, req, cfg, tr, choice, turn, max_new_tokens=None):
             return m.GenerateResult(token_ids=[5], logprobs=[-0.1], version=0), [], "p", -1
 
     cfg = make_cfg(tiny_model, "bad_tools", max_context_tokens=1 << 16).envs["main"]
@@ -459,7 +460,7 @@ BODIES = st.one_of(
 def test_fuzz_request_decoding(body):
     """Any bytes decode to a request or end in a named 400: never another exception, never
     deeper than MAX_DEPTH, never more memory than a bounded multiple of the body."""
-    from rollart.agents.endpoint import EndpointError
+    from rollart.agents.chat_request import EndpointError
 
     try:
         out = decode_request(body)
@@ -468,7 +469,7 @@ def test_fuzz_request_decoding(body):
             "the body is not JSON", "the request does not match the chat-completions contract",
             "the body is nested too deeply")), str(e)
     else:
-        assert isinstance(out["messages"], list) and _depth(out) <= MAX_DEPTH
+        assert isinstance(out["messages"], list) and nesting_depth(out) <= MAX_DEPTH
         assert len(msgspec.json.encode(out)) <= 4 * len(body) + 64
 
 
@@ -488,7 +489,7 @@ async def test_fuzz_the_endpoint_over_http(chat, tiny_model, body, key):
     class Mgr:
         prompt_threads = AgentThreads(1, name="prompts")
 
-        async def _generate(self, req, cfg, tr, choice, turn, max_new_tokens=None):
+        async def generate(self, req, cfg, tr, choice, turn, max_new_tokens=None):
             return m.GenerateResult(token_ids=chat.encode("ok"), logprobs=[-0.1] * len(
                 chat.encode("ok")), version=0), [], "p", -1
 

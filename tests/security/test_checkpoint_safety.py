@@ -74,7 +74,7 @@ def test_a_pickle_checkpoint_in_the_run_folder_is_refused_not_loaded(tmp_path):
     files.make()
     (files.path / "checkpoints" / "latest.pt").write_bytes(_pickled_checkpoint(marker))
     with pytest.raises(ValueError, match=r"latest\.pt is a full checkpoint in the old pickle "
-                                         r"format.*python -m rollart\.actors\.trainer_files"):
+                                         r"format.*python -m rollart\.actors\.trainer\.files"):
         checkpoint_version(files.path)
     with pytest.raises(ValueError, match="old pickle format"):
         files.load_checkpoint()

@@ -187,7 +187,7 @@ async def test_forgeries_change_nothing_in_a_live_training_run(nats_server, tiny
 
             # 4. a core CancelGroup for a group in flight
             flying = [gid for gid, g in sched.groups.items()
-                      if not g.done and gid not in ("g000006", "g000007")]
+                      if not g.ready and gid not in ("g000006", "g000007")]
             target = flying[-1] if flying else "g000005"
             await evil.publish_core(m.subject(run, "rollout.cancel"),
                                     encode(m.CancelGroup(group_id=target, reason="forged")))

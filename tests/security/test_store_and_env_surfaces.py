@@ -28,8 +28,8 @@ from rollart import messages as m
 from rollart.actors.kernel import payloads
 from rollart.bus.codec import encode
 from rollart.bus.nats import NatsBus
-from rollart.envs import openenv
 from rollart.envs.openenv import OpenEnvEnv
+from rollart.envs.openenv_wire import OpenEnvWire
 from rollart.security import permissions as P
 
 TOKEN = st.from_regex(r"[A-Za-z0-9_-]{1,24}", fullmatch=True)
@@ -403,8 +403,8 @@ async def test_openenv_websocket_messages_are_bounded():
         async with websockets.asyncio.server.serve(handler, "127.0.0.1", 0) as ws_srv:
             port = ws_srv.sockets[0].getsockname()[1]
             env = await asyncio.to_thread(http_env, http_srv)
-            env.url = f"http://127.0.0.1:{port}"  # the session goes to the hostile one
-            env.transport, env._ws_lib = "ws", openenv._websockets()
+            env._wire = OpenEnvWire(  # the session goes to the hostile one
+                f"http://127.0.0.1:{port}", "ws", env.timeout, env.max_response_bytes)
             try:
                 with pytest.raises(RuntimeError, match="max_response_bytes"):
                     await env.reset(1)

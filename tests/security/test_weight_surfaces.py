@@ -34,24 +34,19 @@ from rollart.engines.weight_decode import assemble_version
 from rollart.engines.weight_staging import SPARE
 from rollart.engines.weight_stream import (
     BucketEntry,
-    DirBlobs,
     Manifest,
     Span,
     StreamError,
     StreamLimits,
     StreamStats,
     TensorSpec,
-    blobs_for_uri,
     manifest_name,
     read_manifest,
 )
-from rollart.engines.weight_tcp import (
-    TOKEN_OBJECT,
-    TcpBlobs,
-    WeightServer,
-    fetch_blob,
-    parse_tcp_uri,
-)
+from rollart.engines.weight_blobs import DirBlobs, blobs_for_uri
+from rollart.engines.weight_tcp import TOKEN_OBJECT
+from rollart.engines.weight_tcp_client import TcpBlobs, fetch_blob, parse_tcp_uri
+from rollart.engines.weight_tcp_server import WeightServer
 from tests.waiting import until, until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,7 +227,8 @@ _HWM = textwrap.dedent("""
     from pathlib import Path
     import msgspec, numpy, xxhash, zstandard
     from rollart.engines.weight_decode import assemble_version
-    from rollart.engines.weight_stream import DirBlobs, StreamError
+    from rollart.engines.weight_blobs import DirBlobs
+    from rollart.engines.weight_stream import StreamError
 
     def hwm():
         for line in open("/proc/self/status"):
@@ -278,7 +274,7 @@ def test_a_small_manifest_cannot_make_the_decoder_allocate_its_sizes(tmp_path):
 
 
 def test_the_caps_come_from_the_sync_settings():
-    from rollart.config.pipeline import SyncConfig
+    from rollart.config.trainer import SyncConfig
 
     lim = StreamLimits.of(SyncConfig(bucket_mb=8))
     assert lim.bucket_bytes == 16 << 20  # twice bucket_mb by default
@@ -357,7 +353,7 @@ async def test_tcp_blobs_bound_a_bucket_by_its_manifest_entry(tmp_path):
 
 
 async def test_object_blobs_bound_a_bucket_by_its_manifest_entry(memory_bus_only):
-    from rollart.engines.weight_stream import ObjectBlobs
+    from rollart.engines.weight_blobs import ObjectBlobs
 
     store = await memory_bus_only.object_store("B")
     await store.put("b", b"x" * 5000)
@@ -383,7 +379,7 @@ async def test_the_weight_server_binds_the_advertised_address_by_default(tmp_pat
 
 
 def test_the_sync_settings_bind_the_advertised_address_unless_told():
-    from rollart.config.pipeline import SyncConfig
+    from rollart.config.trainer import SyncConfig
 
     assert SyncConfig().host == ""
 

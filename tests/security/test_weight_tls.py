@@ -21,16 +21,11 @@ from hypothesis import strategies as st
 
 from rollart import messages as m
 from rollart.config import NatsConfig, NatsTlsConfig, RunConfig, convert
-from rollart.engines.weight_stream import StreamError, blobs_for_uri
-from rollart.engines.weight_tcp import (
-    TOKEN_OBJECT,
-    WeightAccess,
-    WeightServer,
-    fetch_blob,
-    read_access,
-    tls_wanted,
-    token_reader,
-)
+from rollart.engines.weight_stream import StreamError
+from rollart.engines.weight_blobs import blobs_for_uri
+from rollart.engines.weight_tcp import TOKEN_OBJECT, WeightAccess, read_access, tls_wanted
+from rollart.engines.weight_tcp_client import fetch_blob, token_reader
+from rollart.engines.weight_tcp_server import WeightServer
 from rollart.engines.weight_tls import PinMismatch, server_context
 from tests.waiting import until, until_sync
 
@@ -86,7 +81,7 @@ async def test_a_version_travels_over_tls_and_is_assembled_unchanged(tmp_path, m
 
     from rollart.engines.weight_decode import assemble_version
     from rollart.engines.weight_encode import TorchTensors, write_version
-    from rollart.engines.weight_stream import DirBlobs
+    from rollart.engines.weight_blobs import DirBlobs
 
     bus, run = memory_bus_only, "tlsrun"
     root = tmp_path / "stream"

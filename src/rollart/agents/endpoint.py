@@ -29,9 +29,10 @@ run does not control, so the server bounds what a peer can hold before it is tru
 - Size: a head is at most 16 KiB (h11's bound), a body ``max_request_bytes``: a larger
   ``Content-Length`` is answered 413 before any of it is read, a chunked body once it
   passes the bound.
-- Shape: the body is decoded by msgspec into :class:`ChatRequest` (unknown fields are
-  ignored, as a wire type should): bad JSON, a wrong type, an integer beyond 64 bits or
-  nesting deeper than :data:`MAX_DEPTH` is a 400 that names it, and the trajectory is
+- Shape: the body is decoded by msgspec into
+  :class:`~rollart.agents.chat_request.ChatRequest` (unknown fields are ignored, as a wire
+  type should): bad JSON, a wrong type, an integer beyond 64 bits or nesting deeper than
+  :data:`~rollart.agents.chat_request.MAX_DEPTH` is a 400 that names it, and the trajectory is
   dead-lettered as ``agent_contract``. Nothing is ever unpickled or evaluated.
 - The trajectory's key is compared as bytes, so a non-ASCII one is a 404, not a crash.
 
@@ -50,17 +51,14 @@ import resource
 import secrets
 import socket
 import time
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-import msgspec
+from rollart.agents.chat_request import EndpointError, decode_request
 
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "rollart-policy"
 """The model id ``GET /v1/models`` names (requests may name any model)."""
-MAX_DEPTH = 32
-"""Deepest nesting of lists and objects a request may have (a tool's JSON schema is the
-deepest part of a real one): deeper input is refused before the chat template renders it."""
 MAX_HEAD_BYTES = 16 * 1024
 """Largest request head (request line and headers) read."""
 ACCEPT_BATCH = 64
@@ -68,112 +66,6 @@ ACCEPT_BATCH = 64
 one go before any of them runs ``connection_made`` (where the cap evicts): a flood is taken
 in batches this size, so the open files stay near the cap (at uvicorn's 2,048, 1,100 idle
 connections took every file of a process at the usual 1,024)."""
-UNSET: Any = msgspec.UNSET
-
-
-class EndpointError(Exception):
-    """An error answered to the agent: HTTP ``status`` with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.kind = status, kind
-
-
-class TextPart(msgspec.Struct):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(msgspec.Struct):
-    name: str
-    arguments: str | dict[str, Any] = UNSET
-
-
-class ToolCall(msgspec.Struct, kw_only=True):  # kw_only: fields in OpenAI's order
-    id: str = UNSET
-    type: str = UNSET
-    function: FunctionCall
-
-
-class Message(msgspec.Struct):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = UNSET
-    name: str = UNSET
-    tool_calls: list[ToolCall] | None = UNSET
-    tool_call_id: str = UNSET
-
-
-class FunctionDef(msgspec.Struct):
-    name: str
-    description: str | None = UNSET
-    parameters: dict[str, Any] = UNSET
-    strict: bool | None = UNSET
-
-
-class Tool(msgspec.Struct, kw_only=True):
-    type: Literal["function"] = UNSET
-    function: FunctionDef
-
-
-class StructuredOutputs(msgspec.Struct):
-    choice: list[str] | None = UNSET
-
-
-class ChatRequest(msgspec.Struct):
-    """The part of an OpenAI chat-completions request the endpoint reads, as types: a
-    field that is not one of these is ignored, a field of the wrong type refuses the
-    request. Optional fields stay absent when absent (``UNSET``), so what the chat template
-    renders is what the agent sent."""
-
-    messages: list[Message]
-    model: str = UNSET
-    tools: list[Tool] | None = UNSET
-    max_tokens: int | None = UNSET
-    max_completion_tokens: int | None = UNSET
-    n: int | None = UNSET
-    logprobs: bool | None = UNSET
-    stream: bool | None = UNSET
-    return_token_ids: bool | None = UNSET
-    guided_choice: list[str] | None = UNSET
-    structured_outputs: StructuredOutputs | None = UNSET
-
-
-_DECODER = msgspec.json.Decoder(ChatRequest)
-
-
-def decode_request(data: bytes) -> dict:
-    """The request ``data`` as plain Python objects, or :class:`EndpointError` (400) naming
-    what is wrong with it: not JSON, the wrong shape (with msgspec's path to the field),
-    numbers out of range, nesting deeper than :data:`MAX_DEPTH`."""
-    try:
-        req = _DECODER.decode(data)
-    except msgspec.ValidationError as e:
-        raise EndpointError(400, f"the request does not match the chat-completions "
-                                 f"contract: {e}") from None
-    except msgspec.DecodeError as e:
-        raise EndpointError(400, f"the body is not JSON: {e}") from None
-    except RecursionError:
-        raise EndpointError(400, f"the body is nested too deeply (at most {MAX_DEPTH} "
-                                 f"levels)") from None
-    body = msgspec.to_builtins(req)
-    if _depth(body) > MAX_DEPTH:
-        raise EndpointError(400, f"the body is nested too deeply (at most {MAX_DEPTH} levels)")
-    return body
-
-
-def _depth(obj: Any) -> int:
-    """How deep lists and dicts nest in ``obj`` (iteratively: no recursion limit to hit)."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, dict):
-            o = o.values()
-        elif not isinstance(o, list):
-            continue
-        deepest = max(deepest, d)
-        if d <= MAX_DEPTH:  # past it the answer is known: do not walk further down
-            stack.extend((x, d + 1) for x in o)
-    return deepest
 
 
 class Session(Protocol):

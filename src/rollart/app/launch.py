@@ -47,6 +47,7 @@ def checkpoint_version(run_path: Path) -> int | None:
     """The policy version a resume of a run folder continues from (its durable state's, which
     may be ahead of the full checkpoint: :mod:`rollart.actors.trainer.checkpoint`); None: no
     checkpoint yet."""
+    # deferred: a node that hosts no trainer imports nothing of the trainer role
     from rollart.actors.trainer.files import RunFiles
 
     return RunFiles(run_path).durable_version()
@@ -120,7 +121,7 @@ async def drive_training(bus, cfg: RunConfig, node, trainer, sched=None, *, prox
         ev = asyncio.ensure_future(
             evaluate(bus, cfg, trainer.version, cfg.trainer.eval_groups, proxies, pool=pool))
         stop = asyncio.ensure_future(node.wait())  # SIGINT/SIGTERM stop it too
-        won, _ = await first_of(ev, stop, asyncio.sleep(cfg.trainer.eval_timeout))
+        won, _ = await first_of(ev, stop, timeout=cfg.trainer.eval_timeout)
         if ev in won:
             try:
                 final = ev.result()

@@ -233,6 +233,7 @@ async def _until_end(bus: Bus, cfg, node: Node, *, serve: bool, embedded: bool) 
 async def _fetch_checkpoint(ns, cfg, run_path: Path) -> None:
     """``trainer.checkpoint_store: object``: a head whose run folder has no checkpoint takes
     the one in the run's object store (the head moved to this host)."""
+    # deferred: a node that hosts no trainer imports nothing of the trainer role
     from rollart.actors.trainer.checkpoint_store import fetch_checkpoint
     from rollart.actors.trainer.files import RunFiles
 
@@ -251,6 +252,7 @@ async def _fetch_checkpoint(ns, cfg, run_path: Path) -> None:
 
 def _rank_main(args) -> int:
     """``--roles trainer --rank R``: trainer rank R (:mod:`rollart.app.trainer_rank`)."""
+    # deferred: only a trainer rank (--rank) needs them; its module starts torch ranks
     from rollart.app.trainer_rank import run_rank
     from rollart.engines.provision import model_dir
 

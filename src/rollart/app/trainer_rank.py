@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_rank(rank: int, master: str, *, model_dir: str | None = None, parent: int | None = None) -> int:
     """Serve as trainer rank ``rank`` of the group at ``master``; the exit status."""
-    from rollart.engines.trainer_ranks import serve_rank  # optional dependency: torch
+    from rollart.engines.rank_launch import serve_rank  # optional dependency: torch
 
     try:
         return serve_rank(rank, master, model_dir=model_dir, parent=parent)

@@ -154,9 +154,17 @@ def _range_text(ge: Any = None, gt: Any = None, le: Any = None, lt: Any = None) 
 
 
 def checks(typ: type) -> dict[str, str]:
-    """Allowed values stated by ``typ.__post_init__``: ``{field: "in (0, 1]" | ">= 1" | ...}``,
-    read from its ``in_range(self, prefix, "names", ge=..)`` and ``subject_token(prefix, name,
-    ..)`` calls (also inside a ``for name in (...)`` loop)."""
+    """Allowed values stated by ``typ.__post_init__`` and those of the Structs it extends:
+    ``{field: "in (0, 1]" | ">= 1" | ...}``, read from their ``in_range(self, prefix, "names",
+    ge=..)`` and ``subject_token(prefix, name, ..)`` calls (also inside a ``for name in (...)``
+    loop)."""
+    out: dict[str, str] = {}
+    for klass in reversed(typ.__mro__):
+        out.update(_own_checks(klass))
+    return out
+
+
+def _own_checks(typ: type) -> dict[str, str]:
     fn = typ.__dict__.get("__post_init__")
     if fn is None:
         return {}

@@ -174,7 +174,16 @@ def describe(typ: type, indent: str = "") -> str:
 
 
 def field_docs(typ: type) -> dict[str, str]:
-    """Field docstrings: the string literal right after each field in the class body."""
+    """Field docstrings: the string literal right after each field in the class body, of
+    ``typ`` and of the Structs it extends (``TrainerConfig``'s keys live on its bases)."""
+    out: dict[str, str] = {}
+    for klass in reversed(typ.__mro__):
+        if klass is not msgspec.Struct and issubclass(klass, msgspec.Struct):
+            out.update(_own_field_docs(klass))
+    return out
+
+
+def _own_field_docs(typ: type) -> dict[str, str]:
     try:
         tree = ast.parse(inspect.getsource(typ))
     except (OSError, TypeError):

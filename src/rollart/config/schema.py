@@ -1,8 +1,8 @@
 """The whole run's config: :class:`RunConfig`, its sections and the checks that span them.
 
 Each section lives with its concern: :mod:`~rollart.config.deploy` (``actors:``, ``node:``),
-:mod:`~rollart.config.pipeline` (``model:``, ``envs:``, ``rollout:``, ``proxy:``, ``reward:``,
-``trainer:``), :mod:`~rollart.config.nats` (``nats:``), :mod:`~rollart.config.placement`
+:mod:`~rollart.config.pipeline` (``model:``, ``envs:``, ``rollout:``, ``proxy:``, ``reward:``),
+:mod:`~rollart.config.trainer` (``trainer:``), :mod:`~rollart.config.nats` (``nats:``), :mod:`~rollart.config.placement`
 (``pools:``, ``mapping:``, ``route:``) and :mod:`~rollart.config.tracing` (``tracing:``).
 The section types it uses stay importable from here too (``from rollart.config.schema import
 NodeConfig``, ``NatsTlsConfig``...), as they were when this module held them all; new code
@@ -24,10 +24,10 @@ from rollart.config.pipeline import (
     ProxyConfig,
     RewardConfig,
     RolloutConfig,
-    TrainerConfig,
 )
 from rollart.config.placement import PoolConfig, RouteRule, check_placement
 from rollart.config.tracing import TelemetryConfig, TracingConfig
+from rollart.config.trainer import TrainerConfig
 from rollart.config.urls import check_nats_url
 
 __all__ = [

@@ -27,12 +27,13 @@ import binascii
 import hashlib
 import json
 import os
-import stat
 import struct
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, BinaryIO, Union
 
 import msgspec
+
+from .safe_files import open_regular
 
 CODEC_FORMAT = 1
 META_KEY = "rollart.checkpoint"
@@ -148,6 +149,14 @@ def dumps(state: Any) -> bytes:
     return save(tensors, metadata=_metadata(record))
 
 
+def _sha256(f: BinaryIO) -> str:
+    """The SHA-256 (hex) of what is left in ``f``, read a MiB at a time."""
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
+    return h.hexdigest()
+
+
 def save_file(state: Any, path: Path) -> tuple[int, str]:
     """Write ``state`` to ``path`` atomically (a temp file, fsynced, renamed; the folder
     fsynced); returns its bytes and the SHA-256 (hex) of them."""
@@ -157,10 +166,8 @@ def save_file(state: Any, path: Path) -> tuple[int, str]:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     st_save(tensors, tmp, metadata=_metadata(record))
     del tensors
-    h = hashlib.sha256()
     with open(tmp, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+        digest = _sha256(f)
         os.fsync(f.fileno())
     size = tmp.stat().st_size
     os.replace(tmp, path)
@@ -169,7 +176,7 @@ def save_file(state: Any, path: Path) -> tuple[int, str]:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return size, h.hexdigest()
+    return size, digest
 
 
 def _check_header(head: bytes, total: int, what: str) -> None:
@@ -249,14 +256,6 @@ def loads(data: bytes, *, what: str = "checkpoint state") -> Any:
     return join(record, tensors, what)
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NOFOLLOW)) as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def load_file(path: Path, *, sha256: str, size: int) -> Any:
     """The tree in ``path``, only if its bytes are the ``size`` bytes of SHA-256 ``sha256``
     the trainer recorded (checked before anything in it is parsed); else
@@ -264,18 +263,18 @@ def load_file(path: Path, *, sha256: str, size: int) -> Any:
     from safetensors import safe_open  # optional dependency: the train extra
 
     try:
-        st = os.stat(path, follow_symlinks=False)
+        with open_regular(path, None, str(path), CheckpointRefused) as (fh, found):
+            if found != size:
+                raise CheckpointRefused(f"{path}: {found} bytes, the durable state recorded "
+                                        f"{size}")
+            if _sha256(fh) != sha256:
+                raise CheckpointRefused(f"{path}: its SHA-256 is not the one the durable state "
+                                        f"recorded (changed or replaced since the trainer wrote "
+                                        f"it)")
+            fh.seek(0)
+            _check_header(fh.read(8), size, str(path))
     except FileNotFoundError:
         raise CheckpointRefused(f"{path} is missing: the durable state names it") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointRefused(f"{path}: not a regular file")
-    if st.st_size != size:
-        raise CheckpointRefused(f"{path}: {st.st_size} bytes, the durable state recorded {size}")
-    if file_sha256(path) != sha256:
-        raise CheckpointRefused(f"{path}: its SHA-256 is not the one the durable state recorded "
-                                f"(changed or replaced since the trainer wrote it)")
-    with open(path, "rb") as f:
-        _check_header(f.read(8), size, str(path))
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             record = _record(f.metadata(), str(path))

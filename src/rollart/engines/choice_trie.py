@@ -1,6 +1,8 @@
 """The choice trie of a constrained row and its log-probs renormalised over the allowed
 tokens, for engines that sample it under a mask (no torch, no vLLM: the vLLM engine imports it
-everywhere, its logits processor in vLLM's worker).
+everywhere, its logits processor in vLLM's worker), and the allowed tokens after a prefix
+(:func:`allowed_after`), which the trainer uses to rebuild a constrained turn's masks without
+importing a generation engine.
 
 A trie maps a token id to the trie after it; a complete choice ends at an empty dict.
 """
@@ -11,7 +13,10 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-__all__ = ["accepted_prefix", "branch_ids", "choice_trie", "logsumexp", "renormalised_logprobs"]
+from .base import validate_choices
+
+__all__ = ["accepted_prefix", "allowed_after", "branch_ids", "build_choice_trie", "choice_trie",
+           "logsumexp", "renormalised_logprobs"]
 
 Trie = dict
 
@@ -24,6 +29,21 @@ def choice_trie(choices: Sequence[Sequence[int]]) -> Trie:
         for t in c:
             node = node.setdefault(int(t), {})
     return root
+
+
+def build_choice_trie(choices: list[list[int]]) -> Trie:
+    """A prefix tree of the choices (validated: non-empty, prefix-free)."""
+    validate_choices(choices)
+    return choice_trie(choices)
+
+
+def allowed_after(choices: list[list[int]], prefix: list[int]) -> list[int]:
+    """Tokens allowed after `prefix` under `choices` (sorted). The trainer uses this to
+    rebuild the per-step masks of a constrained turn when it recomputes log-probs."""
+    node = build_choice_trie(choices)
+    for t in prefix:
+        node = node[int(t)]
+    return sorted(node)
 
 
 def branch_ids(trie: Trie) -> list[int]:

@@ -42,7 +42,7 @@ from .base import (
     save_weights,
     validate_choices,
 )
-from .choice_trie import Trie, choice_trie
+from .choice_trie import Trie, allowed_after, build_choice_trie  # allowed_after: re-exported
 from .kv_cache import Hit, SessionKVCache, cached_prefill_batch, lookup, row_kv, session_cache
 from .torch_weights import read_file_into
 
@@ -56,20 +56,6 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-def build_choice_trie(choices: list[list[int]]) -> Trie:
-    """A prefix tree of the choices (validated: non-empty, prefix-free)."""
-    validate_choices(choices)
-    return choice_trie(choices)
-
-
-def allowed_after(choices: list[list[int]], prefix: list[int]) -> list[int]:
-    """Tokens allowed after `prefix` under `choices` (sorted). The trainer can use this to
-    rebuild the per-step masks of a constrained turn when it recomputes log-probs."""
-    node = build_choice_trie(choices)
-    for t in prefix:
-        node = node[int(t)]
-    return sorted(node)
 
 
 def _as_ids(x) -> list[int]:

@@ -33,7 +33,7 @@ def make_backend(cfg: Any, model_dir: str | os.PathLike) -> Any:
     if getattr(t, "world_size", 1) > 1:  # trainer ranks over torch.distributed
         from pathlib import Path
 
-        from rollart.engines.trainer_ranks import start_ranks
+        from rollart.engines.rank_launch import start_ranks
 
         return start_ranks(model_dir, world_size=t.world_size, dist_timeout=t.dist_timeout,
                            master=t.master, log_dir=Path(cfg.run_dir) / cfg.run / "logs", **kwargs)

@@ -23,7 +23,7 @@ A step (every rank runs the same code on the same samples):
    same on every rank; the replicas stay bit-identical (checked every step: a fingerprint of
    the parameters, compared across ranks), so a version's weights and digest are rank 0's.
 
-Rendezvous: rank 0 opens a ``TCPStore`` (``trainer.master``, or 127.0.0.1 on a free port)
+Rendezvous (:mod:`rollart.engines.rank_launch`): rank 0 opens a ``TCPStore`` (``trainer.master``, or 127.0.0.1 on a free port)
 and writes what the others need into it (backend arguments, the model folder); without
 ``trainer.master`` it starts ranks 1..N-1 itself (``python -m rollart.app.trainer_rank``,
 log ``<run>/logs/trainer-rank<R>.log``). Every collective has ``trainer.dist_timeout``; rank
@@ -34,14 +34,10 @@ nothing of the step applied) and the other ranks are stopped.
 
 from __future__ import annotations
 
-import atexit
 import datetime
-import json
 import logging
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -54,16 +50,12 @@ import torch.distributed as dist
 
 from rollart.algos.losses import LossConfig
 from rollart.engines import checkpoint_codec
-from rollart.engines.torch_trainer import TorchTrainBackend, TrainSample, as_loss_config
+from rollart.engines.torch_trainer import TorchTrainBackend, as_loss_config
+from rollart.engines.train_samples import TrainSample
 from rollart.procs import describe_exit
 from rollart.errors import TrainStepFailed
 
 log = logging.getLogger(__name__)
-
-JOIN_TIMEOUT_S = 300.0
-"""Seconds rank 0 waits for the other ranks to join (ranks it started: until one exits)."""
-SPEC_KEY = "rollart/spec"
-JOINED_KEY = "rollart/joined"
 
 
 COMMAND_MARGIN_BYTES = 1 << 30
@@ -113,11 +105,6 @@ class _Command(msgspec.Struct, array_like=True):
 
 
 _command_decoder = msgspec.msgpack.Decoder(_Command)
-
-
-def parse_master(master: str) -> tuple[str, int]:
-    host, _, port = master.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class RankedTrainBackend(TorchTrainBackend):
@@ -401,116 +388,3 @@ def _py_rng() -> Any:
     return random.getstate()
 
 
-
-
-def start_ranks(model_dir: str | os.PathLike, *, world_size: int, dist_timeout: float,
-                master: str | None = None, log_dir: str | os.PathLike | None = None,
-                join_timeout: float = JOIN_TIMEOUT_S, **kwargs: Any) -> RankedTrainBackend:
-    """Rank 0's backend: open the rendezvous store, start ranks 1..N-1 on this host (unless
-    ``master`` is given: then they are started by hand), wait for them to join, build the
-    process group. ``kwargs``: :class:`TorchTrainBackend`'s arguments (every rank gets them)."""
-    local = master is None
-    host, port = ("127.0.0.1", 0) if local else parse_master(master)
-    store = dist.TCPStore(host if local else "0.0.0.0", port, world_size, is_master=True,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=join_timeout))
-    addr = f"{host}:{store.port}"
-    store.set(SPEC_KEY, json.dumps({"model_dir": str(model_dir), "world_size": world_size,
-                                    "dist_timeout": dist_timeout, "kwargs": kwargs}))
-    backend = RankedTrainBackend(model_dir, rank=0, world_size=world_size,
-                                 dist_timeout=dist_timeout, **kwargs)
-    backend._store = store  # the store must live as long as the group
-    try:
-        if local:
-            logs = Path(log_dir) if log_dir is not None else Path(model_dir)
-            logs.mkdir(parents=True, exist_ok=True)
-            for r in range(1, world_size):
-                backend.logs[r] = logs / f"trainer-rank{r}.log"
-                backend.procs[r] = _spawn(r, addr, backend.logs[r], kwargs.get("threads"))
-            atexit.register(backend.shutdown, kill=True)
-            log.info("trainer ranks 1..%d started on this host (rendezvous %s): pids %s",
-                     world_size - 1, addr, [p.pid for p in backend.procs.values()])
-        else:
-            log.info("trainer rank 0 waits for ranks 1..%d at %s (python -m rollart.node "
-                     "--roles trainer --rank R)", world_size - 1, addr)
-        deadline = time.monotonic() + join_timeout
-        while store.add(JOINED_KEY, 0) < world_size - 1:
-            dead = [r for r, p in backend.procs.items() if p.poll() is not None]
-            if dead:
-                raise RankFailed("; ".join(
-                    f"trainer rank {r} exited ({describe_exit(backend.procs[r].returncode)}) before "
-                    f"joining; see its log {backend.logs[r]}" for r in dead))
-            if time.monotonic() > deadline:
-                raise RankFailed(f"trainer ranks: only {store.add(JOINED_KEY, 0)} of "
-                                 f"{world_size - 1} ranks joined at {addr} within {join_timeout:g} s")
-            time.sleep(0.05)
-        backend.join(store, address=host)
-    except BaseException:
-        backend.shutdown(kill=True)
-        raise
-    threading.Thread(target=backend._keepalive, name="trainer-ranks-ping", daemon=True).start()
-    log.info("trainer ranks: %d processes in the group (%s)", world_size,
-             "gloo" if backend.device.type != "cuda" else "nccl")
-    return backend
-
-
-def _spawn(rank: int, addr: str, log_path: Path, threads: int | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if threads:
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cmd = [sys.executable, "-m", "rollart.app.trainer_rank", "--rank", str(rank), "--master", addr,
-           "--parent", str(os.getpid())]
-    with open(log_path, "ab") as out:
-        out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} trainer rank 0 (pid {os.getpid()}): "
-                  f"start {' '.join(cmd[1:])}\n".encode())
-        out.flush()
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env)
-
-
-def serve_rank(rank: int, master: str, *, model_dir: str | os.PathLike | None = None,
-               parent: int | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> int:
-    """Ranks 1..N-1: join rank 0 at ``master`` (``HOST:PORT``), then take its commands until
-    it stops them; the exit status. ``model_dir``: this host's copy of the model folder
-    (default: the one rank 0 named). ``parent``: exit when that process is gone."""
-    if parent:
-        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
-    host, port = parse_master(master)
-    store = dist.TCPStore(host, port, is_master=False,
-                          timeout=datetime.timedelta(seconds=join_timeout))
-    spec = json.loads(store.get(SPEC_KEY))
-    if rank < 1 or rank >= spec["world_size"]:
-        raise ValueError(f"--rank {rank}: the trainer's world_size is {spec['world_size']} "
-                         f"(ranks 1..{spec['world_size'] - 1} join rank 0)")
-    kwargs = spec["kwargs"]
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    backend = RankedTrainBackend(model_dir or spec["model_dir"], rank=rank,
-                                 world_size=spec["world_size"], dist_timeout=spec["dist_timeout"],
-                                 **kwargs)
-    store.add(JOINED_KEY, 1)
-    backend.join(store, address=_route_to(host))
-    log.info("trainer rank %d of %d joined %s (%s, pid %d)", rank, backend.world_size, master,
-             socket.gethostname(), os.getpid())
-    return backend.serve()
-
-
-def _route_to(host: str) -> str:
-    """This host's address on the route to ``host`` (what rank 0 reaches this rank at)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))  # no packet is sent: only the route is chosen
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
-
-
-def _exit_with(pid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            os._exit(1)
-        except PermissionError:
-            pass

@@ -18,13 +18,13 @@ from .weight_staging import BaseReader, StagedFile, retire
 from .weight_stream import (
     DEFAULT_LIMITS,
     BucketEntry,
-    Buffers,
     Manifest,
     StreamError,
     StreamLimits,
     manifest_name,
     read_manifest,
 )
+from .weight_blobs import Buffers
 
 __all__ = ["Assembled", "apply_manifest", "assemble_version"]
 

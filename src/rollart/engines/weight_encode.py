@@ -23,7 +23,6 @@ from .weight_stream import (
     SERVING_DTYPES,
     ZSTD_LEVEL,
     BucketEntry,
-    Buffers,
     Manifest,
     Span,
     StreamError,
@@ -34,6 +33,7 @@ from .weight_stream import (
     plan_buckets,
     read_manifest,
 )
+from .weight_blobs import Buffers
 
 __all__ = ["TorchTensors", "TrainerBase", "write_version"]
 

@@ -45,7 +45,7 @@ class StreamLimits(NamedTuple):
 
     @classmethod
     def of(cls, sync: Any) -> StreamLimits:
-        """The caps of a :class:`rollart.config.pipeline.SyncConfig`."""
+        """The caps of a :class:`rollart.config.trainer.SyncConfig`."""
         bucket_mb = sync.max_bucket_mb if sync.max_bucket_mb is not None else 2 * sync.bucket_mb
         return cls(bucket_bytes=int(bucket_mb * 2**20), version_bytes=int(sync.max_version_gb * 2**30))
 

@@ -27,9 +27,9 @@ handed to the engine, so an engine never serves a half-applied version, and a fa
 anywhere leaves the old weights serving with a reason (which bucket, which digest). Peak
 extra memory is a few buckets, never the model.
 
-This module is the format (manifest, bucket plan, the staged file's header) and where
-versions are stored (:class:`DirBlobs`, :class:`ObjectBlobs`, the trainer's weight server
-of :mod:`rollart.engines.weight_tcp`); the trainer's side is
+This module is the format (manifest, bucket plan, the staged file's header); where versions
+are stored is :mod:`rollart.engines.weight_blobs` (a folder, the object store, the trainer's
+weight server of :mod:`rollart.engines.weight_tcp`); the trainer's side is
 :mod:`rollart.engines.weight_encode`, the generator's :mod:`rollart.engines.weight_decode`,
 the staged file both write :mod:`rollart.engines.weight_staging`. No torch at import (numpy,
 zstandard, xxhash); torch only where the trainer casts its fp32 masters to the serving
@@ -38,24 +38,18 @@ dtype. Blocking work runs through :func:`asyncio.to_thread`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
 import os
 import re
-import stat
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, Protocol
-from urllib.parse import unquote, urlparse
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
-import numpy as np
 from msgspec import Meta
-
-from rollart.bus.base import ObjectTooLarge
 
 from .weight_files import DTYPE_BYTES
 
@@ -63,17 +57,12 @@ __all__ = [
     "DEFAULT_LIMITS",
     "SERVING_DTYPES",
     "BucketEntry",
-    "Buffers",
-    "DirBlobs",
     "Manifest",
-    "ObjectBlobs",
-    "ServedDirBlobs",
     "Span",
     "StreamError",
     "StreamLimits",
     "StreamStats",
     "TensorSpec",
-    "blobs_for_uri",
     "check_blob_name",
     "check_manifest",
     "header_bytes",
@@ -81,7 +70,6 @@ __all__ = [
     "plan_buckets",
     "read_manifest",
     "serving_dtype",
-    "shm_dir",
 ]
 
 SERVING_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -293,191 +281,6 @@ def header_bytes(tensors: Sequence[TensorSpec]) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-# ======================================================================================
-# Where versions are stored: a directory, or the run's object store
-# ======================================================================================
-class Blobs(Protocol):
-    where: str
-
-    async def get(self, name: str, max_bytes: int | None = None) -> bytes:
-        """Raise ``KeyError`` when ``name`` is not stored, ``StreamError`` when ``name`` is no
-        plain object name or (``max_bytes``) the object is larger, before reading it."""
-
-    async def put(self, name: str, data: bytes) -> None: ...
-
-    async def delete(self, name: str) -> None: ...
-
-    async def exists(self, name: str) -> bool: ...
-
-    def uri(self, name: str) -> str: ...
-
-
-class Buffers:
-    """Byte buffers reused bucket after bucket, ``n`` in turn: a buffer handed to
-    :meth:`StagedFile.write` is hashed while the next bucket is made, so what goes there
-    needs two. Why: a fresh 64 MiB buffer per bucket costs its page faults, which on this
-    machine run at ~0.4 GB/s, slower than anything else a load does."""
-
-    def __init__(self, n: int = 2):
-        self._bufs: list[np.ndarray | None] = [None] * n
-        self._i = 0
-
-    def take(self, size: int) -> np.ndarray:
-        i = self._i
-        self._i = (i + 1) % len(self._bufs)
-        b = self._bufs[i]
-        if b is None or len(b) < size:
-            b = self._bufs[i] = np.empty(size, np.uint8)
-        return b[:size]
-
-
-class DirBlobs:
-    """Blobs as files of one directory (``<run>/weights/stream`` or ``/dev/shm/rollart-<run>``);
-    each put is a temp file, then a rename (a reader sees a whole blob or none). No fsync:
-    the order readers see (buckets, then the manifest that names them) holds in the page
-    cache whatever happens to the trainer's process; a host that loses its page cache
-    loses the trainer with it, which resumes from its checkpoint and publishes again (a
-    generator that meets a torn bucket refuses it by its check). An fsync per bucket cost
-    ~0.3 s per 150 MB on this machine's disk."""
-
-    def __init__(self, root: str | os.PathLike, *, reuse: bool = False):
-        self.root = Path(root)
-        self.where = str(self.root)
-        self._bufs = Buffers(2) if reuse else None
-        """``reuse`` (a generator's assembler): :meth:`get` reads into two buffers in turn,
-        so a blob's bytes stay valid until the second ``get`` after it (see Buffers)."""
-
-    def _put(self, name: str, data: bytes) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".{name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, self.root / name)
-
-    def _get(self, name: str, max_bytes: int | None) -> bytes | memoryview:
-        path = self.root / check_blob_name(name, f"{name[:80]!r}")
-        try:  # no link followed, no FIFO or device opened (a read that blocks forever)
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise KeyError(name) from None
-        except OSError as e:
-            raise StreamError(f"{name} in {self.where} cannot be opened "
-                              f"({os.strerror(e.errno or 0)}; links are not followed)") from None
-        with open(fd, "rb", buffering=0) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StreamError(f"{name} in {self.where} is not a regular file")
-            if max_bytes is not None and st.st_size > max_bytes:
-                raise StreamError(f"{name} in {self.where} is larger than the {max_bytes} bytes "
-                                  f"expected")
-            out = self._bufs.take(st.st_size) if self._bufs is not None else bytearray(st.st_size)
-            got = 0
-            while got < len(out):
-                n = f.readinto(memoryview(out)[got:])
-                if not n:
-                    break
-                got += n
-            if self._bufs is not None:
-                return memoryview(out)[:got]
-            return out if got == len(out) else out[:got]
-
-    async def get(self, name: str, max_bytes: int | None = None) -> bytes:
-        return await asyncio.to_thread(self._get, name, max_bytes)
-
-    async def put(self, name: str, data: bytes) -> None:
-        await asyncio.to_thread(self._put, name, data)
-
-    async def delete(self, name: str) -> None:
-        await asyncio.to_thread((self.root / name).unlink, missing_ok=True)
-
-    async def exists(self, name: str) -> bool:
-        return await asyncio.to_thread((self.root / name).exists)
-
-    def uri(self, name: str) -> str:
-        return (self.root / name).resolve().as_uri()
-
-
-class ObjectBlobs:
-    """Blobs in the run's object store (``trainer.weights: object``)."""
-
-    def __init__(self, store: Any, bucket: str):
-        self.store = store
-        self.bucket = bucket
-        self.where = f"object store {bucket}"
-
-    async def get(self, name: str, max_bytes: int | None = None) -> bytes:
-        check_blob_name(name, f"{name[:80]!r}")
-        try:  # refused by the object's info before its chunks are read
-            return await self.store.get(name, max_bytes=max_bytes)
-        except ObjectTooLarge:
-            raise StreamError(f"{name} in {self.where} is larger than the {max_bytes} bytes "
-                              f"expected") from None
-
-    async def put(self, name: str, data: bytes) -> None:
-        await self.store.put(name, data if isinstance(data, bytes) else bytes(data))
-
-    async def delete(self, name: str) -> None:
-        await self.store.delete(name)
-
-    async def exists(self, name: str) -> bool:
-        return await self.store.exists(name)
-
-    def uri(self, name: str) -> str:
-        return f"obj://{self.bucket}/{name}"
-
-
-class ServedDirBlobs(DirBlobs):
-    """``trainer.weights: tcp``: the trainer's stream folder, written as a :class:`DirBlobs`,
-    named to generators by the URIs of the weight server that serves it."""
-
-    def __init__(self, root: str | os.PathLike, server: Any):
-        super().__init__(root)
-        self.server = server
-        self.where = f"{self.root} (served at {server.base_uri})"
-
-    def uri(self, name: str) -> str:
-        return self.server.uri(name)
-
-
-def shm_dir(run: str) -> Path:
-    """``trainer.weights: shm``: where a run's streamed versions live (one host only)."""
-    return Path("/dev/shm") / f"rollart-{run}"
-
-
-async def blobs_for_uri(bus: Any, uri: str, *, token_bucket: str | None = None) -> tuple[Any, str]:
-    """The store and the manifest's name behind a stream version's uri (``file:///...``,
-    ``obj://bucket/name`` or ``tcp://host:port/name``); ``StreamError`` for a shared-memory
-    folder this host lacks. ``token_bucket``: the run's weights store
-    (:func:`rollart.messages.object_bucket`), which holds the weight server's token (a
-    ``tcp://`` uri carries none: :mod:`rollart.engines.weight_tcp`)."""
-    u = urlparse(uri)
-    if u.scheme == "file":
-        path = Path(unquote(u.path))
-        if path.parts[:3] == ("/", "dev", "shm") and not await asyncio.to_thread(path.parent.is_dir):
-            raise StreamError(f"{uri}: the trainer's shared-memory folder {path.parent} is not on "
-                              f"this host (trainer.weights: shm serves generators on the trainer's "
-                              f"host only): use trainer.weights: object for generators elsewhere")
-        return DirBlobs(path.parent, reuse=True), path.name
-    if u.scheme == "obj":
-        return ObjectBlobs(await bus.object_store(u.netloc), u.netloc), u.path.lstrip("/")
-    if u.scheme == "tcp":
-        from .weight_tcp import TcpBlobs, parse_tcp_uri, token_reader
-
-        try:
-            host, port, token, name = parse_tcp_uri(uri)
-        except ValueError as e:
-            raise StreamError(str(e)) from None
-        if token:  # an older trainer's uri, the token in it
-            return TcpBlobs(host, port, token), name
-        if token_bucket is None:
-            raise StreamError(f"{uri}: the weight server's token is in the run's weights store, "
-                              f"and no store was given to read it from")
-        return TcpBlobs(host, port, None, token_source=token_reader(bus, token_bucket)), name
-    raise StreamError(f"unsupported stream uri {uri!r}: use file://, obj:// or tcp://")
-
-
 
 
 _FIELD = re.compile(r"at `\$\.(buckets\[\d+\]\.name|digest|parent_digest)`")

@@ -77,6 +77,9 @@ OpenEnv behind it (``/health`` answers 404) or an ``action_field`` the schema la
 goes away mid-episode raises ``ConnectionError`` at once; a server that stops answering
 raises ``TimeoutError`` after ``timeout``. Connections to a loopback host bypass proxies.
 
+How the wire is spoken (the bounds and failures above) is
+:mod:`rollart.envs.openenv_wire`; this module is the adapter: args, schema, text in and out.
+
 The env is ``async``: run it with ``executor: thread`` (the default), where it is awaited on
 the event loop; with ``executor: process`` the worker's loop runs only during a call, so a
 session can miss the server's WebSocket pings while the model thinks, and be closed.
@@ -84,26 +87,19 @@ session can miss the server's WebSocket pings while the model thinks, and be clo
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import dataclasses
 import functools
-import ipaddress
 import json
 import logging
 import threading
 import urllib.parse
 from typing import Any, Callable, Literal
 
-log = logging.getLogger(__name__)
+from rollart.envs.openenv_wire import BODY_CHARS, PREFIX, OpenEnvWire, body_text
 
-PREFIX = "openenv:"
-"""``type: "openenv:<url>"`` selects this adapter."""
+log = logging.getLogger(__name__)
 
 _EXAMPLE = "e.g. 'openenv:http://127.0.0.1:8000'"
 _MAX_RESPONSE = 16 * 2**20  # default bytes of one answer (observations can carry images)
-_WS_QUEUE = 2  # WebSocket frames buffered before the client reads them
-_BODY = 500  # characters of an error body quoted in a message
 _OBS_RESERVED = ("done", "reward", "metadata")  # Observation fields that are not the observation
 
 
@@ -133,14 +129,6 @@ def base_url(url: str) -> str:
     return urllib.parse.urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
-def _loopback(url: str) -> bool:
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def factory(url: str) -> Callable[..., "OpenEnvEnv"]:
@@ -151,66 +139,16 @@ def factory(url: str) -> Callable[..., "OpenEnvEnv"]:
     return make
 
 
-def _httpx() -> Any:
-    try:
-        import httpx  # optional: the openenv extra
-    except ImportError as e:
-        raise ImportError(f"env type '{PREFIX}<url>' needs httpx: pip install httpx: {e}") from e
-    return httpx
 
 
-def _websockets() -> Any:
-    try:
-        import websockets.asyncio.client  # optional: the openenv extra
-        import websockets.exceptions
-    except ImportError as e:
-        raise ImportError(f"env type '{PREFIX}<url>' with transport: ws needs websockets>=15: "
-                          f"pip install websockets (or use transport: http): {e}") from e
-    return websockets
 
 
-@functools.cache
-def _connect_no_redirects(ws_lib: Any) -> Any:
-    """``websockets``' ``connect`` that raises a redirect's ``InvalidStatus`` instead of
-    following it."""
-
-    class Connect(ws_lib.asyncio.client.connect):
-        def process_redirect(self, exc: Exception) -> Exception:
-            return exc
-
-    return Connect
 
 
-@dataclasses.dataclass(frozen=True)
-class _Response:
-    """One HTTP answer, read whole within the bounds (:meth:`OpenEnvEnv._fetch`)."""
-
-    status_code: int
-    content: bytes
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-    def json(self) -> Any:
-        """The body as JSON; ``ValueError`` when it is not (nested too deeply included)."""
-        try:
-            return json.loads(self.content)
-        except RecursionError:
-            raise ValueError("JSON nested too deeply") from None
 
 
-def _loads(raw: Any) -> Any:
-    """JSON of a WebSocket message; None when it is not JSON (or nested too deeply)."""
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
 
 
-def _body(resp: Any) -> str:
-    text = resp.text.strip().replace("\n", " ")
-    return text if len(text) <= _BODY else text[:_BODY] + "..."
 
 
 _described: dict[str, tuple[dict, dict]] = {}
@@ -254,77 +192,26 @@ class OpenEnvEnv:
         self.reset_args = dict(reset_args or {})
         self.timeout = float(timeout)
         self.max_response_bytes = max_response_bytes
-        self._httpx = _httpx()
-        self._ws_lib = _websockets() if transport == "ws" else None
-        self._proxies = not _loopback(self.url)
+        self._wire = OpenEnvWire(self.url, transport, self.timeout, max_response_bytes)
         self._probe()
         action_schema, meta = self._describe()
         self._legal = self._enum_of(action_schema)
         self.instruction = instruction if instruction is not None else self._default_instruction(meta)
-        self._client: Any = None  # httpx.AsyncClient (transport http), made on the event loop
-        self._ws: Any = None  # the session's connection (transport ws)
         self._last = ""
         self.done = True
 
     # -- construction: is a server there, what does it take ------------------------------
 
-    def _get(self, path: str) -> _Response:
-        """``GET`` on the server, sync (the constructor runs off the event loop): the bounded
-        :meth:`_fetch` on an event loop of its own, in a thread of its own (whoever calls
-        may have a loop running)."""
-        async def once() -> _Response:
-            async with self._httpx.AsyncClient(trust_env=self._proxies) as client:
-                return await self._fetch(client, "GET", path)
 
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="openenv-get") as pool:
-            return pool.submit(asyncio.run, once()).result()
-
-    async def _fetch(self, client: Any, method: str, path: str,
-                     body: dict[str, Any] | None = None) -> _Response:
-        """One request with ``client`` (an ``httpx.AsyncClient``), its whole answer read
-        within ``timeout`` and ``max_response_bytes``; a redirect or a compressed body is
-        refused (``RuntimeError``), a timeout is ``TimeoutError``, a transport error
-        ``ConnectionError``."""
-        httpx, cap = self._httpx, self.max_response_bytes
-        what = f"OpenEnv server {self.url}: {method} {path}"
-        try:
-            async with asyncio.timeout(self.timeout):
-                async with client.stream(method, self.url + path, json=body,
-                                         headers={"Accept-Encoding": "identity"},
-                                         follow_redirects=False, timeout=self.timeout) as resp:
-                    if 300 <= resp.status_code < 400:
-                        where = resp.headers.get("location", "?")[:_BODY]
-                        raise RuntimeError(f"{what} answered a redirect (HTTP {resp.status_code} "
-                                           f"to {where!r}): refused; give the server's own URL")
-                    encoding = resp.headers.get("content-encoding", "").strip().lower()
-                    if encoding not in ("", "identity"):
-                        raise RuntimeError(f"{what} answered a {encoding!r}-encoded body: "
-                                           "refused (asked for identity)")
-                    length = resp.headers.get("content-length", "0").strip()
-                    if not length.isdigit() or int(length) > cap:
-                        raise RuntimeError(f"{what} announced a body of {length[:40]!r} bytes, "
-                                           f"over max_response_bytes ({cap})")
-                    data = bytearray()
-                    async for chunk in resp.aiter_raw():
-                        if len(data) + len(chunk) > cap:
-                            raise RuntimeError(f"{what} sent a body over max_response_bytes "
-                                               f"({cap})")
-                        data += chunk
-                    return _Response(resp.status_code, bytes(data))
-        except (TimeoutError, httpx.TimeoutException):
-            raise TimeoutError(f"{what} got no whole answer within {self.timeout:g}s") from None
-        except httpx.TransportError as e:
-            raise ConnectionError(f"OpenEnv server {self.url} cannot be reached: {method} "
-                                  f"{path}: {type(e).__name__}: {e}") from None
 
     def _probe(self) -> None:
-        resp = self._get("/health")
+        resp = self._wire.get("/health")
         if resp.status_code >= 500 or resp.status_code == 429:  # starting, overloaded: later
             raise ConnectionError(f"OpenEnv server {self.url} is not ready: GET /health answered "
-                                  f"HTTP {resp.status_code}: {_body(resp)}")
+                                  f"HTTP {resp.status_code}: {body_text(resp)}")
         if resp.status_code != 200:
             raise ValueError(f"no OpenEnv server at {self.url}: GET /health answered HTTP "
-                             f"{resp.status_code}: {_body(resp)} (is the URL the server's base URL?)")
+                             f"{resp.status_code}: {body_text(resp)} (is the URL the server's base URL?)")
         try:
             status = str(resp.json().get("status", "healthy"))
         except (ValueError, AttributeError):
@@ -335,7 +222,7 @@ class OpenEnvEnv:
     def _json_of(self, path: str) -> dict:
         """The JSON object at ``path``, or {} when the server has none there."""
         try:
-            resp = self._get(path)
+            resp = self._wire.get(path)
             if resp.status_code == 200 and isinstance(data := resp.json(), dict):
                 return data
         except (ConnectionError, TimeoutError, ValueError) as e:
@@ -380,86 +267,10 @@ class OpenEnvEnv:
         return f"You act in the OpenEnv environment {name}{': ' + desc if desc else ''}. " \
                f"Each turn shows the current observation. {how}"
 
-    # -- the wire ---------------------------------------------------------------------------
 
-    def _abort(self) -> None:
-        """Drop the session's connection at once (the server then frees the session)."""
-        ws, self._ws = self._ws, None
-        transport = getattr(ws, "transport", None)
-        if transport is not None:
-            transport.abort()
 
-    async def _connect(self) -> Any:
-        if self._ws is not None:
-            return self._ws
-        ws_lib = self._ws_lib
-        url = "ws" + self.url[len("http"):] + "/ws"
-        try:
-            self._ws = await _connect_no_redirects(ws_lib)(
-                url, open_timeout=self.timeout, max_size=self.max_response_bytes,
-                max_queue=_WS_QUEUE, compression=None, proxy=True if self._proxies else None)
-        except ws_lib.exceptions.InvalidStatus as e:
-            status = e.response.status_code
-            hint = (" (a server before openenv-core 0.2 has no /ws: use transport: http)"
-                    if status in (403, 404) else
-                    " (a redirect: refused; give the server's own URL)"
-                    if 300 <= status < 400 else "")
-            err = ConnectionError if status >= 500 or status == 429 else RuntimeError
-            raise err(f"OpenEnv server {self.url}: the WebSocket session at /ws was refused with "
-                      f"HTTP {status}{hint}") from None
-        except TimeoutError:
-            raise TimeoutError(f"OpenEnv server {self.url}: no WebSocket session at /ws within "
-                               f"{self.timeout:g}s") from None
-        except (OSError, ws_lib.exceptions.InvalidHandshake, ws_lib.exceptions.ConnectionClosed) as e:
-            raise ConnectionError(f"OpenEnv server {self.url} cannot be reached at /ws: "
-                                  f"{type(e).__name__}: {e}") from None
-        return self._ws
 
-    async def _ws_call(self, kind: str, data: dict[str, Any]) -> dict[str, Any]:
-        """Send one message of the session, return the server's reply (an error reply too)."""
-        ws = await self._connect()
-        closed = self._ws_lib.exceptions.ConnectionClosed
-        try:
-            async with asyncio.timeout(self.timeout):
-                try:
-                    await ws.send(json.dumps({"type": kind, "data": data}))
-                except closed:  # what the server said before it closed (CAPACITY_REACHED) is read
-                    pass
-                raw = await ws.recv()
-        except TimeoutError:
-            self._abort()
-            raise TimeoutError(f"OpenEnv server {self.url} did not answer {kind} within "
-                               f"{self.timeout:g}s") from None
-        except (closed, OSError) as e:
-            self._abort()
-            if getattr(getattr(e, "sent", None), "code", None) == 1009:  # message too big
-                raise RuntimeError(f"OpenEnv server {self.url} answered {kind} with a message "
-                                   f"over max_response_bytes ({self.max_response_bytes})") from None
-            raise ConnectionError(f"OpenEnv server {self.url} closed the session during {kind}"
-                                  f"{' (mid-episode)' if kind == 'step' else ''}: "
-                                  f"{type(e).__name__}: {e}") from None
-        except BaseException:  # cancelled (the runner's deadline): the session is unusable
-            self._abort()
-            raise
-        reply = _loads(raw)
-        if not isinstance(reply, dict) or reply.get("type") not in ("observation", "error"):
-            self._abort()
-            raise RuntimeError(f"OpenEnv server {self.url} answered {kind} with an unexpected "
-                               f"message: {str(raw)[:_BODY]!r}")
-        if reply["type"] == "error":
-            err = reply.get("data") if isinstance(reply.get("data"), dict) else {}
-            if err.get("code") == "CAPACITY_REACHED":  # the server closes this connection
-                self._abort()
-                raise ConnectionError(
-                    f"OpenEnv server {self.url} is at capacity ({err.get('active_sessions', '?')} of "
-                    f"{err.get('max_sessions', '?')} sessions): start it with more sessions "
-                    f"(max_concurrent_envs) or run fewer trajectories at once")
-        return reply
 
-    async def _post(self, path: str, body: dict[str, Any]) -> _Response:
-        if self._client is None:
-            self._client = self._httpx.AsyncClient(trust_env=self._proxies)
-        return await self._fetch(self._client, "POST", path, body)
 
     # -- text in and out --------------------------------------------------------------------
 
@@ -469,7 +280,7 @@ class OpenEnvEnv:
         if (not isinstance(obs, dict) or not isinstance(payload.get("done", False), bool)
                 or not (reward is None or isinstance(reward, (int, float)))):
             raise RuntimeError(f"OpenEnv server {self.url} answered {kind} with an unexpected "
-                               f"payload (want observation, reward, done): {str(payload)[:_BODY]}")
+                               f"payload (want observation, reward, done): {str(payload)[:BODY_CHARS]}")
         return obs, 0.0 if reward is None else float(reward), bool(payload.get("done", False))
 
     def _text(self, obs: dict[str, Any]) -> str:
@@ -510,35 +321,14 @@ class OpenEnvEnv:
     def legal_actions(self) -> list[str] | None:
         return None if self._legal is None else list(self._legal)
 
-    async def _request(self, kind: str, data: dict) -> tuple[Any, str | None]:
-        """One ``reset`` or ``step`` on the server, by either transport: ``(payload, None)``,
-        or ``(None, why)`` for a step the server rejected as invalid (its validation error);
-        RuntimeError naming the server for any other refusal."""
-        if self.transport == "ws":
-            reply = await self._ws_call(kind, data)
-            if reply["type"] != "error":
-                return reply.get("data"), None
-            err = reply.get("data") or {}
-            msg = f"{err.get('message', err)} (code {err.get('code', '?')})"
-            if kind == "step" and err.get("code") == "VALIDATION_ERROR":
-                errors = err.get("errors")
-                return None, f"{msg}: {json.dumps(errors)[:_BODY]}" if errors else msg
-            raise RuntimeError(f"OpenEnv server {self.url}: {kind} failed: {msg}")
-        resp = await self._post(f"/{kind}", data if kind == "reset" else {"action": data})
-        if kind == "step" and resp.status_code == 422:
-            return None, f"HTTP 422: {_body(resp)}"
-        if resp.status_code != 200:
-            raise RuntimeError(f"OpenEnv server {self.url}: POST /{kind} answered HTTP "
-                               f"{resp.status_code}: {_body(resp)}")
-        try:
-            return resp.json(), None
-        except ValueError as e:
-            raise RuntimeError(f"OpenEnv server {self.url}: POST /{kind} answered a body that "
-                               f"is not JSON ({e}): {_body(resp)}") from None
+    async def close(self) -> None:
+        """End the session and release the connections. Idempotent."""
+        await self._wire.close()
+
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         self.done = True
-        payload, _ = await self._request("reset", {**self.reset_args, "seed": int(seed)})
+        payload, _ = await self._wire.request("reset", {**self.reset_args, "seed": int(seed)})
         obs, _, done = self._parse("reset", payload)
         self._last = self._text(obs)
         self.done = done
@@ -550,7 +340,7 @@ class OpenEnvEnv:
         act = self._action(action)
         if act is None:
             return self._invalid("the action is not a JSON object (action_field is null)")
-        payload, invalid = await self._request("step", act)
+        payload, invalid = await self._wire.request("step", act)
         if invalid is not None:
             return self._invalid(invalid)
         obs, reward, done = self._parse("step", payload)
@@ -559,21 +349,3 @@ class OpenEnvEnv:
         return self._last, reward, done, False, {
             "valid_action": True, "success": self._success(obs, reward, done), "observation": obs}
 
-    async def close(self) -> None:
-        """End the session (``close`` message) and release the connections. Idempotent."""
-        ws, client = self._ws, self._client
-        self._ws = self._client = None
-        try:
-            if ws is not None:
-                try:
-                    async with asyncio.timeout(min(self.timeout, 5.0)):
-                        await ws.send(json.dumps({"type": "close"}))
-                        await ws.close()
-                except Exception as e:  # the server may be gone already
-                    log.debug("OpenEnv server %s: closing the session: %s", self.url, e)
-                    transport = getattr(ws, "transport", None)
-                    if transport is not None:
-                        transport.abort()
-        finally:
-            if client is not None:
-                await client.aclose()

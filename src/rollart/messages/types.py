@@ -361,8 +361,10 @@ class DeadLetter(Message, frozen=True, kw_only=True):
 
 
 class LedgerSummary(Message, frozen=True, kw_only=True):
-    """The trainer's group ledger in brief (KV :data:`LEDGER_KEY`): admission reads
-    ``lost`` to free the headroom of groups that will never be trained."""
+    """The trainer's group ledger in brief (KV :data:`LEDGER_KEY`), what its readers cannot
+    know themselves: the scheduler reads ``lost`` (the headroom of groups that will never be
+    trained goes to fresh ones) and ``version`` (admission's ``v`` is never more than it);
+    the policy gates read ``version`` and ``steps_total``; ``rollart top`` reads the rest."""
 
     lost: int = 0
     """Groups failed or dropped so far (each frees one group of admission headroom)."""

@@ -14,8 +14,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
+import yaml
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class _TensorBoard:
 
 class _Wandb:
     def __init__(self, run_path: Path, run: str, config: dict, project: str) -> None:
-        import wandb
+        import wandb  # optional dependency: telemetry.loggers wandb only
 
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         self.path = run_path / "wandb"
@@ -74,6 +78,7 @@ class _Mlflow:
             uri = (run_path / "mlruns").resolve().as_uri()
             # a folder store needs this opt-in since MLflow 3 (it is kept, not developed)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        # optional dependency: telemetry.loggers mlflow only
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
@@ -93,8 +98,6 @@ class _Mlflow:
                 self.client.log_batch(self.run_id, params=params[i:i + 100])
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        import time
-
         ts = int(time.time() * 1000)
         metrics = [self._metric(k, v, ts, step) for k, v in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
@@ -115,8 +118,6 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _yaml(config: dict) -> str:
-    import yaml
-
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -160,8 +161,6 @@ class MetricLoggers:
 def open_loggers(cfg: Any, run_path: str | Path, config: dict | None = None) -> MetricLoggers:
     """Open the loggers of a RunConfig's ``telemetry.loggers`` for the run folder ``run_path``
     (blocking). ``config``: the hyperparameters to record (default: ``cfg`` as plain data)."""
-    import msgspec
-
     t = cfg.telemetry
     run_path = Path(run_path)
     run_path.mkdir(parents=True, exist_ok=True)

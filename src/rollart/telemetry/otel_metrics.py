@@ -25,7 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from rollart.telemetry.tracing import PIP, TracingUnavailable
+from rollart.telemetry.tracing import PIP, TracingUnavailable, choose_exporter
 
 _m: Any = None
 """The instruments while metrics are set up, else None (every helper is then a no-op)."""
@@ -162,7 +162,9 @@ def setup_metrics(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
 
     resource = Resource.create({"service.name": service_name, "host.name": socket.gethostname(),
                                 "process.pid": os.getpid()})
-    reader = PeriodicExportingMetricReader(_exporter(cfg, run_dir),
+    exporter = choose_exporter(cfg, run_dir, signal="metric", jsonl=_jsonl_exporter,
+                               jsonl_name="otel-metrics.jsonl")
+    reader = PeriodicExportingMetricReader(exporter,
                                            export_interval_millis=cfg.metrics_interval_s * 1e3)
     provider = MeterProvider(resource=resource, metric_readers=[reader])
     meter = provider.get_meter("rollart")
@@ -211,33 +213,6 @@ def setup_metrics(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
             _busy.clear()
 
     return shutdown
-
-
-def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
-    if cfg.exporter == "console":
-        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter  # optional dependency
-
-        return ConsoleMetricExporter()
-    if cfg.exporter == "jsonl":
-        if run_dir is None:
-            raise ValueError("tracing.exporter 'jsonl' needs the run's folder")
-        return _jsonl_exporter(Path(run_dir) / "otel-metrics.jsonl")
-    if cfg.otlp_protocol == "grpc":
-        try:  # optional dependency: the OTLP gRPC exporter
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-        except ImportError:
-            raise TracingUnavailable(
-                "tracing.otlp_protocol 'grpc' needs the OTLP gRPC exporter, which is not "
-                "installed: pip install opentelemetry-exporter-otlp-proto-grpc, or set "
-                "tracing.otlp_protocol: http") from None
-        return OTLPMetricExporter()
-    try:  # optional dependency: the OTLP HTTP exporter
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    except ImportError:
-        raise TracingUnavailable(
-            f"tracing.exporter 'otlp' needs the OTLP HTTP exporter, which is not installed: "
-            f"{PIP}") from None
-    return OTLPMetricExporter()  # endpoint, headers, timeout: the OTEL_EXPORTER_OTLP_* variables
 
 
 def point_records(data: Any) -> list[dict[str, Any]]:

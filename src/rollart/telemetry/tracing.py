@@ -20,6 +20,7 @@ it trained) on the trainer.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import socket
@@ -155,7 +156,8 @@ def setup_tracing(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
         raise TracingUnavailable(
             f"tracing.exporter {cfg.exporter!r} needs the OpenTelemetry SDK, which is not "
             f"installed ({e}): {PIP}, or set tracing.exporter: none") from None
-    exporter = _exporter(cfg, run_dir)
+    exporter = choose_exporter(cfg, run_dir, signal="trace", jsonl=JsonlSpanExporter,
+                               jsonl_name="traces.jsonl")
     resource = Resource.create({"service.name": service_name, "host.name": socket.gethostname(),
                                 "process.pid": os.getpid()})
     provider = TracerProvider(resource=resource,
@@ -174,31 +176,37 @@ def setup_tracing(cfg: Any, service_name: str, run_dir: str | Path | None) -> Ca
     return shutdown
 
 
-def _exporter(cfg: Any, run_dir: str | Path | None) -> Any:
-    if cfg.exporter == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter  # optional dependency
+_SIGNALS = {"trace": ("opentelemetry.sdk.trace.export", "Span"),
+            "metric": ("opentelemetry.sdk.metrics.export", "Metric")}
+"""Per OpenTelemetry signal: the SDK module of its console exporter, its class names' infix."""
 
-        return ConsoleSpanExporter()
+
+def choose_exporter(cfg: Any, run_dir: str | Path | None, *, signal: str,
+                    jsonl: Callable[[Path], Any], jsonl_name: str) -> Any:
+    """The OpenTelemetry exporter of ``tracing.exporter`` for one signal (``"trace"`` or
+    ``"metric"``): spans and metrics go to the same place, chosen here once. ``jsonl(path)``
+    makes the signal's JSON-lines exporter, writing ``<run_dir>/<jsonl_name>``; ``otlp``
+    takes its endpoint, headers and timeout from the ``OTEL_EXPORTER_OTLP_*`` variables."""
+    sdk_module, kind = _SIGNALS[signal]
+    if cfg.exporter == "console":  # optional dependency: the SDK (checked by the caller)
+        return getattr(importlib.import_module(sdk_module), f"Console{kind}Exporter")()
     if cfg.exporter == "jsonl":
         if run_dir is None:
             raise ValueError("tracing.exporter 'jsonl' needs the run's folder")
-        return JsonlSpanExporter(Path(run_dir) / "traces.jsonl")
-    if cfg.otlp_protocol == "grpc":
-        try:  # optional dependency: opentelemetry (rollart[trace])
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        except ImportError:
+        return jsonl(Path(run_dir) / jsonl_name)
+    proto = cfg.otlp_protocol
+    try:  # optional dependency: the OTLP exporter of this protocol
+        module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{proto}.{signal}_exporter")
+    except ImportError:
+        if proto == "grpc":
             raise TracingUnavailable(
                 "tracing.otlp_protocol 'grpc' needs the OTLP gRPC exporter, which is not "
                 "installed: pip install opentelemetry-exporter-otlp-proto-grpc, or set "
                 "tracing.otlp_protocol: http") from None
-        return OTLPSpanExporter()
-    try:  # optional dependency: opentelemetry (rollart[trace])
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError:
         raise TracingUnavailable(
             f"tracing.exporter 'otlp' needs the OTLP HTTP exporter, which is not installed: "
             f"{PIP}") from None
-    return OTLPSpanExporter()  # endpoint, headers, timeout: the OTEL_EXPORTER_OTLP_* variables
+    return getattr(module, f"OTLP{kind}Exporter")()
 
 
 def span_record(s: Any) -> dict[str, Any]:

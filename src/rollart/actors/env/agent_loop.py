@@ -48,11 +48,13 @@ import msgspec
 
 from rollart import messages as m
 from rollart.actors.kernel.base import Reject
+from rollart.actors.env.host import TrajectoryHost
 from rollart.actors.env.trajectory import Cancelled, Trace, unless_cancelled
 from rollart.agents.conversation import CHARS_PER_TOKEN, ContractError, Conversation, text_size
-from rollart.agents.endpoint import MODEL_NAME, EndpointError
+from rollart.agents.endpoint import MODEL_NAME
+from rollart.agents.chat_request import EndpointError
 from rollart.agents.threads import AgentThreads
-from rollart.aio import settle
+from rollart.aio import first_of
 from rollart.envs.agent_type import resolve_agent
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ not on its event loop (~20 ms of a fast tokenizer at this size)."""
 class AgentTrajectory:
     """One agent trajectory: the endpoint's session (:meth:`complete`) and its record."""
 
-    def __init__(self, mgr: Any, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event) -> None:
+    def __init__(self, mgr: TrajectoryHost, req: m.RolloutRequested, cfg: Any, cancel: asyncio.Event) -> None:
         self.mgr, self.req, self.cfg, self.cancel = mgr, req, cfg, cancel
         self.tr = Trace()
         self.conv = Conversation(mgr.chat)
@@ -131,7 +133,7 @@ class AgentTrajectory:
         tr.add_prompt(ids)
         try:
             res, choices, pool, route = await unless_cancelled(
-                self.mgr._generate(self.req, cfg, tr, choice, turn, max_new_tokens=cap), self.cancel)
+                self.mgr.generate(self.req, cfg, tr, choice, turn, max_new_tokens=cap), self.cancel)
         except Cancelled:
             self._end(stop="cancelled")
             raise EndpointError(503, "the trajectory was cancelled (its group no longer needs it)",
@@ -192,7 +194,7 @@ def _reward_of(result: Any) -> tuple[float | None, bool | None]:
                  f"{{'reward': ..., 'success': ...}} or None (the env's scorer scores it)")
 
 
-async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
+async def run_agent_trajectory(mgr: TrajectoryHost, req: m.RolloutRequested, cfg: Any,
                                cancel: asyncio.Event, delivery: Any) -> m.RolloutCompleted:
     """Run ``cfg``'s agent for ``req`` against a fresh base URL of ``mgr``'s endpoint."""
     if req.wave >= 0 and req.wave_size > 0:
@@ -213,19 +215,12 @@ async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
         agent = asyncio.ensure_future(fn(base_url, task))
     else:
         agent = asyncio.ensure_future(mgr.agent_threads.run(fn, base_url, task))
-    over = asyncio.ensure_future(traj.over.wait())
-    stopped = asyncio.ensure_future(cancel.wait())
     timed_out = False
     try:
-        done, _ = await asyncio.wait({agent, over, stopped}, timeout=cap,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await first_of(agent, traj.over.wait(), cancel.wait(), timeout=cap)
         timed_out = not done
     finally:
         endpoint.close(req.traj_id)
-        pending = [f for f in (agent, over, stopped) if not f.done()]
-        for f in pending:
-            f.cancel()
-        await settle(pending)
     if agent.done() and not agent.cancelled():
         agent.exception()  # retrieved: what it means is decided below
     tr = traj.tr
@@ -256,11 +251,11 @@ async def run_agent_trajectory(mgr: Any, req: m.RolloutRequested, cfg: Any,
     if not tr.turns:
         raise Reject("agent_contract: the agent made no request to its endpoint")
     if cfg.scorer:
-        reward, success = await unless_cancelled(mgr._score(req, cfg, tr, {}, traj.last_text), cancel)
+        reward, success = await unless_cancelled(mgr.score(req, cfg, tr, {}, traj.last_text), cancel)
     elif reward is None and stop == "terminated":
         raise Reject("agent_contract: the agent returned None and the env has no scorer")
     if stop != "terminated":
-        mgr._count(stop)
+        mgr.count(stop)
     reward = reward or 0.0
     if not cfg.scorer:  # the trainer checks a reward against its turns': the last one holds it
         tr.turns[-1] = msgspec.structs.replace(tr.turns[-1], reward=reward)

@@ -14,7 +14,13 @@ or garbage), ``config:``. Missing or lost generate/reward replicas are waited fo
 ``service_unavailable:``.
 
 The turn loop is here; what it works on (the token-level :class:`Trace`, the running
-trajectories, the reset with retries) is in :mod:`rollart.actors.env.trajectory`.
+trajectories, the reset with retries) is in :mod:`rollart.actors.env.trajectory`. An agent
+env's loop (:mod:`rollart.actors.env.agent_loop`) uses only the public methods of
+:class:`~rollart.actors.env.host.TrajectoryHost`, which the EnvManager implements
+(``generate``, ``score``, ``count``, ``agent_endpoint``).
+
+Over ~450 lines (~490): the turn loop, its request handler and the two service calls of a
+turn share the actor's state; what needs none of it is already in :mod:`.trajectory`.
 """
 
 from __future__ import annotations
@@ -127,9 +133,6 @@ class EnvManager(Actor):
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "EnvManager":
         r = run_cfg.rollout
-        settings = {"on_request": {"max_inflight": r.concurrency, "ack_wait": r.ack_wait}}
-        for h, hc in actor_cfg.handlers.items():
-            settings.setdefault(h, {}).update(hc.overrides())
         placed: dict[str, Any] = {}
         if run_cfg.pools:  # the config maps roles to pools: route turns, send rewards there
             placed = {"router": Router(run_cfg.route,
@@ -140,10 +143,13 @@ class EnvManager(Actor):
                       else rp[0]}
         folder = model_dir(run_cfg)
         check_context(run_cfg, folder)  # a trajectory must fit what the engine holds
-        return cls(run=run_cfg.run, pool=pool, name=f"env-{pool}-{replica_suffix()}-{index}", settings=settings,
-                   envs=dict(run_cfg.envs), rollout=r, model_dir=str(folder),
-                   store_ttl=run_cfg.node.events_max_age,
-                   store_max_bytes=run_cfg.node.traj_store_max_bytes, **{**placed, **actor_cfg.args})
+        return cls.configured(
+            actor_cfg, {"run": run_cfg.run, "pool": pool,
+                        "name": f"env-{pool}-{replica_suffix()}-{index}",
+                        "envs": dict(run_cfg.envs), "rollout": r, "model_dir": str(folder),
+                        "store_ttl": run_cfg.node.events_max_age,
+                        "store_max_bytes": run_cfg.node.traj_store_max_bytes, **placed},
+            handlers={"on_request": {"max_inflight": r.concurrency, "ack_wait": r.ack_wait}})
 
     async def setup(self) -> None:
         self.chat = await asyncio.to_thread(ChatFormat.load, self.model_dir)
@@ -157,7 +163,7 @@ class EnvManager(Actor):
         r = self.rollout
         self.services = ServiceClient(self, timeout=r.generate_timeout, wait=r.service_wait,
                                       retries=r.generate_retries,
-                                      replica_timeout=r.replica_timeout, count=self._count,
+                                      replica_timeout=r.replica_timeout, count=self.count,
                                       local=r.local_calls)
         await self.services.start()
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
@@ -175,6 +181,8 @@ class EnvManager(Actor):
         first use; ``rollout.agent_host`` is where it listens."""
         async with self._agents_lock:
             if self._agents is None:
+                # deferred: only agent envs need the endpoint and its web server (starlette,
+                # uvicorn), imported by the first agent trajectory here
                 from rollart.agents.endpoint import AgentEndpoint
 
                 r = self.rollout
@@ -197,7 +205,8 @@ class EnvManager(Actor):
 
         await follow_policy(self, self.gate, accepted, announcements=True)
 
-    def _count(self, key: str, n: int = 1) -> None:
+    def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to one of the counters in ``stats`` (:class:`~.host.TrajectoryHost`)."""
         self.stats[key] = self.stats.get(key, 0) + n
 
     async def _on_cancel(self, req) -> None:
@@ -222,7 +231,7 @@ class EnvManager(Actor):
                 self.version = latest  # else the policy gate decides what is believed
         bound = latest + self.rollout.alpha + 1
         if req.min_version > bound:
-            self._count("invalid_requests")
+            self.count("invalid_requests")
             raise Reject(f"invalid: min_version {req.min_version} is beyond any policy this run "
                          f"can serve (published v{latest}; at most version + alpha + 1 = "
                          f"{bound})")
@@ -233,7 +242,7 @@ class EnvManager(Actor):
         earlier = self._deliveries.earlier(req.traj_id)
         if earlier is not None:  # delivered again while it runs here or once it ended here
             # (ack_wait ran out on a stalled host, or a copy under another msg id)
-            self._count("delivered_again")
+            self.count("delivered_again")
             if await asyncio.shield(earlier):
                 return  # its outcome is stored: this delivery is acked with it
             raise Retry(1.0, f"trajectory {req.traj_id}: its earlier delivery here ended "
@@ -263,11 +272,11 @@ class EnvManager(Actor):
             outcome = "completed"
         except EnvSetupError as e:  # permanent: dead-letter at once, never re-run
             outcome = "rejected"
-            self._count("env_setup_errors")
+            self.count("env_setup_errors")
             raise Reject(f"env_setup: {e}") from e
         except EnvContractError as e:
             outcome = "rejected"
-            self._count("env_contract_errors")
+            self.count("env_contract_errors")
             raise Reject(f"env_contract: {e}") from e
         except Reject:
             outcome = "rejected"
@@ -277,7 +286,7 @@ class EnvManager(Actor):
             raise
         except Cancelled:
             outcome = "cancelled"
-            self._count("cancelled")
+            self.count("cancelled")
             await self.publish_patiently("rollout.cancelled", m.RolloutCancelled(
                 traj_id=req.traj_id, group_id=req.group_id, group_index=req.group_index),
                 msg_id=f"out:{req.traj_id}", deadline=OUTCOME_PUBLISH_S)
@@ -290,7 +299,7 @@ class EnvManager(Actor):
             if req.traj_id in self._in_wave:
                 self._in_wave.discard(req.traj_id)
                 self.lockstep.leave(req.wave_id)
-        self._count("completed")
+        self.count("completed")
         # A bus error here (a nats-server cluster electing a new stream leader takes seconds)
         # is retried, not raised: a raised one would spend a delivery of a finished trajectory.
         try:
@@ -302,7 +311,7 @@ class EnvManager(Actor):
             # forgery, or a copy from an earlier run of the trajectory): the server's dedupe
             # dropped ours. Publish it under a fresh id; the trainer judges both copies
             # (admission refuses a forged one; two admissible ones are a conflict).
-            self._count("msg_id_conflicts")
+            self.count("msg_id_conflicts")
             log.warning("%s: another client's message holds msg id out:%s (sequence %d); "
                         "publishing %s under a fresh id", self.name, req.traj_id, e.seq, req.traj_id)
             await self.publish_patiently(
@@ -354,7 +363,7 @@ class EnvManager(Actor):
             if self.lockstep.join(req.wave_id, req.wave_size, redelivered=delivery.num_delivered > 1):
                 self._in_wave.add(req.traj_id)
         with tracing.span("env.reset"):
-            runner, obs, info = await reset_runner(req, cfg, tr, name=self.name, count=self._count)
+            runner, obs, info = await reset_runner(req, cfg, tr, name=self.name, count=self.count)
         reset_info = dict(info)
         reward, success, stop, text = 0.0, False, "max_turns", ""
         cap = cfg.max_trajectory_s if cfg.max_trajectory_s is not None else self.rollout.max_trajectory_s
@@ -374,7 +383,7 @@ class EnvManager(Actor):
                 await self._sync(req, tr)
                 legal = runner.legal_actions() if cfg.constrain else None
                 res, choices, pool, route = await unless_cancelled(
-                    self._generate(req, cfg, tr, legal, turn), cancel)
+                    self.generate(req, cfg, tr, legal, turn), cancel)
                 start = len(tr.token_ids)
                 tr.add_response(res.token_ids, res.logprobs, res.version)
                 if len(res.token_versions) == len(res.token_ids) > 0:  # an interrupted turn:
@@ -411,11 +420,11 @@ class EnvManager(Actor):
                     tr.add_prompt(self.chat.next_prompt(res.token_ids, self._user(cfg, obs, turn + 1)))
             if cfg.scorer:
                 reward, success = await unless_cancelled(
-                    self._score(req, cfg, tr, {**reset_info, **info}, text), cancel)
+                    self.score(req, cfg, tr, {**reset_info, **info}, text), cancel)
         finally:
             await runner.close()
         if stop == "max_time":
-            self._count("max_time")
+            self.count("max_time")
         return tr.completed(req, reward=reward, success=success, stop=stop,
                             attempt=delivery.num_delivered, version=self.version)
 
@@ -442,10 +451,10 @@ class EnvManager(Actor):
             raise Reject(f"config: batch mode: {e} ({self.name})") from None
         tr.timings["wait"] += time.perf_counter() - t0
 
-    async def _generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
-                        legal: list[str] | None, turn: int = 1, *,
-                        max_new_tokens: int | None = None,
-                        ) -> tuple[m.GenerateResult, list[list[int]], str, int]:
+    async def generate(self, req: m.RolloutRequested, cfg: Any, tr: Trace,
+                       legal: list[str] | None, turn: int = 1, *,
+                       max_new_tokens: int | None = None,
+                       ) -> tuple[m.GenerateResult, list[list[int]], str, int]:
         """One turn's generation: ``(result, choices, pool it was sent to, route index)``;
         the router (if any) picks the pool from the prompt so far, the turn and the env.
         ``max_new_tokens`` (at most the env's) is an agent's own limit."""
@@ -475,7 +484,10 @@ class EnvManager(Actor):
         finally:
             tr.timings["generate"] += time.perf_counter() - t0
 
-    async def _score(self, req: m.RolloutRequested, cfg: Any, tr: Trace, info: dict, text: str):
+    async def score(self, req: m.RolloutRequested, cfg: Any, tr: Trace, info: dict,
+                    text: str) -> tuple[float, bool]:
+        """The env's scorer on the last reply ``text`` (a reward service call):
+        ``(reward, success)``."""
         request = reward_request(req, cfg, info, text)
         t0 = time.perf_counter()
         try:

@@ -20,6 +20,9 @@ from rollart.bus import BusError
 from rollart.bus.codec import DecodeError
 from rollart.engines.base import AsyncEngine
 from rollart.engines.weight_files import LORA_KIND, weights_kind
+from rollart.engines.weight_staging import retire
+from rollart.engines.weight_stream import DEFAULT_LIMITS
+from rollart.engines.weight_blobs import blobs_for_uri
 from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -242,8 +245,9 @@ class StreamStage:
 
     async def fetch(self, bus: Any, pub: m.PolicyPublished) -> Any:
         """Assemble ``pub`` into the staging folder (off the loop; the engine serves)."""
+        # optional dependency: xxhash and zstandard (the train extra), for
+        # trainer.sync.format: stream only
         from rollart.engines.weight_decode import assemble_version
-        from rollart.engines.weight_stream import DEFAULT_LIMITS, blobs_for_uri
 
         if pub.kind != "full":
             raise ValueError(f"policy v{pub.version} is a {pub.kind!r} version in the stream "
@@ -259,16 +263,12 @@ class StreamStage:
     def loaded(self, got: Any) -> None:
         """The engine holds ``got`` now: it is the base; the previous one is the folder's
         spare, which the next version is written over (:func:`~rollart.engines.weight_staging.retire`)."""
-        from rollart.engines.weight_staging import retire
-
         old, self.base = self.base, got
         if old is not None and old.path != got.path:
             retire(old.path)
 
     def discard(self, got: Any) -> None:
         """A staged version the engine refused."""
-        from rollart.engines.weight_staging import retire
-
         if self.base is None or got.path != self.base.path:
             retire(got.path)
 

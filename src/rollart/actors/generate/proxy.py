@@ -33,7 +33,7 @@ from rollart.actors.kernel.policy_gate import PolicyGate
 from rollart.actors.generate.policy import PolicyFollow, PolicyLoading, StalePolicy
 from rollart.actors.kernel.runtime import decode_core
 from rollart.actors.kernel.service import ServiceUnavailable
-from rollart.actors.kernel.service_client import ProgressReporter
+from rollart.actors.kernel.progress import ProgressReporter
 from rollart.bus import Subscription
 from rollart.config import ActorConfig, RunConfig
 from rollart.engines import build_engine
@@ -48,7 +48,7 @@ from rollart.engines.base import (
 )
 from rollart.engines.batched import BatchedEngine
 from rollart.engines.provision import model_dir
-from rollart.engines.weight_stream import StreamLimits
+from rollart.engines.weight_stream import StreamLimits, serving_dtype
 from rollart.telemetry import tracing
 
 __all__ = ["GroupCancelled", "LLMProxy", "StalePolicy"]
@@ -148,15 +148,13 @@ class LLMProxy(PolicyLoading, Actor):
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "LLMProxy":
         px = run_cfg.proxy
-        kw = dict(model_dir=str(model_dir(run_cfg)), engine=px.engine,
-                  engine_args=dict(px.engine_args), on_update=px.on_update,
-                  gather_ms=px.gather_ms, max_batch=px.max_batch, dtype=px.dtype,
-                  threads=run_cfg.model.threads,
-                  seed=index, stream_limits=StreamLimits.of(run_cfg.trainer.sync))
-        kw.update(actor_cfg.args)
         name = f"generate-{pool}-{replica_suffix()}-{index}"  # unique across hosts
-        settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
-        return cls(run=run_cfg.run, pool=pool, name=name, settings=settings, **kw)
+        return cls.configured(actor_cfg, dict(
+            run=run_cfg.run, pool=pool, name=name, model_dir=str(model_dir(run_cfg)),
+            engine=px.engine, engine_args=dict(px.engine_args), on_update=px.on_update,
+            gather_ms=px.gather_ms, max_batch=px.max_batch, dtype=px.dtype,
+            threads=run_cfg.model.threads, seed=index,
+            stream_limits=StreamLimits.of(run_cfg.trainer.sync)))
 
     async def setup(self) -> None:
         if self.on_update not in ("finish", "interrupt"):
@@ -165,8 +163,6 @@ class LLMProxy(PolicyLoading, Actor):
         if eng is None:
             args = dict(self.engine_args)
             if self.engine == "torch" and "dtype" not in args:
-                from rollart.engines.weight_stream import serving_dtype
-
                 args["dtype"] = serving_dtype(self.dtype, self.model_dir)
             eng = build_engine(self.engine, self.model_dir, seed=self.seed, threads=self.threads,
                                gather_s=self.gather_ms / 1e3, max_batch=self.max_batch,

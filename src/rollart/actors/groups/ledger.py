@@ -1,14 +1,12 @@
-"""The group ledger: the one owner of every training group's state.
+"""The group ledger: the one owner of every training group's life.
 
-A group is ``group_size + redundancy`` trajectories of one task. Its life::
-
-    admitted ──► running ──► ready ──► trained
-                    │          ├─────► skipped    (rewards all equal, ``trainer.skip_uniform``)
-                    │          └─────► dropped    (beyond the α bound, ``stale: drop|restart``)
-                    └────────────────► failed     (settled with fewer than 2 completions)
-
-The trainer owns the ledger and persists it with its checkpoint; admission reads its
-summary (``lost``) from KV (:data:`rollart.messages.LEDGER_KEY`).
+What a group is, its states and who may move it from which to which:
+:mod:`rollart.actors.groups.group`. The trainer owns the ledger, closes its groups and
+persists it with its checkpoint; admission reads its summary (``lost``, ``version``) from
+KV (:data:`rollart.messages.LEDGER_KEY`). The scheduler keeps, of the same groups, only
+what the ledger cannot know (the ids it issued, moved copies included, and where it sent
+them), and the ledger takes only groups the scheduler issued (KV
+:func:`rollart.actors.groups.admission.issued_key`).
 
 **The α guarantee** (DESIGN.md §4), stated once. Let ``B = batch_groups``. Admission lets a
 group in at policy version ``a`` only while ``live + 1 <= (a + α + 1) * B``, where
@@ -42,12 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.groups.admission import CONFLICTS_REMEMBERED, fingerprint, member_slot
+from rollart.actors.groups.admission import CONFLICTS_REMEMBERED, fingerprint
+from rollart.actors.groups.group import LOST, Group, GroupState
 from rollart.actors.kernel.records import put_record, watch_record
 from rollart.bus import BusError
 from rollart.telemetry.otel_metrics import reason_kind
 
-__all__ = ["Group", "GroupLedger", "IndexSet", "Selection", "admissible", "put_summary",
+__all__ = ["GroupLedger", "HeldGroup", "IndexSet", "Selection", "admissible", "put_summary",
            "reason_kind", "watch_summary"]
 
 log = logging.getLogger(__name__)
@@ -99,36 +98,31 @@ class IndexSet:
         return cls(s.get("low", 0), set(s.get("above", ())))
 
 
-@dataclass
-class Group:
-    """An open group: the outcomes received so far, each holding its delivery's future
-    (resolved, i.e. acked, once a checkpoint covers the group's fate)."""
+@dataclass(eq=False, kw_only=True)
+class HeldGroup(Group):
+    """An open group of the ledger: the outcomes received so far, each holding its
+    delivery's future (resolved, i.e. acked, once a checkpoint covers the group's fate)."""
 
-    index: int
     members: list[tuple[m.RolloutCompleted, asyncio.Future]] = field(default_factory=list)
+    """The completions held, in arrival order (the first ``need`` are trained)."""
     dead: list[tuple[str, str]] = field(default_factory=list)
     """``(traj_id, reason)`` of dead-lettered members."""
     cancelled: list[str] = field(default_factory=list)
     held: list[asyncio.Future] = field(default_factory=list)
     """Futures of the dead-letter and cancel deliveries."""
-    opened_at: float = field(default_factory=time.monotonic)
+
+    def completed_ids(self) -> list[str]:
+        return [t.traj_id for t, _ in self.members]
+
+    def dead_ids(self) -> list[str]:
+        return [t for t, _ in self.dead]
+
+    def cancelled_ids(self) -> list[str]:
+        return self.cancelled
 
     @property
     def min_version(self) -> int:
         return min(t.min_version for t, _ in self.members)
-
-    @property
-    def outcomes(self) -> int:
-        """Members with an outcome: a member moved to another env pool (``<id>+<k>``,
-        :func:`rollart.actors.groups.admission.member_id`) counts once, whichever copies reported."""
-        ids = [t.traj_id for t, _ in self.members] + [t for t, _ in self.dead] + self.cancelled
-        if not any("+" in t for t in ids):
-            return len(ids)
-        return len({member_slot(t) for t in ids})
-
-    def seen(self, traj_id: str) -> bool:
-        return (any(t.traj_id == traj_id for t, _ in self.members)
-                or any(t == traj_id for t, _ in self.dead) or traj_id in self.cancelled)
 
     def futures(self) -> list[asyncio.Future]:
         return [f for _, f in self.members] + self.held
@@ -136,10 +130,10 @@ class Group:
 
 @dataclass
 class Selection:
-    batch: list[Group]
-    stale: list[Group]
-    failed: list[Group]
-    skipped: list[Group] = field(default_factory=list)
+    batch: list[HeldGroup]
+    stale: list[HeldGroup]
+    failed: list[HeldGroup]
+    skipped: list[HeldGroup] = field(default_factory=list)
     """Ready groups whose rewards are all equal, skipped (``trainer.skip_uniform``)."""
 
 
@@ -155,7 +149,7 @@ class GroupLedger:
         self.stale = stale
         self.breaker = breaker
         """Failed groups in a row that stop the run (0: never)."""
-        self.open: dict[int, Group] = {}
+        self.open: dict[int, HeldGroup] = {}
         self.closed = IndexSet()
         self.next_index = 0
         self.lost = 0
@@ -177,11 +171,14 @@ class GroupLedger:
         conflict to report)."""
 
     # -- outcomes ----------------------------------------------------------------
-    def _group(self, index: int) -> Group | None:
+    def _group(self, index: int) -> HeldGroup | None:
         """The open group ``index`` (opened on first sight), None when it is closed."""
         if index in self.closed or (self.stale == "wait" and index < self.next_index):
             return None
-        return self.open.setdefault(index, Group(index))
+        g = self.open.get(index)
+        if g is None:
+            g = self.open[index] = HeldGroup(index=index, need=self.need, size=self.size)
+        return g
 
     def add_completed(self, msg: m.RolloutCompleted, fut: asyncio.Future) -> str | None:
         """Record a completion; returns None if held, else why it is not (a count key:
@@ -279,13 +276,7 @@ class GroupLedger:
         self.streak_reasons.clear()
 
     # -- selection ---------------------------------------------------------------
-    def _ready(self, g: Group) -> bool:
-        return len(g.members) >= self.need or g.outcomes >= self.size
-
-    def _failed(self, g: Group) -> bool:
-        return self._ready(g) and len(g.members) < min(2, self.need)
-
-    def uniform(self, g: Group, which: str = "all") -> bool:
+    def uniform(self, g: HeldGroup, which: str = "all") -> bool:
         """:func:`uniform` over the group's trained members."""
         return uniform([t for t, _ in g.members[: self.need]], which)
 
@@ -294,22 +285,23 @@ class GroupLedger:
         skipped ones to close now: up to ``skip`` ready groups that are :meth:`uniform`
         (``which``) are passed over (oldest first; the rest are trained as any other). Pure:
         nothing changes until :meth:`close`."""
-        failed = [g for g in self.open.values() if self._failed(g)]
+        failed = [g for g in self.open.values() if g.failed]
         dead = {g.index for g in failed}
         live = {i: g for i, g in self.open.items() if i not in dead}
-        skipped: list[Group] = []
+        skipped: list[HeldGroup] = []
 
-        def take(g: Group, batch: list[Group]) -> None:
+        def take(g: HeldGroup, batch: list[HeldGroup]) -> None:
             (skipped if len(skipped) < skip and self.uniform(g, which) else batch).append(g)
 
         if self.stale == "wait":
-            batch, i = [], self.next_index
+            batch: list[HeldGroup] = []
+            i = self.next_index
             while len(batch) < self.batch_groups:
                 if i in self.closed or i in dead:
                     i += 1
                     continue
                 g = live.get(i)
-                if g is None or not self._ready(g):
+                if g is None or not g.ready:
                     return Selection([], [], failed, skipped)
                 take(g, batch)
                 i += 1
@@ -317,7 +309,7 @@ class GroupLedger:
         in_bound, stale = [], []
         for i in sorted(live):
             g = live[i]
-            if self._ready(g):
+            if g.ready:
                 if g.min_version >= version - self.alpha:
                     take(g, in_bound)
                 else:
@@ -326,7 +318,7 @@ class GroupLedger:
             return Selection([], stale, failed, skipped)
         return Selection(in_bound[: self.batch_groups], stale, failed, skipped)
 
-    def skim(self, version: int, skip: int = 0, which: str = "all") -> list[Group]:
+    def skim(self, version: int, skip: int = 0, which: str = "all") -> list[HeldGroup]:
         """Ready :meth:`uniform` groups that :meth:`select` is sure to skip on its way to the
         batch of the step from ``version``, whatever the groups not ready yet turn out to be:
         skipped now, their replacements are admitted now rather than when the groups before
@@ -342,7 +334,7 @@ class GroupLedger:
             return []
         if self.stale != "wait":
             return self.select(version, skip, which).skipped
-        out: list[Group] = []
+        out: list[HeldGroup] = []
         batched = pending = 0  # before the next group: sure to be trained / either way
         i, last = self.next_index, max(self.open, default=-1)
         while i <= last and len(out) + pending < skip and batched + pending < self.batch_groups:
@@ -350,9 +342,9 @@ class GroupLedger:
             i += 1
             if g is None:
                 pending += (i - 1) not in self.closed  # nothing received yet
-            elif not self._ready(g):
+            elif not g.ready:
                 pending += 1
-            elif self._failed(g):
+            elif g.failed:
                 continue  # closed as failed: neither trained nor skipped
             elif self.uniform(g, which):
                 out.append(g)
@@ -360,12 +352,15 @@ class GroupLedger:
                 batched += 1
         return out
 
-    def close(self, g: Group, state: str) -> list[asyncio.Future]:
+    def close(self, g: HeldGroup, state: GroupState | str) -> list[asyncio.Future]:
         """Close ``g`` as ``trained``, ``failed``, ``dropped``, ``restarted`` or ``skipped``
-        (uniform rewards: lost, so admission replaces it); returns the futures of its
-        deliveries (to be resolved once a checkpoint holds this)."""
+        (uniform rewards: lost, so admission replaces it; the moves a group may make:
+        :data:`rollart.actors.groups.group.MOVES`); returns the futures of its deliveries
+        (to be resolved once a checkpoint holds this)."""
+        state = g.close(state)
         self.open.pop(g.index, None)
         self.closed.add(g.index)
+        self.lost += state in LOST
         if state == "trained":
             self.trained += 1
             for t, _ in g.members:
@@ -373,20 +368,15 @@ class GroupLedger:
             while len(self.trained_fp) > CONFLICTS_REMEMBERED:
                 self.trained_fp.popitem(last=False)
         elif state == "failed":
-            self.lost += 1
             self.counts["groups_failed"] += 1
             self.streak += 1
             self.streak_reasons.update(reason_kind(r) for _, r in g.dead)
             if not g.dead:
                 self.streak_reasons["cancelled"] += 1
         elif state == "skipped":
-            self.lost += 1
             self.counts["uniform_skipped"] += 1
-        elif state in ("dropped", "restarted"):
-            self.lost += state == "dropped"
+        else:  # dropped or restarted (re-admitted under a new index: not lost)
             self.counts["stale_dropped" if state == "dropped" else "stale_restarted"] += 1
-        else:
-            raise ValueError(f"unknown group state {state!r}")
         if self.stale == "wait":
             while self.next_index in self.closed:
                 self.next_index += 1
@@ -418,7 +408,7 @@ class GroupLedger:
             else:
                 parts.append(f"group {i}: {len(g.members)}/{self.need} completed, "
                              f"{len(g.dead)} dead, {len(g.cancelled)} cancelled")
-        ready = sum(self._ready(g) and not self._failed(g) for g in self.open.values())
+        ready = sum(g.ready and not g.failed for g in self.open.values())
         return (f"step to v{version + 1} needs {self.batch_groups} ready groups "
                 f"({ready} ready, {len(self.open)} open); " + "; ".join(parts[:4]))
 

@@ -1,7 +1,8 @@
 """Actors: classes whose decorated methods handle subjects.
 
 A handler's settings (durable name, ack_wait, max_inflight, max_deliver, pool) are
-data recorded by the decorator; config overrides them per actor (``Actor(settings=)``).
+data recorded by the decorator; config overrides them per actor (``Actor(settings=)``,
+merged key by key by :meth:`Actor.configured`).
 Importing a module registers nothing: a :class:`rollart.node.Node` finds handlers by
 inspecting the actor instances it is given.
 
@@ -24,10 +25,11 @@ import socket
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from rollart import messages as m
 from rollart.actors.kernel import payloads
+from rollart.actors.kernel.settings import constructor_args, merged, merged_handlers
 from rollart.aio import retry
 from rollart.bus import Bus, BusError, DuplicateConflict
 from rollart.bus.codec import decode, encode
@@ -148,7 +150,7 @@ class Actor:
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     bus: Bus | None = field(default=None, init=False, repr=False)
     progress: Any = field(default=None, init=False, repr=False)
-    """A service's :class:`~rollart.actors.kernel.service_client.ProgressReporter` (made in
+    """A service's :class:`~rollart.actors.kernel.progress.ProgressReporter` (made in
     ``setup``): the runtime lists the requests of its subject there while they are held;
     None for an actor that reports no progress."""
 
@@ -173,15 +175,33 @@ class Actor:
         past the grace period for something that is not coming (e.g. held deliveries)."""
 
     # -- introspection ---------------------------------------------------------
+    @classmethod
+    def handler_specs(cls) -> dict[str, HandlerSettings]:
+        """Handler method name -> its decorator's settings, for every handler of the class."""
+        return {name: spec for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+                if (spec := getattr(fn, _ATTR, None)) is not None}
+
+    @classmethod
+    def checked_settings(cls, settings: dict[str, dict[str, Any]]) -> dict[str, HandlerSettings]:
+        """Every handler's effective settings (decorator, then ``settings``); a ValueError
+        that names an unknown handler or an unknown setting of one."""
+        specs = cls.handler_specs()
+        unknown = set(settings) - set(specs)
+        if unknown:
+            raise ValueError(
+                f"settings for unknown handler(s) {sorted(unknown)} of {cls.__name__}; "
+                f"handlers: {sorted(specs)}")
+        out = {}
+        for name, spec in specs.items():
+            try:
+                out[name] = spec.override(settings.get(name, {}))
+            except ValueError as e:
+                raise ValueError(f"{cls.__name__}.{name}: {e}") from None
+        return out
+
     def handlers(self) -> list[BoundHandler]:
         out = []
-        unknown = set(self.settings)
-        for name, fn in inspect.getmembers(type(self), predicate=inspect.isfunction):
-            spec: HandlerSettings | None = getattr(fn, _ATTR, None)
-            if spec is None:
-                continue
-            unknown.discard(name)
-            spec = spec.override(self.settings.get(name, {}))
+        for name, spec in self.checked_settings(self.settings).items():
             d = m.SUBJECTS[spec.subject]
             pool = (spec.pool or self.pool) if d.pooled else None
             if spec.kind == "consume" and spec.durable is None:
@@ -195,28 +215,40 @@ class Actor:
                     name=name,
                     fn=getattr(self, name),
                     settings=spec,
-                    msg_type=_first_param_type(fn),
+                    msg_type=_first_param_type(getattr(type(self), name)),
                     subject=m.subject(self.run, spec.subject, pool),
                 )
-            )
-        if unknown:
-            raise ValueError(
-                f"settings for unknown handler(s) {sorted(unknown)} of {type(self).__name__}; "
-                f"handlers: {sorted(h.name for h in out)}"
             )
         return out
 
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "Actor":
-        """Build from a RunConfig and this role's ActorConfig; ``args`` become kwargs.
+        """Build from a RunConfig and this role's ActorConfig (:meth:`configured`).
 
         Roles that read other config sections override this.
         """
-        settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
         name = f"{cls.role}-{pool}-{index}" if actor_cfg.replicas > 1 else ""
+        return cls.configured(actor_cfg, {"run": run_cfg.run, "pool": pool, "name": name})
+
+    @classmethod
+    def configured(cls, actor_cfg: ActorConfig, defaults: dict[str, Any], *,
+                   handlers: dict[str, dict[str, Any]] | None = None) -> Self:
+        """``cls`` built from what its role reads of the config, with ``actor_cfg`` merged
+        over it key by key (:mod:`.settings`, one meaning for every role): ``defaults`` are
+        constructor arguments, with ``actors.<role>.args`` over them; ``handlers`` are
+        settings per handler, with ``actors.<role>.handlers`` over them, and over those a
+        ``settings`` argument among the args (a builder's per-run handler settings). An
+        unknown argument, handler or handler setting is a ValueError that names it."""
+        args = dict(actor_cfg.args)
+        settings = merged_handlers(handlers or {},
+                                   {h: hc.overrides() for h, hc in actor_cfg.handlers.items()},
+                                   args.pop("settings", None) or {})
+        cls.checked_settings(settings)
+        kw = merged(defaults, args, allowed=constructor_args(cls),
+                    what=f"argument(s) of {cls.__name__} (actors.{cls.role}.args)")
         try:
-            return cls(run=run_cfg.run, pool=pool, settings=settings, name=name, **actor_cfg.args)
+            return cls(settings=settings, **kw)
         except TypeError as e:
             raise ValueError(f"bad args for {cls.__name__}: {e}") from e
 

@@ -22,6 +22,7 @@ from rollart.engines.digest import (  # re-exported: the digests of the policy's
     file_content_digest,
     sha256_digest,
 )
+from rollart.engines.safe_files import read_regular
 
 __all__ = ["CONTENT_PREFIX", "DigestMismatch", "TensorDigest", "check_digest", "content_digest",
            "current_policy", "fetch_weights", "file_content_digest", "set_policy",
@@ -58,26 +59,10 @@ def _read_weight_file(path: str, max_bytes: int) -> bytes:
     """The bytes of the regular file at ``path``, refused before anything is read when it
     is a link, not a regular file (a device, a FIFO) or larger than ``max_bytes``. The
     refusal names the path the record gave, never the content or size of what is there."""
-    import os
-    import stat
-
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise DigestMismatch(f"cannot open {path!r} ({type(e).__name__})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DigestMismatch(f"{path!r} is not a regular file")
-        if st.st_size > max_bytes:
-            raise DigestMismatch(f"{path!r} is larger than the {max_bytes}-byte cap")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(st.st_size + 1)
-        if len(data) != st.st_size:
-            raise DigestMismatch(f"{path!r} changed while it was read")
-        return data
-    finally:
-        os.close(fd)
+        return read_regular(path, max_bytes, repr(path), DigestMismatch)
+    except FileNotFoundError:
+        raise DigestMismatch(f"cannot open {path!r} (no such file)") from None
 
 
 async def fetch_weights(bus: Bus, pub: m.PolicyPublished, *,

@@ -27,7 +27,7 @@ ERROR_KIND_HEADER = "Rollart-Error-Kind"
 """On an error reply: ``unavailable`` means "this replica cannot take it now, ask another"."""
 REPLICA_HEADER = "Rollart-Replica"
 """On the replies of a service with a per-replica subject: the replica's id in its progress
-reports (:class:`rollart.actors.kernel.service_client.ProgressReporter`), so that the requester
+reports (:class:`rollart.actors.kernel.progress.ProgressReporter`), so that the requester
 can send the next request of the same trajectory to it."""
 
 
@@ -202,7 +202,7 @@ class Service:
     def _hold(self, msg):
         """List the request in the actor's progress reports from arrival (queued included)
         to reply: an actor whose ``progress`` reporter is for this subject (see
-        :class:`rollart.actors.kernel.service_client.ProgressReporter`)."""
+        :class:`rollart.actors.kernel.progress.ProgressReporter`)."""
         rep = self.actor.progress
         rid = getattr(msg, "request_id", "")
         if rid and rep is not None and rep.service == self.h.settings.subject:

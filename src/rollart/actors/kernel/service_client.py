@@ -13,43 +13,36 @@ Requester side, :class:`ServiceClient` (one per EnvManager):
   stopping) is transient and is sent elsewhere at once. A reply that does not decode is
   ``Reject("decode: ...")`` at once.
 - Every attempt carries a fresh ``request_id``. Replicas list the ids they hold on
-  ``service.progress`` about once a second (:class:`ProgressReporter`); a request held by a
-  replica that went silent for ``replica_timeout`` seconds, or claimed by no replica while
-  the pool's replicas report, is sent again at once instead of waiting out its timeout.
+  ``service.progress`` about once a second (:mod:`~rollart.actors.kernel.progress`); a
+  request held by a replica that went silent for ``replica_timeout`` seconds, or claimed by
+  no replica while the pool's replicas report, is sent again at once instead of waiting out
+  its timeout.
 - Affinity (``call(..., affinity=traj_id)``, generate only): the turns of one trajectory go
   to the replica that answered its last turn (named in the reply's ``Rollart-Replica``
   header), on that replica's own subject ``generate.direct.<pool>.<token>`` (its progress
-  reports announce the token), so that its engine's per-trajectory KV cache is hit. That
-  holds while the replica reports (not silent) and holds at most ``AFFINITY_RATIO`` x the
-  mean of the pool's live replicas + ``AFFINITY_SLACK`` requests (its load: this client's
-  requests on its own subject now, plus the other clients' at its last report);
-  otherwise, and for a trajectory's first turn, the live replica with the fewest
-  trajectories pinned by this client (then the least load) is picked. An attempt on a replica's own subject
-  that gets no answer (no responders, a timeout, ``unavailable``, the replica went silent)
-  or an error forgets the pin and goes to the pool's queue group at once, with the usual
-  retries from there. No replica known (no progress reports yet, or ``replica_timeout``
-  0): the queue group. :meth:`ServiceClient.forget` drops a trajectory's pin when it ends;
-  at most ``AFFINITY_MAX`` pins are kept (least recently used go first).
+  reports announce the token), so that its engine's per-trajectory KV cache is hit, while
+  that replica is live and not saturated (:mod:`~rollart.actors.kernel.replica_pins` says
+  which replica a key goes to). An attempt there that gets no answer or an error forgets the
+  pin and goes to the pool's queue group at once, with the usual retries from there. No
+  replica known (no reports yet, or ``replica_timeout`` 0): the queue group.
+  :meth:`ServiceClient.forget` drops a trajectory's pin when it ends.
 
-Replica side, :class:`ProgressReporter`: an actor that keeps one as its ``progress``
-attribute (for the subject it serves) and runs ``await self.progress.run()`` in its
-``main`` has every request listed by the runtime's ``Service`` from arrival (queued
-included) until the reply. One small message per replica per second.
+Replica side: :class:`rollart.actors.kernel.progress.ProgressReporter`.
 
-The request's attempts, the replica table and the progress reports are one state machine,
-read request by request; the pins' bookkeeping is :mod:`rollart.actors.kernel.replica_pins`.
+Kept whole (~460 lines): the request's attempts, the replica table and the progress reports
+are one state machine, read request by request; the pins' bookkeeping is
+:mod:`rollart.actors.kernel.replica_pins` and the waits' log lines
+:mod:`rollart.actors.kernel.outages`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +50,7 @@ import msgspec
 
 from rollart import messages as m
 from rollart.actors.kernel.base import ERROR_HEADER, Actor, Reject
+from rollart.actors.kernel.outages import Outages, service_of
 from rollart.actors.kernel.replica_pins import AFFINITY_MAX, ReplicaPins
 from rollart.actors.kernel.runtime import decode_core
 from rollart.actors.kernel.service import ERROR_KIND_HEADER, REPLICA_HEADER, local_services
@@ -67,16 +61,8 @@ from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
-ANNOUNCE_AFTER = 1.0
-"""Seconds requests of a pool wait before a log line says so."""
-REMIND_EVERY = 30.0
-"""Seconds between reminders while they still wait."""
 FORGET_AFTER = 120.0
 """Seconds after which a silent replica is forgotten."""
-
-
-def _svc(name: str) -> str:
-    return name.split(".", 1)[0]
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -110,16 +96,6 @@ class _Replica:
     """Its token on the service's per-replica subject; empty: none."""
 
 
-@dataclass(eq=False)
-class _Outage:
-    """The requests of one (service, pool) that wait for a replica to answer."""
-
-    since: float
-    waiting: int = 0
-    why: str = ""
-    announced: float = 0.0
-
-
 class ServiceClient:
     """Request/reply to generate and reward pools that waits out missing replicas.
 
@@ -150,7 +126,7 @@ class ServiceClient:
         self._ids = itertools.count(1)
         self._pending: dict[str, _Pending] = {}
         self._replicas: dict[tuple[str, str], _Replica] = {}
-        self._outages: dict[tuple[str, str], _Outage] = {}
+        self._outages = Outages(actor.name, wait, self._count)
         self._appeared: dict[tuple[str, str], asyncio.Event] = {}
         self._unclaimed_logged = 0.0
         self._sub: Any = None
@@ -186,8 +162,7 @@ class ServiceClient:
 
     def waits(self) -> dict[tuple[str, str], tuple[int, float]]:
         """(service, pool) -> (requests waiting, seconds since the first began)."""
-        now = time.monotonic()
-        return {k: (o.waiting, now - o.since) for k, o in self._outages.items()}
+        return self._outages.waits(time.monotonic())
 
     # -- affinity --------------------------------------------------------------------
     def pinned(self, key: str, name: str = "generate.request") -> str | None:
@@ -318,7 +293,7 @@ class ServiceClient:
                         why, at_once = f"replica unavailable ({err})", True
                 if target is not None:  # its replica did not answer: the pool's queue group
                     log.debug("%s: %s replica %s did not answer%s (%s); asking pool %r",
-                              self.actor.name, _svc(name), target.name, what, why, pool)
+                              self.actor.name, service_of(name), target.name, what, why, pool)
                     self._count("affinity_fallbacks")
                     self._pins.unpin(name, affinity)
                     target, delay = None, 0.0
@@ -326,12 +301,12 @@ class ServiceClient:
                 now = time.monotonic()
                 if not started:
                     started = now
-                    self._begin(key, now)
-                self._outages[key].why = why
+                    self._outages.begin(key, now)
+                self._outages.note(key, why)
                 tries += 1
                 left = started + self.wait - now
                 if left <= 0:
-                    raise Reject(f"service_unavailable: no {_svc(name)} replica in pool {pool!r} "
+                    raise Reject(f"service_unavailable: no {service_of(name)} replica in pool {pool!r} "
                                  f"answered{what} for {now - started:.0f}s (rollout.service_wait);"
                                  f" last: {why}")
                 delay = 0.0 if at_once and tries == 1 else min(left, backoff(tries, base=0.1, cap=2.0))
@@ -344,7 +319,7 @@ class ServiceClient:
             for p in lingering.values():
                 p.lost.cancel()
             if started:
-                self._end(key, ok=ok)
+                self._outages.end(key, ok=ok)
 
     def _error_answer(self, name: str, what: str, err: str | None, errors: int) -> int:
         """One more error answer: the count of them, or ``Reject`` past ``retries``."""
@@ -382,7 +357,7 @@ class ServiceClient:
                 return await svc.call_local(data)
         except TimeoutError:
             log.warning("%s: the local %s replica gave no answer within %gs; asking the bus",
-                        self.actor.name, _svc(name), self.timeout)
+                        self.actor.name, service_of(name), self.timeout)
             return None
 
     def _decode(self, name: str, rep: Any, what: str) -> Any:
@@ -422,24 +397,6 @@ class ServiceClient:
             waits.append(self._appeared.setdefault(key, asyncio.Event()).wait())
         await first_of(*waits)
 
-    def _begin(self, key: tuple[str, str], now: float) -> None:
-        o = self._outages.get(key)
-        if o is None:
-            o = self._outages[key] = _Outage(since=now)
-        o.waiting += 1
-        self._count("service_waits")
-
-    def _end(self, key: tuple[str, str], ok: bool) -> None:
-        o = self._outages.get(key)
-        if o is None:
-            return
-        o.waiting -= 1
-        if o.waiting <= 0:
-            del self._outages[key]
-            if o.announced and ok:
-                log.info("%s: %s replicas in pool %r answer again (waited %.1fs)",
-                         self.actor.name, _svc(key[0]), key[1], time.monotonic() - o.since)
-
     # -- progress ------------------------------------------------------------------
     async def _on_progress(self, req) -> None:
         pr = decode_core(m.ServiceProgress, req)
@@ -451,7 +408,7 @@ class ServiceClient:
             r = self._replicas[(pr.service, pr.replica)] = _Replica(
                 service=pr.service, pool=pr.pool, last=now, every=pr.every, name=pr.replica)
         elif r.silent:
-            log.info("%s: %s replica %s reports again", self.actor.name, _svc(pr.service),
+            log.info("%s: %s replica %s reports again", self.actor.name, service_of(pr.service),
                      pr.replica)
         r.last, r.every, r.pool, r.silent = now, pr.every, pr.pool, False
         mine, own = 0, f"{self._prefix}-"
@@ -497,7 +454,7 @@ class ServiceClient:
                 if not r.silent:
                     r.silent = True
                     log.warning("%s: %s replica %s (pool %r) silent for %.1fs: sending the %d "
-                                "request(s) it held elsewhere", self.actor.name, _svc(service),
+                                "request(s) it held elsewhere", self.actor.name, service_of(service),
                                 name, r.pool, now - r.last, n)
             if unclaimed and now - self._unclaimed_logged > 10.0:
                 self._unclaimed_logged = now
@@ -505,62 +462,4 @@ class ServiceClient:
                             self.actor.name, unclaimed)
             for k in [k for k, r in self._replicas.items() if now - r.last > FORGET_AFTER]:
                 del self._replicas[k]
-        for (name, pool), o in self._outages.items():
-            if o.announced and now - o.announced < REMIND_EVERY:
-                continue
-            if now - o.since < ANNOUNCE_AFTER:
-                continue
-            log.warning("%s: %d request(s) %s for a %s replica in pool %r for %.0fs (%s); "
-                        "each gives up after %.0fs (rollout.service_wait)", self.actor.name,
-                        o.waiting, "still wait" if o.announced else "wait", _svc(name), pool,
-                        now - o.since, o.why, self.wait)
-            o.announced = now
-
-
-class ProgressReporter:
-    """Replica side: publish the request ids this replica holds, every ``every`` seconds.
-
-    The replica's id in reports is its actor name plus a random suffix, so that two
-    processes with the same actor name are told apart; ``token`` is the same as a subject
-    token (its per-replica subject's), announced as ``direct`` once the runtime's
-    ``Service`` answers there.
-    """
-
-    def __init__(self, actor: Actor, service: str, *, pool: str | None = None,
-                 every: float = 1.0) -> None:
-        self.actor, self.service, self.every = actor, service, every
-        self.pool = pool or actor.pool
-        suffix = uuid.uuid4().hex[:6]
-        self.replica = f"{actor.name}@{suffix}"
-        self.token = f"{re.sub(r'[^A-Za-z0-9_-]', '_', actor.name)[:100]}-{suffix}"
-        self.direct = ""
-        """The token announced in reports (set by the runtime's ``Service``); empty: none."""
-        self.held: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def hold(self, request_id: str) -> Iterator[None]:
-        """List ``request_id`` in reports while the block runs."""
-        if not request_id:
-            yield
-            return
-        self.held[request_id] = self.held.get(request_id, 0) + 1
-        try:
-            yield
-        finally:
-            n = self.held.pop(request_id, 1) - 1
-            if n > 0:
-                self.held[request_id] = n
-
-    async def run(self) -> None:
-        while True:
-            await self.report()
-            await asyncio.sleep(self.every)
-
-    async def report(self) -> None:
-        msg = m.ServiceProgress(service=self.service, replica=self.replica, pool=self.pool,
-                                request_ids=list(self.held), every=self.every,
-                                direct=self.direct)
-        try:
-            await self.actor.publish("service.progress", msg)
-        except BusError as e:
-            log.debug("%s: progress report failed: %s", self.actor.name, e)
+        self._outages.announce(now)

@@ -20,7 +20,7 @@ from rollart import messages as m
 from rollart.actors.kernel.base import Actor, serve
 from rollart.actors.kernel.batching import Batcher
 from rollart.actors.kernel.service import ServiceUnavailable
-from rollart.actors.kernel.service_client import ProgressReporter
+from rollart.actors.kernel.progress import ProgressReporter
 from rollart.config import ActorConfig, RunConfig
 from rollart.envs.reasoning import ReasoningGymEnv
 from rollart.telemetry import otel_metrics
@@ -110,10 +110,9 @@ class RewardService(Actor):
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "RewardService":
         rc = run_cfg.reward
-        kw = dict(model_path=rc.model_path, gather_ms=rc.gather_ms, threads=run_cfg.model.threads)
-        kw.update(actor_cfg.args)
-        settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
-        return cls(run=run_cfg.run, pool=pool, name=f"reward-{pool}-{index}", settings=settings, **kw)
+        return cls.configured(actor_cfg, dict(
+            run=run_cfg.run, pool=pool, name=f"reward-{pool}-{index}", model_path=rc.model_path,
+            gather_ms=rc.gather_ms, threads=run_cfg.model.threads))
 
     async def setup(self) -> None:
         self._model = None

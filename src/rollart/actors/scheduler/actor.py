@@ -5,27 +5,26 @@ delivered by its first ``group_size`` completions; the rest are cancelled (a com
 that EnvManagers honour; they report ``rollout.cancelled``). Admission never lets
 more than ``(v + alpha + 1) * batch_groups`` live groups in, where ``v`` is the policy
 version in KV and a group stops being live when the trainer's ledger counts it lost
-(failed or dropped): its headroom goes to a fresh group (see :mod:`rollart.actors.groups.ledger`).
+(failed, dropped or skipped): its headroom goes to a fresh group (see
+:mod:`rollart.actors.groups.ledger`). The ledger owns a group's life; the scheduler keeps of
+the same groups (:class:`IssuedGroup`, :mod:`rollart.actors.groups.group`) only what the
+ledger cannot know, or not soon enough: the ids it issued (moved copies included) and their
+outcomes, to cancel the redundant members at once and to start the next wave, and where each
+open trajectory went (:class:`rollart.actors.scheduler.pools.EnvPools`).
 
 Neither KV record is taken on trust (nothing on the bus is authenticated): ``v`` is the
-newest version the policy gate accepted (:class:`rollart.actors.kernel.policy_gate.PolicyGate`: one
-version at a time), and never more than the latest trainer ledger summary says; ``lost`` is
-at most the
-number of groups that are done here (a group can only be lost once its outcomes are in), so
-a forged record cannot open the α bound. In ``batch`` mode groups are admitted in waves of
-``batch_groups`` whose trajectories advance in lock step, and a wave starts only
-when the previous one is done.
+newest version the policy gate accepted (:class:`rollart.actors.kernel.policy_gate.PolicyGate`:
+one version at a time), and never more than the latest trainer ledger summary says; ``lost``
+is at most the number of groups that are done here (a group can only be lost once its
+outcomes are in), so a forged record cannot open the α bound. In ``batch`` mode groups are
+admitted in waves of ``batch_groups`` whose trajectories advance in lock step, and a wave
+starts only when the previous one is done.
 
-Several env pools (``mapping.env: [a, b]``): each request goes to the pool not reported
-without a live node (node heartbeats, :class:`rollart.actors.kernel.pool_watch.PoolWatch`) with the
-fewest of this scheduler's
-trajectories still open per unit of ``pools.<name>.weight``: join the shortest queue, so a
-faster pool gets more. When a pool has had no live node for two heartbeat intervals (its
-deliveries cannot finish), its open trajectories are moved: each is re-issued to a live
-pool as ``<id>+<k>`` (:func:`rollart.actors.groups.admission.member_id`), and the group waits for the
-copy. Should the old pool come back and finish the original too, the trainer takes it as
-one more member of its group or counts it extra or late (it is another sample of the same
-task); nothing is trained twice.
+Several env pools (``mapping.env: [a, b]``): requests are spread over the live ones, and the
+open trajectories of a pool that lost every node are moved to another
+(:class:`rollart.actors.scheduler.pools.EnvPools`). Should the old pool come back and finish
+an original too, the trainer takes it as one more member of its group or counts it extra or
+late (it is another sample of the same task); nothing is trained twice.
 """
 
 from __future__ import annotations
@@ -33,44 +32,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
-
-import msgspec
+from typing import Any
 
 from rollart import messages as m
-from rollart.actors.groups.admission import MAX_MOVES, group_id, issued_key, member_id, member_seed
-from rollart.actors.kernel.base import Actor, consume
+from rollart.actors.groups.admission import group_id, issued_key, member_seed
 from rollart.actors.groups.ledger import admissible, watch_summary
+from rollart.actors.kernel.base import Actor, consume
 from rollart.actors.kernel.policy_gate import PolicyGate, follow_policy
 from rollart.actors.kernel.pool_watch import PoolWatch, make_watch, run_watch
 from rollart.actors.kernel.records import put_record
 from rollart.actors.kernel.run_end import wait_run_end
+from rollart.actors.scheduler.issued import IssuedGroup
+from rollart.actors.scheduler.pools import EnvPools
 from rollart.bus import BusError
 from rollart.bus.codec import encode
 from rollart.config import ActorConfig, RolloutConfig, RunConfig
 from rollart.config.placement import mapped_pools
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GroupState:
-    members: list[str]
-    need: int
-    completed: list[str] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-    dead: list[str] = field(default_factory=list)
-    admitted_at: float = field(default_factory=time.monotonic)
-    done_at: float | None = None
-
-    @property
-    def outcomes(self) -> int:
-        return len(self.completed) + len(self.cancelled) + len(self.dead)
-
-    @property
-    def done(self) -> bool:
-        return len(self.completed) >= self.need or self.outcomes >= len(self.members)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -95,8 +75,9 @@ class RolloutScheduler(Actor):
     """Continue the admission count stored in KV by an earlier process of this run."""
     keep_results: bool = False
     """Keep every completed trajectory in ``results`` (for ``rollart rollout``)."""
-    results: list = field(default_factory=list)
-    groups: dict[str, GroupState] = field(default_factory=dict)
+    results: list[m.RolloutCompleted] = field(default_factory=list)
+    groups: dict[str, IssuedGroup] = field(default_factory=dict)
+    """Group id -> this scheduler's view of it."""
     env_pool: str | None = None
     """Pool of the EnvManagers its requests go to (``mapping.env``); None: its own pool."""
     env_pools: list[str] = field(default_factory=list)
@@ -106,49 +87,59 @@ class RolloutScheduler(Actor):
     """The RunConfig (``from_config``): with ``pools`` declared, its pools without a live node
     are logged (:mod:`rollart.actors.kernel.pool_watch`)."""
 
+    # -- state made by setup() and the handlers ------------------------------------
+    version: int = field(default=0, init=False)
+    """The policy version admission counts from (:meth:`_set_version`)."""
+    _policy_v: int = field(default=0, init=False)
+    """The newest policy version the gate accepted."""
+    _ledger_v: int | None = field(default=None, init=False)
+    """The trainer ledger summary's version (None: no summary seen)."""
+    lost: int = field(default=0, init=False)
+    """Groups the trainer's ledger counts lost (failed, dropped or skipped)."""
+    failed_groups: int = field(default=0, init=False)
+    """Groups settled here with fewer than 2 completions."""
+    failed_streak: int = field(default=0, init=False)
+    """Groups failed in a row (a fixed-size rollout stops at ``rollout.fail_after_groups``)."""
+    failure: str | None = field(default=None, init=False)
+    """Set when a fixed-size rollout stopped because every recent group failed."""
+    admitted: int = field(default=0, init=False)
+    """Groups admitted (their requests published; KV :attr:`_kv_key` after them)."""
+    issued: int = field(default=0, init=False)
+    """Groups whose requests may have been published (KV :func:`issued_key`, stored before
+    them: the trainer takes completions only of issued groups)."""
+    gate: PolicyGate = field(default_factory=PolicyGate, init=False, repr=False)
+    groups_done: int = field(default=0, init=False)
+    """Groups that became ready (their first ``group_size`` completions, or every outcome)."""
+    groups_settled: int = field(default=0, init=False)
+    """Groups with an outcome for every member."""
+    max_admitted_ahead: int = field(default=0, init=False)
+    """The most groups admitted beyond ``(v + 1) * batch_groups`` (how far α was used)."""
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
+    """Notified when anything admission looks at changes."""
+    all_done: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    """Set once every admitted group settled and no more will be admitted."""
+    extra_completions: int = field(default=0, init=False)
+    """Completions of groups already ready (finished before they saw the cancel)."""
+    moved: int = field(default=0, init=False)
+    """Trajectories re-issued to another env pool (theirs lost every node)."""
+    pools: EnvPools = field(default=None, init=False, repr=False)
+    """Where each open trajectory was sent (:class:`EnvPools`)."""
+    pool_watch: PoolWatch | None = field(default=None, init=False, repr=False)
+    """Which pools have a live node (with ``pools`` declared)."""
+    kv: Any = field(default=None, init=False, repr=False)
+    """The run's KV bucket (admission and issued counts)."""
+
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "RolloutScheduler":
-        settings = {h: hc.overrides() for h, hc in actor_cfg.handlers.items()}
         envs = mapped_pools(run_cfg.mapping, "env") if run_cfg.pools else []
         placed = {"env_pool": envs[0], "env_pools": envs} if envs else {}
         # actors.scheduler.args (and the builder's per-run arguments) win over the config's
-        return cls(**{"run": run_cfg.run, "pool": pool, "settings": settings,
-                      "rollout": run_cfg.rollout, "run_cfg": run_cfg, **placed, **actor_cfg.args})
+        return cls.configured(actor_cfg, {"run": run_cfg.run, "pool": pool,
+                                          "rollout": run_cfg.rollout, "run_cfg": run_cfg, **placed})
 
     async def setup(self) -> None:
-        self.version = 0
-        self._policy_v = 0
-        """The newest policy version the gate accepted."""
-        self._ledger_v: int | None = None
-        """The trainer ledger summary's version (None: no summary seen)."""
-        self.lost = 0
-        """Groups the trainer's ledger counts lost (failed or dropped)."""
-        self.failed_groups = 0
-        self.failed_streak = 0
-        self.failure: str | None = None
-        """Set when a fixed-size rollout stopped because every recent group failed."""
-        self.admitted = 0
-        self.issued = 0
-        """Groups whose requests may have been published (KV :func:`issued_key`, stored before
-        them: the trainer takes completions only of issued groups)."""
-        self.gate = PolicyGate()
-        self.groups_done = 0
-        self.groups_settled = 0
-        self.max_admitted_ahead = 0
-        self.changed = asyncio.Condition()
-        self.all_done = asyncio.Event()
-        self.outcome_of: dict[str, str] = {}
-        self.extra_completions = 0
-        self.open_req: dict[str, tuple[str | None, m.RolloutRequested]] = {}
-        """Trajectory id -> (env pool, request) while it has no outcome (several env pools)."""
-        self.open_in: Counter[str | None] = Counter()
-        """Env pool -> trajectories open there."""
-        self.sent_to: Counter[str | None] = Counter()
-        """Env pool -> requests sent there (moved copies included)."""
-        self.moved = 0
-        """Trajectories re-issued to another env pool (theirs lost every node)."""
-        self.pool_watch: PoolWatch | None = None
+        self.pools = EnvPools(self.env_pool, self.env_pools, self.run_cfg)
         self.kv = await self.bus.key_value(m.kv_bucket(self.run))
         if self.resume:
             e = await self.kv.get(self._kv_key)
@@ -173,8 +164,9 @@ class RolloutScheduler(Actor):
                 except Exception:  # noqa: BLE001 - the scheduler goes on without the watch
                     log.exception("%s: the pool watch did not start", self.name)
                 if self.pool_watch is not None:
+                    self.pools.watch = self.pool_watch
                     tg.create_task(run_watch(self.pool_watch))
-                    if len(self.env_pools) > 1:
+                    if self.pools.several:
                         tg.create_task(self._failover_loop())
             if self.bounded:
                 tg.create_task(self._watch_ledger())
@@ -290,7 +282,8 @@ class RolloutScheduler(Actor):
         for g in range(first, first + n):
             gid = group_id(g, self.prefix)
             members = [f"{gid}-{i}" for i in range(size)]
-            self.groups[gid] = GroupState(members=members, need=r.group_size)
+            self.groups[gid] = IssuedGroup(index=g, need=r.group_size, size=size,
+                                           traj_ids=members)
             wave = g // r.batch_groups if r.mode == "batch" else -1
             wave_size = size * min(r.batch_groups,
                                    (self.total_groups or 1 << 30) - wave * r.batch_groups) \
@@ -307,8 +300,8 @@ class RolloutScheduler(Actor):
                     group_index=g,
                     eval=self.eval, greedy=self.greedy, created_at=time.time(),
                     wave=wave, wave_size=wave_size, wave_id=f"{self.run}:{self.prefix}{wave}")
-                pool = self._pick_pool()
-                self._opened(tid, pool, req)
+                pool = self.pools.pick()
+                self.pools.opened(tid, pool, req)
                 out.append((req, pool))
         results = await asyncio.gather(*(
             self.publish_patiently("rollout.requested", req, msg_id=f"req:{self.run}:{req.traj_id}",
@@ -319,36 +312,6 @@ class RolloutScheduler(Actor):
         await self._put_admitted()
 
     # -- env pools -----------------------------------------------------------------
-    def _weight(self, pool: str) -> float:
-        p = self.run_cfg.pools.get(pool) if self.run_cfg is not None else None
-        return float(p.weight) if p is not None else 1.0
-
-    def _pick_pool(self, avoid: set[str] = frozenset()) -> str | None:
-        """The env pool of the next request: with several, the one not reported missing (no
-        live node for two heartbeat intervals, :class:`PoolWatch`) nor in ``avoid`` with the
-        fewest open trajectories per unit of weight; with every pool missing, any of them
-        (the request waits in its stream), unless ``avoid`` is given: then None."""
-        if len(self.env_pools) <= 1:
-            return self.env_pool
-        pools = [p for p in self.env_pools if p not in avoid]
-        missing = self.pool_watch.missing if self.pool_watch is not None else set()
-        cands = [p for p in pools if p not in missing] or ([] if avoid else pools)
-        if not cands:
-            return None
-        return min(cands, key=lambda p: ((self.open_in[p] + 1) / self._weight(p),
-                                         self.env_pools.index(p)))
-
-    def _opened(self, tid: str, pool: str | None, req: m.RolloutRequested) -> None:
-        self.sent_to[pool] += 1
-        if len(self.env_pools) > 1:
-            self.open_req[tid] = (pool, req)
-            self.open_in[pool] += 1
-
-    def _closed(self, tid: str) -> None:
-        got = self.open_req.pop(tid, None)
-        if got is not None:
-            self.open_in[got[0]] -= 1
-
     async def _failover_loop(self) -> None:
         """On every change of the pools' liveness, move the open trajectories of the env
         pools without a live node to live ones."""
@@ -357,7 +320,7 @@ class RolloutScheduler(Actor):
         while True:
             await watch.changed.wait()
             watch.changed.clear()
-            for pool in sorted(watch.missing & set(self.env_pools)):
+            for pool in sorted(watch.missing & set(self.pools.pools)):
                 try:
                     await self._move_from(pool, watch.missing)
                 except BusError as e:  # retried at the next change
@@ -369,39 +332,13 @@ class RolloutScheduler(Actor):
             log.warning("%s: env pool %s has no live node; its trajectories stay there (batch "
                         "mode advances waves in lock step, so they are not moved)", self.name, pool)
             return 0
-        moved: Counter[str] = Counter()
-        for tid, (p, req) in list(self.open_req.items()):
-            if p != pool or tid not in self.open_req:
-                continue
-            g = self.groups.get(req.group_id)
-            if g is None or g.done or tid not in g.members or tid in self.outcome_of:
-                self._closed(tid)
-                continue
-            k = int(tid.rsplit("+", 1)[1]) + 1 if "+" in tid else 1
-            if k > MAX_MOVES:
-                log.warning("%s: %s was moved %d times already; it stays in pool %s",
-                            self.name, tid, MAX_MOVES, pool)
-                continue
-            to = self._pick_pool(avoid={pool} | missing)
-            if to is None:
-                log.warning("%s: env pool %s has no live node, and no other env pool has one: "
-                            "its %d open trajectories wait", self.name, pool,
-                            sum(1 for q, _ in self.open_req.values() if q == pool))
-                break
-            new = member_id(req.group_id, req.index_in_group, k)
-            copy = msgspec.structs.replace(req, traj_id=new, created_at=time.time())
-            g.members[g.members.index(tid)] = new  # the group now waits for the copy
-            self._closed(tid)
-            self._opened(new, to, copy)
+        moved = 0
+        for copy, to in self.pools.moves(pool, missing, self.groups, name=self.name):
             self.moved += 1
-            moved[to] += 1
-            await self.publish_patiently("rollout.requested", copy, msg_id=f"req:{self.run}:{new}",
-                                         pool=to)
-        if moved:
-            log.warning("%s: env pool %s has no live node: moved %d open trajectories to %s",
-                        self.name, pool, sum(moved.values()),
-                        ", ".join(f"{p} ({n})" for p, n in sorted(moved.items())))
-        return sum(moved.values())
+            moved += 1
+            await self.publish_patiently("rollout.requested", copy,
+                                         msg_id=f"req:{self.run}:{copy.traj_id}", pool=to)
+        return moved
 
     async def _put_issued(self, deadline: float = 300.0) -> None:
         """Store the issued count, retrying bus errors up to ``deadline`` seconds (the trainer
@@ -421,26 +358,24 @@ class RolloutScheduler(Actor):
     # -- outcomes ------------------------------------------------------------------
     async def _record(self, traj_id: str, group_id: str, outcome: str) -> None:
         g = self.groups.get(group_id)
-        if g is None or traj_id not in g.members or traj_id in self.outcome_of:
+        if g is None or not g.waits_for(traj_id):
             return  # not a trajectory this scheduler admitted (or moved), or already counted
-        self.outcome_of[traj_id] = outcome
-        self._closed(traj_id)
-        was_done = g.done
-        if outcome == "completed" and len(g.completed) >= g.need:
+        self.pools.closed(traj_id)
+        was_ready = g.ready
+        if outcome == "completed" and g.completions >= g.need:
             self.extra_completions += 1  # finished before it saw the cancel
         getattr(g, outcome).append(traj_id)
-        if g.done and not was_done:
+        if g.ready and not was_ready:
             g.done_at = time.monotonic()
-            pending = [t for t in g.members if t not in self.outcome_of]
-            if pending:
+            if not g.settled:
                 await self._send_cancel(m.CancelGroup(group_id=group_id, keep=list(g.completed)))
             async with self.changed:
                 self.groups_done += 1
                 self.changed.notify_all()
-        if g.outcomes == len(g.members):
+        if g.settled:
             async with self.changed:
                 self.groups_settled += 1
-                if len(g.completed) < min(2, g.need):
+                if g.failed:
                     self._group_failed(group_id)
                 elif g.completed:
                     self.failed_streak = 0
@@ -474,8 +409,7 @@ class RolloutScheduler(Actor):
     @consume("rollout.completed", max_inflight=64)
     async def on_completed(self, msg: m.RolloutCompleted, delivery) -> None:
         g = self.groups.get(msg.group_id)
-        if self.keep_results and g is not None and msg.traj_id in g.members \
-                and msg.traj_id not in self.outcome_of:
+        if self.keep_results and g is not None and g.waits_for(msg.traj_id):
             self.results.append(msg)
         await self._record(msg.traj_id, msg.group_id, "completed")
 
@@ -490,7 +424,7 @@ class RolloutScheduler(Actor):
             await self._record(req.traj_id, req.group_id, "dead")
 
     def summary(self) -> dict[str, float]:
-        done = [g for g in self.groups.values() if g.done]
+        done = [g for g in self.groups.values() if g.ready]
         return {
             "groups_admitted": self.admitted, "groups_done": len(done),
             "completed": sum(len(g.completed) for g in self.groups.values()),

@@ -27,7 +27,7 @@ from typing import Any
 from rollart import messages as m
 from rollart.actors.groups.admission import RESTART_BASE, Admission, issued_key
 from rollart.actors.kernel.base import Actor, Reject, Retry, consume
-from rollart.actors.groups.ledger import Group, GroupLedger
+from rollart.actors.groups.ledger import GroupLedger, HeldGroup
 from rollart.actors.kernel.records import decode_entry
 from rollart.actors.kernel.runtime import decode_core
 from rollart.actors.trainer.checkpoint import Checkpoints, replay
@@ -107,7 +107,7 @@ class Trainer(StepLoop, Actor):
     """The most groups the trainer ever reported lost (a resume may restart below it)."""
     end_published: bool = field(default=False, init=False)
     """The end of training was stored (:mod:`rollart.actors.kernel.run_end`)."""
-    skipped: list[Group] = field(default_factory=list, init=False, repr=False)
+    skipped: list[HeldGroup] = field(default_factory=list, init=False, repr=False)
     """Groups skipped for uniform rewards since the last step (``trainer.skip_uniform``)."""
     trace_heads: dict[str, dict[str, str]] = field(default_factory=dict, init=False, repr=False)
     """Tracing on: traj_id -> its ``traceparent``, for the step that trains it."""
@@ -118,12 +118,11 @@ class Trainer(StepLoop, Actor):
                     index: int = 0) -> "Trainer":
         buf = trainer_buffer(run_cfg.rollout, run_cfg.trainer.skip_uniform)
         held = {"max_inflight": buf, "max_ack_pending": 2 * buf}
-        settings = {"on_completed": dict(held), "on_dead": dict(held), "on_cancelled": dict(held)}
-        for h, hc in actor_cfg.handlers.items():
-            settings.setdefault(h, {}).update(hc.overrides())
-        return cls(run=run_cfg.run, pool=pool, settings=settings, cfg=run_cfg,
-                   model_dir=str(model_dir(run_cfg)),
-                   run_path=str(Path(run_cfg.run_dir) / run_cfg.run), **actor_cfg.args)
+        return cls.configured(
+            actor_cfg, {"run": run_cfg.run, "pool": pool, "cfg": run_cfg,
+                        "model_dir": str(model_dir(run_cfg)),
+                        "run_path": str(Path(run_cfg.run_dir) / run_cfg.run)},
+            handlers={h: held for h in ("on_completed", "on_dead", "on_cancelled")})
 
     # -- state -------------------------------------------------------------------
     async def setup(self) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from rollart import messages as m
+from rollart.engines.choice_trie import allowed_after
 
 
 def allowed_per_token(t: m.RolloutCompleted) -> list[list[int] | None] | None:
     """The constrained-decoding token sets of every generated token (None: free)."""
-    from rollart.engines.torch_engine import allowed_after  # optional: imports torch
-
     if not any(turn.choices for turn in t.turns):
         return None
     allowed: list[list[int] | None] = [None] * len(t.token_ids)
@@ -43,7 +42,7 @@ def advantages(rewards: list[float], groups: list[int], kind: str) -> list[float
 
 
 def build_samples(trajs: list[m.RolloutCompleted], groups: list[int], kind: str) -> list:
-    from rollart.engines.torch_trainer import TrainSample  # optional: imports torch
+    from rollart.engines.train_samples import TrainSample  # optional: imports torch
 
     advs = advantages([t.reward for t in trajs], groups, kind)
     return [TrainSample(token_ids=list(t.token_ids), response_mask=list(t.response_mask),

@@ -282,6 +282,7 @@ class Checkpoints:
         self.journal_sha256 = await asyncio.to_thread(write)
         self.last_state, self.durable_seq = state, seq
         if self.object_store:
+            # deferred: trainer.checkpoint_store: object only
             from rollart.actors.trainer.checkpoint_store import put_state
 
             await put_state(self.bus, self.run, self.files, [r.seq for r in pending],
@@ -328,6 +329,7 @@ class Checkpoints:
         del state  # the CPU copy: freed before the object store reads the file
         write_s = time.perf_counter() - t0
         if self.object_store:
+            # deferred: trainer.checkpoint_store: object only
             from rollart.actors.trainer.checkpoint_store import put_full
 
             await put_full(self.bus, self.run, self.files, ref, what=self.name)
@@ -340,6 +342,7 @@ class Checkpoints:
         gone = await asyncio.to_thread(self.files.prune_journal, seq)
         await asyncio.to_thread(self.files.prune_full, seq)
         if self.object_store:
+            # deferred: trainer.checkpoint_store: object only
             from rollart.actors.trainer.checkpoint_store import delete_full, delete_journal
 
             await delete_journal(self.bus, self.run, sorted(set(gone) | set(range(prev + 1, seq + 1))))

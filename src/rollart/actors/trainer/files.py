@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import msgspec
 
 from rollart.engines.checkpoint_codec import CheckpointRefused, load_file, save_file
+from rollart.engines.safe_files import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +267,9 @@ class RunFiles:
     def load_state_head(self) -> tuple[dict[str, Any], StateHead] | None:
         """The durable state and its validated head, None when there is none."""
         try:
-            fd = os.open(self.state, os.O_RDONLY | os.O_NOFOLLOW)
+            data = read_regular(self.state, MAX_STATE_BYTES, str(self.state), CheckpointRefused)
         except FileNotFoundError:
             return None
-        with open(fd, "rb") as f:
-            data = f.read(MAX_STATE_BYTES + 1)
         return parse_state(data, str(self.state))
 
     def load_state(self) -> dict[str, Any] | None:

@@ -237,7 +237,7 @@ class WeightPublisher:
 def _rotate(base: Path, nxt: Path) -> None:
     """``nxt`` becomes the base; the old base the folder's spare, written over by the next
     version (:func:`~rollart.engines.weight_staging.retire`: no new pages per version)."""
-    from rollart.engines.weight_staging import retire
+    from rollart.engines.weight_staging import retire  # optional dependency: numpy
 
     retire(base)
     nxt.replace(base)
@@ -261,7 +261,7 @@ class StreamPublisher:
         self._blobs: Any = None
         self._dtype: str | None = None
         self.server: Any = None
-        """``trainer.weights: tcp``: the :class:`~rollart.engines.weight_tcp.WeightServer`."""
+        """``trainer.weights: tcp``: the :class:`~rollart.engines.weight_tcp_server.WeightServer`."""
 
     async def close(self) -> None:
         """Stop the weight server (``trainer.weights: tcp``), if one runs."""
@@ -270,7 +270,7 @@ class StreamPublisher:
             self.server = None
 
     async def blobs(self) -> Any:
-        from rollart.engines import weight_stream as ws
+        from rollart.engines import weight_blobs as ws  # optional dependency: numpy
 
         if self._blobs is None:
             a, t = self.owner.actor, self.owner.cfg
@@ -280,12 +280,9 @@ class StreamPublisher:
             elif t.weights == "shm":
                 self._blobs = ws.DirBlobs(ws.shm_dir(a.run))
             elif t.weights == "tcp":
-                from rollart.engines.weight_tcp import (
-                    TOKEN_OBJECT,
-                    WeightServer,
-                    advertised_host,
-                    tls_wanted,
-                )
+                # deferred: trainer.sync.weights tcp only (its server, TLS, a token)
+                from rollart.engines.weight_tcp import TOKEN_OBJECT, advertised_host, tls_wanted
+                from rollart.engines.weight_tcp_server import WeightServer
 
                 root = self.owner.weights / "stream"
                 await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
@@ -314,6 +311,7 @@ class StreamPublisher:
         return self._blobs
 
     def serving_dtype(self) -> str:
+        # optional dependency: numpy
         from rollart.engines.weight_stream import serving_dtype
 
         if self._dtype is None:
@@ -324,6 +322,7 @@ class StreamPublisher:
         return self._dtype
 
     async def publish(self, v: int) -> None:
+        # optional dependency: xxhash and zstandard (the train extra)
         from rollart.engines import weight_encode as enc
 
         owner, sync = self.owner, self.owner.cfg.sync

@@ -18,7 +18,7 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.groups.admission import RESTART_BASE
-from rollart.actors.groups.ledger import Group, GroupLedger, put_summary
+from rollart.actors.groups.ledger import GroupLedger, HeldGroup, put_summary
 from rollart.actors.kernel.run_end import put_run_end
 from rollart.actors.trainer.checkpoint import Checkpoints, rng_state
 from rollart.actors.trainer.files import RunFiles
@@ -58,7 +58,7 @@ class StepLoop:
     nodes: dict[str, m.NodeHeartbeat]
     lost_max: int
     end_published: bool
-    skipped: list[Group]
+    skipped: list[HeldGroup]
     trace_heads: dict[str, dict[str, str]]
     on_step: Any
     before_training: Any
@@ -98,7 +98,7 @@ class StepLoop:
             async with self.stepped:  # trainer.eval_every's evaluator waits on it
                 self.stepped.notify_all()
 
-    def _staleness_counts(self, batch: list[Group]) -> list[int]:
+    def _staleness_counts(self, batch: list[HeldGroup]) -> list[int]:
         """``counts[k]``: the samples of ``batch`` that are ``k`` versions stale now."""
         k = self.cfg.rollout.group_size
         stale = [max(0, self.version - t.min_version) for g in batch for t, _ in g.members[:k]]
@@ -114,7 +114,7 @@ class StepLoop:
         while len(heads) > 100_000:  # bounded: groups dropped or failed never claim theirs
             del heads[next(iter(heads))]
 
-    def _trace_links(self, batch: list[Group]) -> list[dict[str, str]]:
+    def _trace_links(self, batch: list[HeldGroup]) -> list[dict[str, str]]:
         heads = self.trace_heads
         k = self.cfg.rollout.group_size
         return [h for g in batch for t, _ in g.members[:k]
@@ -126,7 +126,7 @@ class StepLoop:
             fut.done() or fut.set_result(None)
         self.unacked = []
 
-    async def _next_batch(self) -> list[Group] | None:
+    async def _next_batch(self) -> list[HeldGroup] | None:
         """The next step's groups, or None when the circuit breaker stopped the run."""
         r = self.cfg.rollout
         t0 = time.monotonic()
@@ -180,7 +180,7 @@ class StepLoop:
         self._close_skipped(groups)
         return bool(groups)
 
-    def _close_skipped(self, groups: list[Group]) -> None:
+    def _close_skipped(self, groups: list[HeldGroup]) -> None:
         """Close ``groups`` as skipped (lost: admission replaces them), counted in this step."""
         for g in groups:
             self.unacked += self.ledger.close(g, "skipped")
@@ -271,7 +271,7 @@ class StepLoop:
             await put_run_end(self.bus, self.run, m.RunEnd(
                 stage="trained", version=self.version, steps=steps, stopped=stopped, ts=time.time()))
 
-    async def _restart(self, g: Group) -> None:
+    async def _restart(self, g: HeldGroup) -> None:
         """Roll a stale group's task out again under a fresh group index."""
         t = g.members[0][0]
         n = self.cfg.rollout.group_size + self.cfg.rollout.redundancy
@@ -293,7 +293,7 @@ class StepLoop:
         pools = mapped_pools(self.cfg.mapping, "env")
         return pools[index % len(pools)]
 
-    async def _step(self, batch: list[Group], *, wait_s: float, t_start: float) -> dict | None:
+    async def _step(self, batch: list[HeldGroup], *, wait_s: float, t_start: float) -> dict | None:
         # optional dependency: train_batch imports torch (a trainer process has it)
         from rollart.actors.trainer.batch import (advances_schedule, build_samples, loss_config,
                                                 next_entropy_coef, trajectory_stats)
