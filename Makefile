@@ -52,7 +52,7 @@ define install_torch
 	fi
 endef
 
-.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm test-verifiers setup-verifiers docs docs-serve docs-check setup-docs test-openenv setup-openenv
+.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm test-verifiers setup-verifiers docs docs-serve docs-check setup-docs setup-chromium test-openenv setup-openenv
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
@@ -162,15 +162,18 @@ docs: $(STAMP_DOCS)
 docs-serve: $(STAMP_DOCS)
 	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs serve
 
-docs-check: docs
+docs-check: docs setup-chromium
+	ROLLART_SITE_DIR=site ROLLART_SITE_SHOTS=$(SITE_SHOTS) $(VENV_DOCS)/bin/python -m pytest -q -n 0 -p no:randomly tests/docs_site $(ARGS)
+
+setup-docs: $(STAMP_DOCS)
+
+# Debian's chromium for the browser test, installed when missing and we are root
+setup-chromium:
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing chromium (apt-get)"; \
 	  apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; \
 	else echo "no chromium, and not root with apt-get to install it: the browser test will skip (apt-get install chromium)"; fi
-	ROLLART_SITE_DIR=site ROLLART_SITE_SHOTS=$(SITE_SHOTS) $(VENV_DOCS)/bin/python -m pytest -q -n 0 -p no:randomly tests/docs_site $(ARGS)
-
-setup-docs: $(STAMP_DOCS)
 
 $(STAMP_DOCS): pyproject.toml
 	@test -x $(VENV_DOCS)/bin/python || { echo "creating $(VENV_DOCS)"; $(PYTHON) -m venv $(VENV_DOCS); }

@@ -19,7 +19,7 @@ env's loop (:mod:`rollart.actors.env.agent_loop`) uses only the public methods o
 :class:`~rollart.actors.env.host.TrajectoryHost`, which the EnvManager implements
 (``generate``, ``score``, ``count``, ``agent_endpoint``).
 
-Over ~450 lines (~490): the turn loop, its request handler and the two service calls of a
+Kept whole (~500 lines): the turn loop, its request handler and the two service calls of a
 turn share the actor's state; what needs none of it is already in :mod:`.trajectory`.
 """
 
