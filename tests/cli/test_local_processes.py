@@ -38,13 +38,16 @@ def run_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
-def quickstart(tmp_path: Path, run_dir: Path, run: str, steps: int, **node) -> Path:
-    """The packaged quickstart config with few steps and a one-group final evaluation."""
+def quickstart(tmp_path: Path, run_dir: Path, run: str, steps: int, rollout: dict | None = None,
+               **node) -> Path:
+    """The packaged quickstart config with few steps and a one-group final evaluation
+    (``rollout``: keys of its rollout section to change)."""
     from rollart.app.configs import packaged_configs
 
     raw = yaml.safe_load(packaged_configs()["quickstart"].read_text())
     raw.update(run=run, run_dir=str(run_dir))
     raw["trainer"].update(steps=steps, eval_groups=1)
+    raw.setdefault("rollout", {}).update(rollout or {})
     if node:
         raw["node"] = node
     path = tmp_path / f"{run}.yaml"
@@ -169,7 +172,10 @@ def test_lost_generate_process_is_restarted_and_the_run_finishes(tmp_path, run_d
     groups = [["generate"], ["env", "reward"]] if layout == "split" else [["generate", "env", "reward"]]
     node["local_processes"] = groups
     gen = ",".join(groups[0])  # the child that generates
-    cfg = quickstart(tmp_path, run_dir, run, steps=steps, **node)
+    # ``one``: the trajectories the killed child held come back after rollout.ack_wait (30 s
+    # by default; 8 s here, still far above the child's restart)
+    rollout = {"ack_wait": 8.0} if layout == "one" else None
+    cfg = quickstart(tmp_path, run_dir, run, steps=steps, rollout=rollout, **node)
     r = Run(tmp_path, str(cfg))
     pids = []
     try:

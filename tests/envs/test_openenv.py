@@ -61,13 +61,13 @@ def server():
     s.kill()
 
 
-@pytest.fixture
-def own_server():
-    """A server of the test's own (one it may kill or stop): ``own_server(*args)``."""
+def servers_of(kind: type[Server]):
+    """A test's own servers of ``kind`` (ones it may kill or stop), as a fixture body: yields
+    ``start(*args)``, then stops every server it started, a stopped (SIGSTOP) one too."""
     made: list[Server] = []
 
     def start(*args: str) -> Server:
-        made.append(Server(*args))
+        made.append(kind(*args))
         return made[-1]
 
     yield start
@@ -75,6 +75,12 @@ def own_server():
         if s.proc.proc.poll() is None:
             os.kill(s.proc.proc.pid, signal.SIGCONT)
         s.kill()
+
+
+@pytest.fixture
+def own_server():
+    """A server of the test's own (one it may kill or stop): ``own_server(*args)``."""
+    yield from servers_of(Server)
 
 
 def runner(server: Server, transport: str = "ws", **args) -> EnvRunner:

@@ -23,7 +23,7 @@ import pytest
 
 from rollart.envs.errors import EnvError, EnvSetupError, EnvTimeout
 from rollart.envs.runner import EnvRunner
-from tests.envs.test_openenv import MOVE, WIN, Server, runner
+from tests.envs.test_openenv import MOVE, WIN, Server, runner, servers_of
 from tests.waiting import until
 
 
@@ -70,17 +70,7 @@ def shared():
 @pytest.fixture
 def own_server():
     """A server of the test's own, which it may kill or stop: ``own_server(*args)``."""
-    made: list[CoreServer] = []
-
-    def start(*args: str) -> CoreServer:
-        made.append(CoreServer(*args))
-        return made[-1]
-
-    yield start
-    for s in made:
-        if s.proc.proc.poll() is None:
-            os.kill(s.proc.proc.pid, signal.SIGCONT)
-        s.kill()
+    yield from servers_of(CoreServer)
 
 
 async def reset_when_room(server: Server, seed: int) -> str:
