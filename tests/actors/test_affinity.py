@@ -144,7 +144,7 @@ async def test_a_pin_moves_off_a_saturated_or_stopped_replica(bus, tiny_model):
     """The ServiceClient of an EnvManager, with two real replicas each on its own node: a
     key stays on its replica; it moves when that replica reports more held requests than
     1.25 x the pool's mean + 2, and again when its node stops (no responders on its own
-    subject: the pool's queue group answers); pins are forgotten, and at most
+    subject, so the pool's queue group answers, or its reports gone quiet); pins are forgotten, and at most
     ``affinity_max`` are kept (least recently used go first)."""
     cfg = cfg_of(tiny_model)
     env, a, b = build_actors(cfg, ["env", "generate"], "default")
@@ -180,7 +180,13 @@ async def test_a_pin_moves_off_a_saturated_or_stopped_replica(bus, tiny_model):
         await until(lambda: held(crowded) == 0, deadline=30, what="a report of 0 held")
         assert await turn() == other.name, "the pin stays where it moved"
         await nodes.pop(other.name).stop_and_drain()  # its subject has no responders now
-        assert await turn() == first and env.stats["affinity_fallbacks"] == 1
+        # the next turn finds one of two things first, by how long the stop took: the
+        # replica's subject without responders (a fallback to the pool's queue group), or
+        # its reports gone quiet for long enough that it is no longer live (placed again, a
+        # move); either way the key moves once, to the replica that is left
+        assert await turn() == first
+        moved = env.stats.get("affinity_fallbacks", 0) + env.stats["affinity_moves"] - 1
+        assert moved == 1, env.stats
         assert await turn() == first
         sc.forget("x-0")
         assert sc.pinned("x-0") is None and sc.pins() == 0
