@@ -40,14 +40,15 @@ def run_dir(tmp_path_factory) -> Path:
 
 def quickstart(tmp_path: Path, run_dir: Path, run: str, steps: int, rollout: dict | None = None,
                **node) -> Path:
-    """The packaged quickstart config with few steps and a one-group final evaluation
+    """The packaged quickstart config with few, small steps (2 groups of 4, every group
+    trained: the processes are the point, not the learning) and a one-group final evaluation
     (``rollout``: keys of its rollout section to change)."""
     from rollart.app.configs import packaged_configs
 
     raw = yaml.safe_load(packaged_configs()["quickstart"].read_text())
     raw.update(run=run, run_dir=str(run_dir))
-    raw["trainer"].update(steps=steps, eval_groups=1)
-    raw.setdefault("rollout", {}).update(rollout or {})
+    raw["trainer"].update(steps=steps, eval_groups=1, skip_uniform=0)
+    raw.setdefault("rollout", {}).update({"group_size": 4, "batch_groups": 2, **(rollout or {})})
     if node:
         raw["node"] = node
     path = tmp_path / f"{run}.yaml"
@@ -386,4 +387,6 @@ async def test_training_waits_for_every_childs_first_heartbeat(tmp_path, memory_
             await memory_bus_only.publish_core(m.subject("fake", "node.heartbeat"), encode(hb))
             await asyncio.wait([waiter], timeout=0.05)
         await waiter
-        local.run_ended()
+        # no run_ended(): the stand-in child is no node and would never exit by itself, so the
+        # stop would wait out the drain window (~25 s) before its SIGTERM
+

@@ -96,3 +96,10 @@ async def test_a_stray_cancel_does_not_stall_training(memory_bus_only, tiny_mode
                                encode(m.CancelGroup(group_id="g000000", reason="stray")))
         await asyncio.wait_for(trainer.finished.wait(), 120)
     assert trainer.version == 3 and trainer.failure is None
+    # alpha = 0 is on-policy: every step trained on trajectories of the version before it
+    # (the quickstart's alpha = 0 learning run checks the same over a long run, in test-scale)
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "cancel" / "metrics.jsonl")
+            .read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["max_staleness"] == 0 for r in rows), [r["max_staleness"] for r in rows]
+    assert all(mv == r["step"] - 1 for r in rows for mv in r["traj_min_versions"]), rows

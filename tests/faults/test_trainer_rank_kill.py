@@ -24,8 +24,11 @@ STEPS = 6
 
 @pytest.mark.timeout(900)
 async def test_a_killed_rank_stops_the_run_and_resume_trains_each_group_once(tmp_path, nats_server):
+    # small steps (2 groups of 4, each trained): the ranks are the point, not the learning
     cfg = with_overrides(quickstart(tmp_path, "rank-kill", 1),
-                         trainer={"steps": STEPS, "world_size": 2, "dist_timeout": 10.0})
+                         rollout={"group_size": 4, "batch_groups": 2},
+                         trainer={"steps": STEPS, "world_size": 2, "dist_timeout": 10.0,
+                                  "skip_uniform": 0, "eval_groups": 1})
     run = Path(cfg.run_dir) / cfg.run
     killed: dict = {}
 

@@ -20,15 +20,38 @@ def pytest_configure(config):
 
 
 _checked: dict[str, str | None] = {}
+_holds: list = []
+LOCK = "/tmp/rollart-test-hosts.lock"
+"""Every test process that makes hosts holds this file's lock shared for its life; stale
+leftovers are removed only under the exclusive lock, so when no other test process (an
+xdist worker beside this one) is alive: a namespace another worker has just made, before
+its first process starts, looks stale but is not (a race ``-n 2`` hit)."""
+
+
+def _check_and_clean() -> str | None:
+    """Why namespaces cannot be made here (None: they can); leftovers removed when alone."""
+    import fcntl
+
+    fd = open(LOCK, "a")  # noqa: SIM115 - held open (its lock) until this process exits
+    _holds.append(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another test process is alive: its namespaces are no leftovers
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return netns.unavailable()
+    why = netns.unavailable()
+    if why is None:
+        netns.remove_stale()
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return why
 
 
 @pytest.fixture(scope="session")
 def netns_ok():
-    """Skip unless namespaces work here; on the first use remove stale ``rat-`` leftovers."""
+    """Skip unless namespaces work here; on the first use remove stale ``rat-`` leftovers
+    (only when no other test process holds hosts)."""
     if "why" not in _checked:
-        _checked["why"] = netns.unavailable()
-        if _checked["why"] is None:
-            netns.remove_stale()
+        _checked["why"] = _check_and_clean()
     if _checked["why"]:
         pytest.skip(f"no network namespaces: {_checked['why']}")
 

@@ -44,6 +44,7 @@ STEPS = 3
 GROUP_SIZE = 4
 BATCH_GROUPS = 2
 ALPHA = 1
+ACK_WAIT = 5.0
 ROUTE_N = 60
 """Turns whose prompt (the context so far) is longer than this many tokens go to pool big.
 The first turn's prompt of the quickstart FrozenLake is shorter, later turns longer."""
@@ -65,8 +66,16 @@ def write_config(tmp_path: Path, tiny_model, urls: list[str], *, routed: bool = 
         "model": {"path": str(tiny_model), "threads": 1},
         "envs": {"main": {**qs["envs"]["main"], "max_turns": 8,
                           "args": {**qs["envs"]["main"]["args"], "max_steps": 8}}},
-        "rollout": {"group_size": GROUP_SIZE, "batch_groups": BATCH_GROUPS, "alpha": ALPHA},
-        "trainer": {**qs["trainer"], "steps": steps, "eval_groups": 1, "eval_timeout": 90},
+        # a killed process's deliveries come back after 5 s, not the default 30 (live ones
+        # are held by their in-progress heartbeats)
+        "rollout": {"group_size": GROUP_SIZE, "batch_groups": BATCH_GROUPS, "alpha": ALPHA,
+                    "ack_wait": ACK_WAIT},
+        "actors": {role: {"handlers": {"on_completed": {"ack_wait": ACK_WAIT}}}
+                   for role in ("trainer", "scheduler")},
+        # every group trains (no dynamic sampling): the tiny random policy fails nearly every
+        # episode, so skipping uniform groups would generate ~9x the trajectories a step
+        "trainer": {**qs["trainer"], "steps": steps, "eval_groups": 1, "eval_timeout": 90,
+                    "skip_uniform": 0},
     }
     if routed:
         cfg.update(

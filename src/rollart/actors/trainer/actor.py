@@ -42,6 +42,13 @@ from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
+HAND_BACK_S = 2.0
+"""Redelivery delay of what a finished or stopping trainer hands back (groups admitted ahead
+within alpha, steps after the last checkpoint): short, because the next process of the run (a
+``--resume``, a restarted head) takes them at once (a 30 s delay made a prompt resume's first
+step wait 15-25 s); not zero, so that a finished trainer whose node still runs its final
+evaluation fetches them only every few seconds."""
+
 
 class RunFailed(RuntimeError):
     """The circuit breaker stopped the run: failures are systematic, not transient."""
@@ -280,7 +287,7 @@ class Trainer(StepLoop, Actor):
             self.counts["eval_skipped"] += 1
             return
         if self.finished.is_set():  # keep it for a later run that trains further
-            raise Retry(30.0, "trainer finished its steps")
+            raise Retry(HAND_BACK_S, "trainer finished its steps")
         why = await self._not_admitted(msg)
         if why:
             self.ledger.not_admitted()
@@ -342,7 +349,7 @@ class Trainer(StepLoop, Actor):
         if req is None or req.eval or req.group_index < 0:
             return
         if self.finished.is_set():
-            raise Retry(30.0, "trainer finished its steps")
+            raise Retry(HAND_BACK_S, "trainer finished its steps")
         fut = asyncio.get_running_loop().create_future()
         if self.ledger.add_dead(req.traj_id, req.group_index, msg.reason, fut):
             await self._hold(fut)
@@ -352,7 +359,7 @@ class Trainer(StepLoop, Actor):
         if msg.group_index < 0:
             return
         if self.finished.is_set():
-            raise Retry(30.0, "trainer finished its steps")
+            raise Retry(HAND_BACK_S, "trainer finished its steps")
         fut = asyncio.get_running_loop().create_future()
         if self.ledger.add_cancelled(msg.traj_id, msg.group_index, fut):
             await self._hold(fut)
@@ -412,7 +419,8 @@ class Trainer(StepLoop, Actor):
         """Hand back what no checkpoint holds (redelivered to a later run: buffered groups,
         steps after the last checkpoint); the last checkpoint already acked the rest."""
         for fut in self.unacked:
-            fut.done() or fut.set_exception(Retry(30.0, "trainer stopped before a checkpoint"))
+            fut.done() or fut.set_exception(
+                Retry(HAND_BACK_S, "trainer stopped before a checkpoint"))
         self.unacked = []
         for fut in self.ledger.hand_back():
-            fut.done() or fut.set_exception(Retry(30.0, "trainer stopped"))
+            fut.done() or fut.set_exception(Retry(HAND_BACK_S, "trainer stopped"))
