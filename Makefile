@@ -1,11 +1,12 @@
 # From a fresh clone (needs only python3 and make):
 #   make run     set up .venv (once) and run the quickstart: a tiny model learns FrozenLake
-#   make test    set up .venv (once) and run the tests: python -m pytest -q -n 2 (pytest-xdist:
-#                two worker processes; TEST_WORKERS=N for another number, 0 for none)
+#   make test    set up .venv (once) and run the tests: python -m pytest -q -n 3 (pytest-xdist:
+#                three worker processes, on 2 cores too: the tests wait on processes and
+#                servers a third of the time; TEST_WORKERS=N for another number, 0 for none)
 #   make test-fast   the same without the tests marked slow (learning runs, kills, restarts)
 #   make test-scale  the tests marked scale (learning runs: the scale-out trainer's ranks,
-#                    LoRA, streamed deltas; the README agent; the quickstart's α = 1 in
-#                    memory), left out of `make test`; CI runs both
+#                    LoRA, streamed deltas; the README agent; the quickstart's α = 0 and
+#                    α = 1 in memory; two of the hosts runs), left out of `make test`; CI runs both
 #   make test-verifiers  the verifiers adapter's tests in their own venv, $(VENV_VF)
 #   make test-openenv    the OpenEnv adapter against servers built with openenv-core, in
 #                        their own venv, $(VENV_OE)
@@ -33,7 +34,7 @@ CPU_INDEX := https://download.pytorch.org/whl/cpu
 EXTRAS ?= dev,envs,megatron,loggers,agent,openenv
 CONFIG ?= quickstart
 ARGS ?=
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.rollart-setup

@@ -242,7 +242,7 @@ async def _run_rollout(args, cfg: RunConfig, groups: int, label: str) -> dict:
             cpu = time.process_time() - cpu0
         engines = [a._emulated for a in actors if a.role == "generate"]
     gs = sorted(sched.groups.items())
-    span = max(g.done_at for _, g in gs) - min(g.admitted_at for _, g in gs)
+    span = max(g.done_at for _, g in gs) - min(g.opened_at for _, g in gs)
     res = sorted(sched.results, key=lambda r: (r.group_index, r.index_in_group))
     chains = [(r.group_index, chain_of(r.seed, r.traj_id, len(r.turns))) for r in res]
     return {"span_s": span, "results": res, "chains": chains, "cpu_s": cpu,
@@ -489,7 +489,7 @@ async def run_jobs(args, cfgs: list[RunConfig], label: str, *, groups: int,
     jobs = []
     for cfg, (sched, _) in zip(cfgs, built):
         gs = list(sched.groups.values())
-        start, end = min(g.admitted_at for g in gs), max(g.done_at for g in gs)
+        start, end = min(g.opened_at for g in gs), max(g.done_at for g in gs)
         chains = []
         for r in sched.results:
             c = chain_of(r.seed, f"{cfg.run}/{r.traj_id}", len(r.turns))

@@ -148,7 +148,7 @@ async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run
             await until_done(sched, args.timeout, label, groups, tick)
             t_done = time.perf_counter()
     gs = sorted(sched.groups.items())
-    start = min(g.admitted_at for _, g in gs)
+    start = min(g.opened_at for _, g in gs)
     end = max(g.done_at for _, g in gs)
     span = end - start
     # per batch (groups w*batch_groups...): first admission -> last group done. Batch mode
@@ -157,7 +157,7 @@ async def measure(args, *, mode: str, sigma: float, engine, model_dir: Path, run
     waves = []
     for w in range(args.batches):
         part = [g for _, g in gs[w * args.batch_groups:(w + 1) * args.batch_groups]]
-        waves.append(round(max(g.done_at for g in part) - min(g.admitted_at for g in part), 3))
+        waves.append(round(max(g.done_at for g in part) - min(g.opened_at for g in part), 3))
     res = sched.results
     n = max(1, len(res))
     sizes = [s for p in proxies for s in p.batcher.sizes]

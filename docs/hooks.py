@@ -107,7 +107,7 @@ def config_reference() -> str:
     lines += ["## Built-in env types: `envs.<name>.args`", "",
               "Keyword arguments of each built-in `type:` (of a class of your own: its "
               "constructor's).", ""]
-    for title, keys in doc._builtin_envs():  # the grouping --doc prints, one table each
+    for title, keys in doc.builtin_envs():  # the grouping --doc prints, one table each
         lines += [f"### `{title}`", ""]
         lines += _table([(_code(f"args.{k.path}"), _cell(k.type), _code(k.default),
                           _cell(k.allowed), _cell(k.doc)) for k in keys])

@@ -48,7 +48,7 @@ def test_readme_is_a_landing_page():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 250
     assert "make run" in text and "make test" in text and "make docs" in text
-    assert "python -m pytest -q -n 2" in text  # the exact command `make test` runs
+    assert "python -m pytest -q -n 3" in text  # the exact command `make test` runs
     assert "![" in text and "(docs/img/" in text  # a picture of a run
     for page in TUTORIALS:
         assert f"(docs/{page}" in text, f"README does not link docs/{page}"

@@ -159,7 +159,7 @@ def test_make_sets_up_a_missing_venv_then_runs(tmp_path):
     extras = re.search(r"^EXTRAS \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert {"dev", "envs", "megatron", "loggers"} <= set(extras.split(","))
     assert out.index("torch==2.13.0") < out.index(f"-m pip install -q -e '.[{extras}]'")
-    assert out.rstrip().endswith("python -m pytest -q -n 2"), out  # the README's test command
+    assert out.rstrip().endswith("python -m pytest -q -n 3"), out  # the README's test command
     out = _make_n("run", f"VENV={venv}")
     assert out.rstrip().endswith(f"{venv}/bin/rollart run quickstart"), out
     out = _make_n("run", f"VENV={venv}", "TORCH_INDEX=https://download.pytorch.org/whl/cu128")
@@ -175,7 +175,7 @@ def test_make_skips_set_up_when_it_is_current(tmp_path):
     t = (ROOT / "pyproject.toml").stat().st_mtime + 10
     os.utime(stamp, (t, t))
     out = _make_n("test", f"VENV={venv}")
-    assert out.strip() == f". {venv}/bin/activate && python -m pytest -q -n 2", out
+    assert out.strip() == f". {venv}/bin/activate && python -m pytest -q -n 3", out
     assert _make_n("run", f"VENV={venv}", "ARGS=--steps 3").strip() == \
         f"{venv}/bin/rollart run quickstart --steps 3"
     os.utime(stamp, (t - 20, t - 20))  # pyproject.toml changed since: set up again

@@ -304,6 +304,9 @@ async def test_nats_server_kill9_mid_run(tmp_path, tiny_model, hosts, nats_clust
                  victim=f"n{victim + 1}", step_at_kill=step_at_kill, **counts)
 
 
+# in make test-scale (a generate pool away, then back: tests/faults/test_outages.py and
+# test_multi_node_run.py cover it in fewer processes in make test)
+@pytest.mark.scale
 async def test_pool_without_node_waits_until_one_joins(tmp_path, tiny_model, hosts, nats_cluster):
     t0 = time.monotonic()
     _, cluster, (head_h, env_h, big_h, small_h, big2_h) = await cluster_and_hosts(
@@ -432,6 +435,9 @@ async def test_late_generate_node_serves_current_policy(tmp_path, tiny_model, ho
                  first_beats=trace[:4], served=served, **counts)
 
 
+# in make test-scale (an env pool's node lost: tests/actors/test_env_pools.py covers it in
+# one process in make test)
+@pytest.mark.scale
 async def test_two_env_pools_share_work_and_one_killed_leaves_it_to_the_other(
         tmp_path, tiny_model, hosts, nats_cluster):
     """``mapping.env: [a, b]`` with an env node of each pool in its own namespace: both get

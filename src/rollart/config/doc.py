@@ -307,7 +307,9 @@ def env_args(name: str, cls: Any, skip: tuple[str, ...] = ()) -> list[Key]:
     return out
 
 
-def _builtin_envs() -> list[tuple[str, list[Key]]]:
+def builtin_envs() -> list[tuple[str, list[Key]]]:
+    """The ``args`` keys of each built-in env type, by title: the grouping ``rollart config
+    --doc`` prints, and the docs site's config reference renders (``docs/hooks.py``)."""
     out = []
     for short, path in sorted(BUILTIN_ENVS.items()):
         mod, _, attr = path.partition(":")
@@ -362,7 +364,7 @@ def document(typ: type | None = None, *, env_types: bool = True) -> str:
     if env_types:
         lines += ["", "# envs.<name>.args: keyword arguments of the env type (of a class of your",
                   "# own: its constructor's). The built-in types take:"]
-        for title, keys in _builtin_envs():
+        for title, keys in builtin_envs():
             lines += ["", f"envs.<name>.{title}"]
             for k in keys:
                 lines += _line(Key(f"args.{k.path}", k.type, k.default, k.allowed, ""), "  ")

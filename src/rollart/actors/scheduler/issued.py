@@ -29,11 +29,6 @@ class IssuedGroup(Group):
     done_at: float | None = None
     """``time.monotonic()`` when it became ready (delivered)."""
 
-    @property
-    def admitted_at(self) -> float:
-        """``time.monotonic()`` at admission (its :attr:`opened_at`)."""
-        return self.opened_at
-
     def completed_ids(self) -> list[str]:
         return self.completed
 
