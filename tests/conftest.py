@@ -18,8 +18,9 @@ def pytest_collection_modifyitems(config, items):
     processes each) evenly through the run, the rest between them in their order: pytest-xdist's
     workers then run about one slow test each at a time. In file order they cluster (faults,
     hosts), so three ran side by side on two cores and each took 2-3x as long (a run that put
-    them all first took 13 min 16 s against 12 min 05 s in random order). A plugin that
-    reorders (``-p randomly``) runs after this one and decides instead."""
+    them all first took 13 min 16 s against 12 min 05 s in random order). ``-p randomly``
+    shuffles before this hook (its wrapper runs first): the slow tests are then spread over
+    its shuffled order, each part in the order it chose."""
     slow = [it for it in items if it.get_closest_marker("slow") is not None]
     if not slow or len(slow) == len(items):
         return

@@ -389,4 +389,3 @@ async def test_training_waits_for_every_childs_first_heartbeat(tmp_path, memory_
         await waiter
         # no run_ended(): the stand-in child is no node and would never exit by itself, so the
         # stop would wait out the drain window (~25 s) before its SIGTERM
-

@@ -83,8 +83,9 @@ async def test_four_nodes_run_to_the_end_and_exit(tmp_path, tiny_model):
 
 async def test_generate_and_reward_away_for_10s_mid_run(tmp_path, tiny_model):
     """Both stateless services are killed (SIGKILL) after the first step and come back 10 s
-    later (over three times ``rollout.replica_timeout``): trajectories in flight wait for a replica instead of failing, and the run
-    reaches its last step with no group lost and no trajectory trained twice."""
+    later (over three times ``rollout.replica_timeout``): trajectories in flight wait for a
+    replica instead of failing, and the run reaches its last step with no group lost and no
+    trajectory trained twice."""
     run = new_run()
     cfg = tmp_path / "run.yaml"
     cfg.write_text(

@@ -36,13 +36,15 @@ def _check_and_clean() -> str | None:
     _holds.append(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        alone = True
     except BlockingIOError:  # another test process is alive: its namespaces are no leftovers
         fcntl.flock(fd, fcntl.LOCK_SH)
-        return netns.unavailable()
+        alone = False
     why = netns.unavailable()
-    if why is None:
-        netns.remove_stale()
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    if alone:
+        if why is None:
+            netns.remove_stale()
+        fcntl.flock(fd, fcntl.LOCK_SH)
     return why
 
 
