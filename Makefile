@@ -5,8 +5,8 @@
 #                servers a third of the time; TEST_WORKERS=N for another number, 0 for none)
 #   make test-fast   the same without the tests marked slow (learning runs, kills, restarts)
 #   make test-scale  the tests marked scale (learning runs: the scale-out trainer's ranks,
-#                    LoRA, streamed deltas; the README agent; the quickstart's α = 0 and
-#                    α = 1 in memory; two of the hosts runs), left out of `make test`; CI runs both
+#                    LoRA, streamed deltas; the README agent; the quickstart at α = 0
+#                    in memory; two of the hosts runs), left out of `make test`; CI runs both
 #   make test-verifiers  the verifiers adapter's tests in their own venv, $(VENV_VF)
 #   make test-openenv    the OpenEnv adapter against servers built with openenv-core, in
 #                        their own venv, $(VENV_OE)
