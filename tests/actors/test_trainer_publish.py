@@ -18,7 +18,8 @@ async def test_publish_reuses_a_version_file_and_never_overwrites_it(bus, tiny_m
     run = new_run()
     cfg = convert({"run": run, "run_dir": str(tmp_path / "runs"), "model": {"path": str(tiny_model)},
                    "envs": {"main": {"type": "frozenlake"}},
-                   "trainer": {"steps": 2, "weights": weights}}, RunConfig)
+                   "trainer": {"steps": 2, "weights": weights, "sync": {"format": "file"}}},
+                  RunConfig)
     _, trainer, _ = training_actors(cfg)
     trainer.bus = bus
     await trainer.setup()

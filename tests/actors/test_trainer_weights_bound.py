@@ -18,7 +18,8 @@ async def test_object_store_keeps_only_the_kept_versions(bus, tiny_model, tmp_pa
     run = new_run()
     cfg = convert({"run": run, "run_dir": str(tmp_path / "runs"), "model": {"path": str(tiny_model)},
                    "envs": {"main": {"type": "frozenlake"}},
-                   "trainer": {"steps": 10, "weights": "object", "keep_weights": 2}}, RunConfig)
+                   "trainer": {"steps": 10, "weights": "object", "keep_weights": 2,
+                               "sync": {"format": "file"}}}, RunConfig)
     _, trainer, _ = training_actors(cfg)
     trainer.bus = bus
     await trainer.setup()

@@ -95,8 +95,11 @@ def _small_config(tmp_path: Path, tiny_model: Path, *, run: str, steps: int,
         "model": {"path": str(tiny_model)},
         "envs": {"main": {"type": "frozenlake", "max_turns": 4}},
         "rollout": {"group_size": 4, "batch_groups": 2, "alpha": 1, "ack_wait": 3},
+        # one safetensors file per version: these tests check that a published file is
+        # never rewritten, by its bytes and mtime (the default streamed layout's manifests
+        # are named by their digest: tests/engines/test_weight_stream.py)
         "trainer": {"steps": steps, "lr": 1e-3, "eval_groups": 1, "keep_weights": 1000,
-                    **(trainer or {})},
+                    "sync": {"format": "file"}, **(trainer or {})},
         "actors": {"trainer": {"handlers": {"on_completed": {"ack_wait": 3}}}},
     }
     p = tmp_path / f"{run}.yaml"

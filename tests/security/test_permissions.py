@@ -522,6 +522,7 @@ async def test_a_training_run_with_one_credential_per_role(scope, request, tiny_
     import rollart
     from rollart.actors.kernel.run_end import wait_run_end
     from rollart.config import RunConfig, load
+    from rollart.config.trainer import SyncConfig
     from rollart.app.launch import drive_training, with_overrides
     from rollart.node import Node, build_actors
     from rollart.app.monitor import top
@@ -538,7 +539,8 @@ async def test_a_training_run_with_one_credential_per_role(scope, request, tiny_
         cfg, run=run, run_dir=str(tmp_path / "runs"), model={"path": str(tiny_model)},
         node={"grace": 3, "heartbeat_every": 0.5},
         rollout={"group_size": 2, "batch_groups": 2, "alpha": 1, "concurrency": 16},
-        trainer={"steps": 2, "eval_groups": 1, "weights": "object", "keep_weights": keep})
+        trainer={"steps": 2, "eval_groups": 1, "weights": "object", "keep_weights": keep,
+                 "sync": SyncConfig(format="file")})  # the store holds files by version
     cfg = msgspec.structs.replace(cfg, envs={"main": msgspec.structs.replace(
         cfg.envs["main"], max_turns=4, args={**cfg.envs["main"].args, "max_steps": 4})})
     buses = {u: await connect(server, creds, u) for u in ("trainer", "env", "generate", "reward", "monitor")}

@@ -63,12 +63,13 @@ class LoraConfig(Base):
 class SyncConfig(Base):
     """``trainer.sync``: how a policy version travels to the generators."""
 
-    format: Literal["file", "stream"] = "file"
-    """``file``: one safetensors file per version (``trainer.weights`` says where).
-    ``stream``: a manifest and buckets of ``bucket_mb``, deltas over the previous version in
-    the serving dtype (``proxy.dtype``); generators assemble and check a version into a
-    staging file before their engine loads it (README: Weight sync). LoRA versions (small
-    adapters) keep the single file either way."""
+    format: Literal["file", "stream"] = "stream"
+    """``stream`` (the default): a manifest and buckets of ``bucket_mb``, deltas over the
+    previous version in the serving dtype (``proxy.dtype``); generators assemble and check a
+    version into a staging file before their engine loads it (docs: Weight sync).
+    ``file``: one safetensors file per version in the run folder (``trainer.weights`` says
+    where), for those who want a plain file per version. LoRA versions (small adapters) keep
+    the single file either way."""
     bucket_mb: float = 64.0
     """MiB of tensor data per bucket (``stream``): a generator's load holds about two."""
     delta: bool = True
@@ -78,18 +79,18 @@ class SyncConfig(Base):
     """``stream``: a full version every this many versions (a replica that lost track
     starts from the newest anchor)."""
     host: str = ""
-    """``trainer.weights: tcp``: the address the trainer's weight server listens on ("": the
+    """``trainer.weights: tcp`` or ``auto``: the address the trainer's weight server listens on ("": the
     address it advertises, ``advertise``; ``0.0.0.0``: every interface, only when asked)."""
     port: int = 0
-    """``trainer.weights: tcp``: its port (0: any free port; the version's URI says which)."""
+    """``trainer.weights: tcp`` or ``auto``: its port (0: any free port; the version's URI says which)."""
     advertise: str = ""
-    """``trainer.weights: tcp``: the address generators reach the server at ("": this host's
+    """``trainer.weights: tcp`` or ``auto``: the address generators reach the server at ("": this host's
     address on the route to the NATS server, 127.0.0.1 when that server is local)."""
     max_connections: int = 64
-    """``trainer.weights: tcp``: connections the weight server serves at once; the next are
+    """``trainer.weights: tcp`` or ``auto``: connections the weight server serves at once; the next are
     answered ``busy`` (a generator asks again), so no peer holds a thread per connection."""
     tls: bool | Literal["auto"] = "auto"
-    """``trainer.weights: tcp``: serve weights over TLS 1.3 with a certificate the server
+    """``trainer.weights: tcp`` or ``auto``: serve weights over TLS 1.3 with a certificate the server
     makes as it starts, pinned by generators through the run's weights store (no CA: the
     run's certificates are the NATS server's). ``auto``: on when the run's NATS connection
     uses TLS (``nats.tls`` or a ``tls://`` URL); ``false``: cleartext even then (faster: no
@@ -279,12 +280,18 @@ class ComputeKeys(SkipKeys):
 class WeightKeys(ComputeKeys):
     """``trainer:`` keys of how policy versions reach the generators."""
 
-    weights: Literal["file", "object", "shm", "tcp"] = "file"
-    """Where weights travel: the run folder (shared filesystem), the bus object store, or
-    (``sync.format: stream`` only) ``shm``: ``/dev/shm/rollart-<run>``, for generators on
-    the trainer's host, or ``tcp``: the trainer's own weight server (``sync.host``,
-    ``sync.port``), which generators on any host read at socket speed (the object store
-    moves ~0.2 GB/s here: ``benchmarks/weight_sync.py``)."""
+    weights: Literal["auto", "file", "object", "shm", "tcp"] = "auto"
+    """Where weights travel. ``auto`` (the default): with ``sync.format: stream`` the trainer
+    writes each version to shared memory (``/dev/shm/rollart-<run>-<key>``; its run folder's
+    ``weights/stream`` when shared memory lacks room for a few versions, with the reason
+    logged) and serves that folder on its weight server (``sync.host``, ``sync.port``); each
+    generator reads the folder directly when it runs on the trainer's host (same boot and
+    network namespace, and the folder is there) and over TCP otherwise, and reports which
+    (``policy.loaded``'s ``route``); with ``sync.format: file``, the run folder.
+    ``file``: the run folder (a shared filesystem). ``object``: the bus object store (a
+    generator with no route to the trainer's host; ~0.2 GB/s here:
+    ``benchmarks/weight_sync.py``). ``stream`` only: ``shm``, the shared-memory folder alone
+    (generators on the trainer's host only), or ``tcp``, the weight server alone."""
     sync: SyncConfig = SyncConfig()
     """How versions travel: one file each, or streamed buckets and deltas."""
     keep_weights: int = 3

@@ -5,7 +5,10 @@ picks one from a version's URI. The format they carry is :mod:`rollart.engines.w
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
+import re
+import socket
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
@@ -19,7 +22,7 @@ from .weight_limits import StreamError, check_blob_name
 from .weight_tcp_client import TcpBlobs, parse_tcp_uri, token_reader
 
 __all__ = ["Blobs", "Buffers", "DirBlobs", "ObjectBlobs", "ServedDirBlobs", "blobs_for_uri",
-           "shm_dir"]
+           "host_identity", "local_blobs", "shm_dir", "shm_key"]
 
 
 # ======================================================================================
@@ -157,9 +160,60 @@ class ServedDirBlobs(DirBlobs):
 
 
 
-def shm_dir(run: str) -> Path:
-    """``trainer.weights: shm``: where a run's streamed versions live (one host only)."""
-    return Path("/dev/shm") / f"rollart-{run}"
+SHM = Path("/dev/shm")
+
+
+def shm_key(run_folder: str | os.PathLike) -> str:
+    """Twelve hex digits of the run folder's absolute path: two runs of the same name on one
+    host (two users, two test workers) get two shared-memory folders."""
+    return hashlib.sha256(str(Path(run_folder).resolve()).encode()).hexdigest()[:12]
+
+
+def shm_dir(run: str, key: str = "") -> Path:
+    """``trainer.weights: shm`` or ``auto``: where a run's streamed versions live on the
+    trainer's host (``/dev/shm/rollart-<run>-<key>``, :func:`shm_key`)."""
+    return SHM / (f"rollart-{run}-{key}" if key else f"rollart-{run}")
+
+
+def host_identity() -> str:
+    """Which host this process is on, for the weights' route (``trainer.weights: auto``): the
+    kernel's boot id and the inode of the process's network namespace. Two processes with the
+    same identity share a kernel and a network, so a network namespace counts as a host (as
+    the test harness's hosts are); a same identity is still checked by finding the folder."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:64]
+    except OSError:
+        boot = socket.gethostname()[:64]
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    return f"{boot}/{net}"
+
+
+def local_blobs(local: str, run: str, host: str) -> tuple[DirBlobs, str] | str:
+    """The trainer's shared-memory folder behind a version's ``local`` URI, for a generator
+    on the trainer's host: ``(blobs, manifest name)``, or why not (a string: another host,
+    no such folder here, or a URI outside ``/dev/shm/rollart-<run>-*``, which is refused
+    whatever the record says)."""
+    if not local:
+        return "the trainer offers no shared-memory folder"
+    if host != host_identity():
+        return "the trainer is on another host"
+    u = urlparse(local)
+    path = Path(unquote(u.path))
+    folder = path.parent
+    if (u.scheme != "file" or u.netloc or folder.parent != SHM
+            or not re.fullmatch(rf"rollart-{re.escape(run)}-[0-9a-f]{{12}}", folder.name)
+            or ".." in path.parts):
+        return f"{local[:200]!r} is not a shared-memory folder of run {run!r}"
+    try:
+        check_blob_name(path.name, f"{path.name[:80]!r}")
+    except StreamError as e:
+        return str(e)
+    if not folder.is_dir():
+        return f"{folder} is not on this host (another /dev/shm)"
+    return DirBlobs(folder, reuse=True), path.name
 
 
 
@@ -175,7 +229,7 @@ async def blobs_for_uri(bus: Any, uri: str, *, token_bucket: str | None = None) 
         if path.parts[:3] == ("/", "dev", "shm") and not await asyncio.to_thread(path.parent.is_dir):
             raise StreamError(f"{uri}: the trainer's shared-memory folder {path.parent} is not on "
                               f"this host (trainer.weights: shm serves generators on the trainer's "
-                              f"host only): use trainer.weights: object for generators elsewhere")
+                              f"host only): use trainer.weights: auto or tcp for generators elsewhere")
         return DirBlobs(path.parent, reuse=True), path.name
     if u.scheme == "obj":
         return ObjectBlobs(await bus.object_store(u.netloc), u.netloc), u.path.lstrip("/")

@@ -275,6 +275,12 @@ class PolicyPublished(Message, frozen=True, kw_only=True):
     """``file``: ``uri`` is one safetensors file; ``stream`` (``trainer.sync.format:
     stream``): ``uri`` is the version's manifest, whose buckets a generator assembles and
     checks against ``digest`` (:mod:`rollart.engines.weight_stream`)."""
+    local: Annotated[str, Meta(pattern=r"^(file:///dev/shm/[^/]+/[^/]+)?$", max_length=512)] = ""
+    """``trainer.weights: auto``: the same manifest in the trainer's shared-memory folder,
+    for a generator on the trainer's ``host`` (checked again by the generator:
+    :func:`rollart.engines.weight_blobs.local_blobs`); "" when there is none."""
+    host: Annotated[str, Meta(max_length=128)] = ""
+    """The trainer's host identity (:func:`rollart.engines.weight_blobs.host_identity`)."""
 
 
 class PolicyLoaded(Message, frozen=True, kw_only=True):
@@ -288,6 +294,10 @@ class PolicyLoaded(Message, frozen=True, kw_only=True):
     pause_s: NonNegative = 0.0
     """Seconds generation was paused for the update: from ``pause()`` (which waits for
     the requests in flight under ``on_update: finish``) to ``resume()`` returning."""
+    route: Literal["", "shm", "file", "object", "tcp"] = ""
+    """Where a streamed version was read from: the trainer's shared-memory folder (a
+    generator on its host), the run folder, the object store or the weight server ("": a
+    single-file version, or a refusal)."""
 
 
 # -- operations ----------------------------------------------------------------

@@ -10,6 +10,7 @@ import logging
 import shutil
 import tempfile
 import time
+from urllib.parse import urlparse
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from rollart.engines.base import AsyncEngine
 from rollart.engines.weight_files import LORA_KIND, weights_kind
 from rollart.engines.weight_staging import retire
 from rollart.engines.weight_stream import DEFAULT_LIMITS
-from rollart.engines.weight_blobs import blobs_for_uri
+from rollart.engines.weight_blobs import blobs_for_uri, local_blobs
 from rollart.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class PolicyLoading:
                         if self._stage is None:
                             self._stage = await asyncio.to_thread(
                                 StreamStage, self.name, token_bucket=m.object_bucket(self.run),
-                                limits=self.stream_limits)
+                                limits=self.stream_limits, run=self.run)
                         staged = await self._stage.fetch(self.bus, pub)
                         source: Any = staged.path
                     else:
@@ -151,7 +152,8 @@ class PolicyLoading:
                          "+assembly" if staged is not None else "", fetch_s, pause_s, apply_s,
                          f" [{self._stage.last}]" if staged is not None else "")
                 report = m.PolicyLoaded(version=pub.version, replica=self.name, pool=self.pool,
-                                        load_s=dt, fetch_s=fetch_s, pause_s=pause_s)
+                                        load_s=dt, fetch_s=fetch_s, pause_s=pause_s,
+                                        route=self._stage.route if staged is not None else "")
                 msg_id = f"loaded:{self.name}:{pub.version}:{pub.digest.rsplit(':', 1)[-1][:16]}"
         if not report.error:
             async with self._loaded:
@@ -231,7 +233,11 @@ class StreamStage:
     (:func:`rollart.engines.weight_stream.assemble_version`) before the engine loads it, and
     the staged file of the version loaded, kept as the base of the next delta."""
 
-    def __init__(self, name: str, *, token_bucket: str | None = None, limits: Any = None):
+    def __init__(self, name: str, *, token_bucket: str | None = None, limits: Any = None,
+                 run: str = ""):
+        self.name = name
+        self.run = run
+        """The run: a version's shared-memory folder must be one of its own."""
         self.dir = Path(tempfile.mkdtemp(prefix=f"rollart-stage-{name[:40]}-"))
         self.token_bucket = token_bucket
         """The run's weights store: where the trainer's weight server token is
@@ -242,6 +248,11 @@ class StreamStage:
         """The :class:`~rollart.engines.weight_stream.Assembled` version the engine holds."""
         self.last = ""
         """How the last version was assembled (for the load's log line)."""
+        self.route = ""
+        """Where the last version was read from (``policy.loaded``'s ``route``)."""
+        self._why_not_local = ""
+        """Why the last version offered in shared memory was read another way (logged once
+        per reason)."""
 
     async def fetch(self, bus: Any, pub: m.PolicyPublished) -> Any:
         """Assemble ``pub`` into the staging folder (off the loop; the engine serves)."""
@@ -253,11 +264,23 @@ class StreamStage:
             raise ValueError(f"policy v{pub.version} is a {pub.kind!r} version in the stream "
                              f"layout: LoRA versions travel as single files")
         t0 = time.perf_counter()
-        blobs, name = await blobs_for_uri(bus, pub.uri, token_bucket=self.token_bucket)
+        local = (await asyncio.to_thread(local_blobs, pub.local, self.run, pub.host)
+                 if pub.local else "")
+        if isinstance(local, tuple):
+            (blobs, name), route = local, "shm"
+        else:
+            if pub.local and local != self._why_not_local:
+                log.info("%s: policy v%s read from %s, not the trainer's shared memory: %s",
+                         self.name, pub.version, urlparse(pub.uri).scheme, local)
+                self._why_not_local = local
+            blobs, name = await blobs_for_uri(bus, pub.uri, token_bucket=self.token_bucket)
+            route = {"obj": "object", "tcp": "tcp"}.get(urlparse(pub.uri).scheme, "file")
         got, info = await assemble_version(blobs, name, self.dir, base=self.base, digest=pub.digest,
                                            limits=self.limits or DEFAULT_LIMITS)
+        self.route = route
         self.last = (f"{info['path']}, {info['manifests']} manifest(s), "
-                     f"{info['wire_bytes'] / 2**20:.2f} MiB fetched, {time.perf_counter() - t0:.3f}s")
+                     f"{info['wire_bytes'] / 2**20:.2f} MiB fetched from {route}, "
+                     f"{time.perf_counter() - t0:.3f}s")
         return got
 
     def loaded(self, got: Any) -> None:

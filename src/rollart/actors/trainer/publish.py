@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 from collections import deque
 from pathlib import Path
@@ -261,15 +263,51 @@ class StreamPublisher:
         self._blobs: Any = None
         self._dtype: str | None = None
         self.server: Any = None
-        """``trainer.weights: tcp``: the :class:`~rollart.engines.weight_tcp_server.WeightServer`."""
+        """``trainer.weights: tcp`` or ``auto``: the
+        :class:`~rollart.engines.weight_tcp_server.WeightServer`."""
+        self.local: Path | None = None
+        """``trainer.weights: auto``: the shared-memory folder the versions are written to
+        (None: the run folder's ``weights/stream``, or another ``trainer.weights``)."""
+        self.host = ""
+        """This process's host identity (``trainer.weights: auto``)."""
 
     async def close(self) -> None:
-        """Stop the weight server (``trainer.weights: tcp``), if one runs."""
+        """Stop the weight server (``trainer.weights: tcp`` or ``auto``), if one runs, and
+        remove the shared-memory folder of ``auto`` (memory, not disk: a killed trainer's
+        folder is taken over by the resumed one, and gone at the next boot)."""
         if self.server is not None:
             await self.server.close()
             self.server = None
+        if self.local is not None:
+            await asyncio.to_thread(shutil.rmtree, self.local, True)
+            self.local = None
 
-    async def blobs(self) -> Any:
+    def _auto_root(self, nbytes: int) -> Path:
+        """``trainer.weights: auto``: the shared-memory folder when ``/dev/shm`` has room for
+        three full versions beyond what it holds, else the run folder (the reason logged)."""
+        from rollart.engines import weight_blobs as ws  # optional dependency: numpy
+
+        a, folder = self.owner.actor, self.owner.weights / "stream"
+        try:
+            st = os.statvfs(ws.SHM)
+            free = st.f_bavail * st.f_frsize
+        except OSError as e:
+            log.warning("%s: no shared memory for weights (%s): versions go to %s", a.name, e,
+                        folder)
+            return folder
+        shm = ws.shm_dir(a.run, ws.shm_key(self.owner.weights.parent))
+        held = sum(p.stat().st_size for p in shm.glob("*") if p.is_file()) if shm.is_dir() else 0
+        if free + held < 3 * nbytes:
+            log.warning("%s: /dev/shm has %.2f GiB free, less than three versions (%.2f GiB): "
+                        "versions go to %s", a.name, free / 2**30, 3 * nbytes / 2**30, folder)
+            return folder
+        shm.mkdir(mode=0o700, exist_ok=True)
+        self.local = shm
+        return shm
+
+    async def blobs(self, nbytes: int = 0) -> Any:
+        """Where versions are written (made at the first version; ``nbytes``: its size in
+        the serving dtype, for ``trainer.weights: auto``'s room check)."""
         from rollart.engines import weight_blobs as ws  # optional dependency: numpy
 
         if self._blobs is None:
@@ -278,13 +316,17 @@ class StreamPublisher:
                 bucket = m.object_bucket(a.run)
                 self._blobs = ws.ObjectBlobs(await a.bus.object_store(bucket), bucket)
             elif t.weights == "shm":
-                self._blobs = ws.DirBlobs(ws.shm_dir(a.run))
-            elif t.weights == "tcp":
+                self._blobs = ws.DirBlobs(ws.shm_dir(a.run, ws.shm_key(self.owner.weights.parent)))
+            elif t.weights in ("tcp", "auto"):
                 # deferred: trainer.sync.weights tcp only (its server, TLS, a token)
                 from rollart.engines.weight_tcp import TOKEN_OBJECT, advertised_host, tls_wanted
                 from rollart.engines.weight_tcp_server import WeightServer
 
-                root = self.owner.weights / "stream"
+                if t.weights == "auto":
+                    root = await asyncio.to_thread(self._auto_root, nbytes)
+                    self.host = ws.host_identity()
+                else:
+                    root = self.owner.weights / "stream"
                 await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
                 s = t.sync
                 advertise = s.advertise or advertised_host(getattr(a.bus, "url", None))
@@ -327,9 +369,10 @@ class StreamPublisher:
 
         owner, sync = self.owner, self.owner.cfg.sync
         a = owner.actor
-        blobs = await self.blobs()
         dtype = self.serving_dtype()
         tensors = await asyncio.to_thread(owner.backend.weight_tensors)
+        width = 4 if dtype == "float32" else 2  # the serving dtype's bytes per element
+        blobs = await self.blobs(sum(x.numel() for x in tensors.values()) * width)
         source = await asyncio.to_thread(enc.TorchTensors, tensors, dtype)
         base_path = owner.weights / "stream-base.safetensors"
         nxt = owner.weights / "stream-base.next.safetensors"
@@ -350,8 +393,10 @@ class StreamPublisher:
                  st.wire_bytes / 2**20, st.full_bytes / 2**20,
                  100 * st.wire_bytes / max(1, st.full_bytes), 100 * st.changed / max(1, st.total),
                  st.encode_s, dtype, blobs.where)
+        local = (self.local / name).as_uri() if self.local is not None else ""
         pub = m.PolicyPublished(version=v, uri=blobs.uri(name), digest=man.digest,
-                                created_at=time.time(), kind="full", layout="stream")
+                                created_at=time.time(), kind="full", layout="stream",
+                                local=local, host=self.host if local else "")
         await owner.announce(pub)
         if sync.delta:
             await asyncio.to_thread(_rotate, base_path, nxt)  # the base of the next delta
