@@ -218,6 +218,23 @@ def test_snapshot_is_a_copy_the_next_step_does_not_change(tiny_model):
             "tied weights stay one copy"
 
 
+def test_the_last_steps_snapshot_holds_the_cpu_tensors_themselves(tiny_model):
+    """The final checkpoint (no step follows) is written from the live CPU tensors: no second
+    copy of the weights and AdamW state at the run's peak; containers are still its own."""
+    b = _fresh(tiny_model)
+    b.train_step(build_samples(*reversed(_batch(0)), "grpo"), loss_cfg=LOSS)
+    live = b.state_dict_for_checkpoint()
+    kept = snapshot(live, copy_tensors=False)
+    copied = snapshot(live)
+    name = next(k for k, v in live["model"].items() if v.dtype.is_floating_point and v.dim() == 2)
+    assert kept["model"][name].data_ptr() == live["model"][name].data_ptr()
+    assert copied["model"][name].data_ptr() != live["model"][name].data_ptr()
+    assert kept["model"] is not live["model"]
+    k = next(iter(live["optimizer"]["state"]))
+    assert (kept["optimizer"]["state"][k]["exp_avg"].data_ptr()
+            == live["optimizer"]["state"][k]["exp_avg"].data_ptr())
+
+
 async def test_a_full_checkpoint_waits_for_the_previous_one(tmp_path, tiny_model, monkeypatch):
     """Never two full checkpoints written at once: the next one starts once the previous is
     on disk (its write is made slow here by holding it on an event the test sets)."""

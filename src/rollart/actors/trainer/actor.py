@@ -263,7 +263,8 @@ class Trainer(StepLoop, Actor):
         the step waited for a full checkpoint."""
         out = {"state_s": await self.ckpt.commit(self._durable_state())}
         if self.ckpt.full_due(self.version, final=final):
-            out["full_block_s"] = await self.ckpt.start_full(self._full_state, self.version)
+            out["full_block_s"] = await self.ckpt.start_full(self._full_state, self.version,
+                                                             final=final)
             if final:
                 t0 = time.perf_counter()
                 await self.ckpt.wait()
