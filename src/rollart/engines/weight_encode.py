@@ -1,6 +1,7 @@
 """The trainer's side of streamed versions (:mod:`rollart.engines.weight_stream`): its fp32
 masters cast to the serving dtype a tensor at a time, cut into buckets (raw for an anchor,
-zstd of the XOR byte planes for a delta), stored, and the manifest written last."""
+zstd of the XOR byte planes for a delta, nothing for a delta's bucket that did not change),
+each hashed for the version's bucket tree, stored, and the manifest written last."""
 
 from __future__ import annotations
 
@@ -100,7 +101,9 @@ class _EncodeBuffers:
 
 def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
                    base: BaseReader | None, start: int, writer: StagedFile,
-                   cctx: Any, bufs: _EncodeBuffers) -> tuple[bytes | memoryview, int, int]:
+                   cctx: Any, bufs: _EncodeBuffers) -> tuple[bytes | memoryview | None, int, int]:
+    """``(wire bytes, raw bytes, changed elements)`` of one bucket; wire None: a delta's
+    bucket whose bytes are the base's (``same``: nothing stored)."""
     n = sum(s.length for s in spans)
     raw = bufs.raw.take(n)
     pos = 0
@@ -114,6 +117,8 @@ def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
     payload = base.read_into(start, bufs.xor.take(n))
     np.bitwise_xor(payload, raw, out=payload)
     changed = changed_elements(payload, spans, tensors)
+    if not changed and not payload.any():  # -0.0 vs 0.0 differ in bytes: the bytes decide
+        return None, n, 0
     planes = byte_planes(payload, spans, tensors, out=bufs.planes.take(n))
     return cctx.compress(memoryview(planes)), n, changed
 
@@ -143,23 +148,29 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
     nonce = secrets.token_hex(4)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     bufs = _EncodeBuffers()
-    writer = await asyncio.to_thread(StagedFile, base_out, specs)
-    entries: list[BucketEntry] = []
+    writer = await asyncio.to_thread(StagedFile, base_out, specs,
+                                     [sum(s.length for s in spans) for spans in plan])
+    made: list[tuple[str, int, int, str, list[Span], str]] = []
     written: list[str] = []
     changed, start = 0, 0
     try:
         for i, spans in enumerate(plan):
             wire, raw, ch = await asyncio.to_thread(_encode_bucket, source, spans, specs, reader,
                                                     start, writer, cctx, bufs)
-            check = xxhash.xxh3_128_hexdigest(wire)  # ~20 GB/s: not worth a thread hop
             name = f"stream.v{version:06d}-{nonce}.b{i:04d}"
-            await blobs.put(name, wire)
-            written.append(name)
-            entries.append(BucketEntry(name=name, raw=raw, wire=len(wire), xxh3=check, spans=spans,
-                                       codec="zstd" if reader is not None else "raw"))
+            if wire is None:
+                made.append((name, raw, 0, "", spans, "same"))
+            else:
+                check = xxhash.xxh3_128_hexdigest(wire)  # ~20 GB/s: not worth a thread hop
+                await blobs.put(name, wire)
+                written.append(name)
+                made.append((name, raw, len(wire), check, spans,
+                             "zstd" if reader is not None else "raw"))
             changed += ch
             start += raw
         digest = await asyncio.to_thread(writer.commit)
+        entries = [BucketEntry(name=n, raw=r, wire=w, xxh3=x, sha256=h, spans=sp, codec=c)
+                   for (n, r, w, x, sp, c), h in zip(made, writer.digests, strict=True)]
     except BaseException:
         writer.abort()
         for n in written:
