@@ -19,7 +19,14 @@ from rollart.engines.digest import file_bucket_digest
 from rollart.engines.weight_decode import Undo, apply_manifest, assemble_version
 from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
 from rollart.engines.weight_staging import SPARE, retire
-from rollart.engines.weight_stream import StreamError, manifest_name, plan_buckets, read_manifest
+from rollart.engines.weight_stream import (
+    LEAF_BYTES,
+    StreamError,
+    leaf_sizes,
+    manifest_name,
+    plan_buckets,
+    read_manifest,
+)
 from rollart.engines.weight_blobs import DirBlobs
 from tests.waiting import until_sync
 
@@ -31,13 +38,14 @@ class Trainer:
     """A tiny model, its AdamW and the trainer's side of the stream (a base file on disk)."""
 
     def __init__(self, model_dir, tmp: Path, dtype: str, lr: float = 3e-3, seed: int = 0,
-                 bucket_bytes: int = 1 << 16, anchor_every: int = 8):
+                 bucket_bytes: int = 1 << 16, anchor_every: int = 8, leaf_bytes: int = LEAF_BYTES):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.dtype, self.bucket_bytes, self.anchor_every = dtype, bucket_bytes, anchor_every
+        self.leaf_bytes = leaf_bytes
         self.dir = tmp / "trainer"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.blobs = DirBlobs(tmp / "store")
@@ -60,7 +68,8 @@ class Trainer:
         man, name = await write_version(
             blobs or self.blobs, TorchTensors(dict(self.model.state_dict()), self.dtype),
             version=self.version, dtype=self.dtype, bucket_bytes=self.bucket_bytes,
-            base=self.base, delta=True, anchor_every=self.anchor_every, base_out=nxt)
+            base=self.base, delta=True, anchor_every=self.anchor_every, base_out=nxt,
+            leaf_bytes=self.leaf_bytes)
         os.replace(nxt, self.dir / "base.safetensors")
         self.base = TrainerBase(self.dir / "base.safetensors", self.version, man.digest, man.anchor)
         return man, name
@@ -68,7 +77,7 @@ class Trainer:
 
 def staged_digest(path: Path, man) -> str:
     """The bucket-tree digest of a staged file, every byte of it read."""
-    return file_bucket_digest(path, [b.raw for b in man.buckets])
+    return file_bucket_digest(path, [n for b in man.buckets for n in leaf_sizes(b.raw, man.leaf_bytes)])
 
 
 def same_tensors(path: Path, expected: dict) -> bool:
@@ -218,7 +227,8 @@ async def test_buckets_without_a_manifest_are_no_version(tiny_model_dir, tmp_pat
     stored = sorted(p.name for p in tr.blobs.root.iterdir())
     assert stored and all(".b" in n for n in stored), stored
     specs = TorchTensors(dict(tr.model.state_dict()), tr.dtype).specs
-    sizes = [sum(s.length for s in spans) for spans in plan_buckets(specs, tr.bucket_bytes)]
+    sizes = [n for spans in plan_buckets(specs, tr.bucket_bytes)
+             for n in leaf_sizes(sum(s.length for s in spans), LEAF_BYTES)]
     digest = file_bucket_digest(tr.dir / "next.safetensors", sizes)  # what it would have published
     with pytest.raises(StreamError, match="never committed"):
         await read_manifest(tr.blobs, manifest_name(0, digest))
@@ -340,11 +350,11 @@ def bucket_ranges(man, header: int) -> list[tuple[int, int]]:
     return out
 
 
-async def test_a_delta_touching_one_tensor_rewrites_only_its_bucket(tiny_model_dir, tmp_path):
+async def test_a_delta_touching_one_tensor_rewrites_only_its_leaf(tiny_model_dir, tmp_path):
     from rollart.engines.torch_engine import TorchGenerationEngine
     from rollart.engines.weight_stream import header_bytes
 
-    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=1 << 14)
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=1 << 15, leaf_bytes=4096)
     man0, name0 = await tr.publish()
     target = "model.norm.weight"
     touch_one(tr, target)
@@ -363,13 +373,16 @@ async def test_a_delta_touching_one_tensor_rewrites_only_its_bucket(tiny_model_d
     got, info = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest,
                                        in_place=True)
     assert info["path"] == "patch" and info["wire_bytes"] == man1.buckets[j].wire
-    assert info["written_bytes"] == got.written == man1.buckets[j].raw, "only its bucket written"
     assert got.changed == {target} and got.undo is not None
     assert not base.path.exists() and got.path.exists(), "the held file, renamed to the version"
     after = got.path.read_bytes()
-    lo, hi = bucket_ranges(man1, len(header_bytes(man1.tensors)))[j]
-    assert len(after) == len(before) and after[:lo] == before[:lo] and after[hi:] == before[hi:]
-    assert after[lo:hi] != before[lo:hi]
+    lo, _ = bucket_ranges(man1, len(header_bytes(man1.tensors)))[j]
+    diff = [i for i in range(len(before)) if before[i] != after[i]]
+    assert len(after) == len(before) and diff, "the file changed"
+    leaf = (diff[0] - lo) // 4096
+    assert all((i - lo) // 4096 == leaf for i in diff) and diff[0] >= lo, "within one leaf"
+    assert info["written_bytes"] == got.written == leaf_sizes(man1.buckets[j].raw, 4096)[leaf], \
+        "only that leaf written, of a 32 KiB bucket"
     assert same_tensors(got.path, tr.expected()) and staged_digest(got.path, man1) == man1.digest
 
     # the engine reads only the named tensors: one that holds other weights keeps them
@@ -432,7 +445,8 @@ async def test_a_corrupt_delta_bucket_patched_in_place_leaves_the_old_version(ti
     undo = Undo(base.path)
     with pytest.raises(StreamError) as e:
         await apply_manifest(tr.blobs, man1, stage, base, undo=undo)
-    assert f"bucket {k} ({man1.buckets[k].name}): its decoded bytes have SHA-256" in str(e.value)
+    assert f"bucket {k} ({man1.buckets[k].name}): leaf 0: its decoded bytes have SHA-256" \
+        in str(e.value)
     await asyncio.to_thread(undo.revert)
     assert base.path.read_bytes() == bytes(broken)
     # assemble_version reverts it itself and falls back to the anchor's chain (a new file)
@@ -492,7 +506,7 @@ async def test_a_manifest_commits_to_its_bucket_digests(tiny_model_dir, tmp_path
     # the trainer's digest is the bucket tree of the file it wrote (its next base)
     assert staged_digest(tr.dir / "base.safetensors", man) == man.digest
     raw = json.loads((tr.blobs.root / name).read_bytes())
-    raw["buckets"][3]["sha256"] = "0" * 64
+    raw["buckets"][3]["leaves"][0] = "0" * 64
     (tr.blobs.root / name).write_text(json.dumps(raw))
     with pytest.raises(StreamError, match="is not the bucket tree"):
         await read_manifest(tr.blobs, name)

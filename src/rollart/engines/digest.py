@@ -151,11 +151,11 @@ def _digest_stream(f: BinaryIO, size: int) -> str:
 
 # -- bucket-tree digests: a streamed version (rollart.engines.weight_stream) --------------
 #
-# A streamed version's data section is cut into buckets (byte ranges, in order); its digest
-# hashes the safetensors header of its tensors (names, dtypes, shapes, offsets: the layout)
-# and, per bucket, its length and the SHA-256 of its bytes. A generator that patches only
-# the buckets a delta changed verifies the whole version by hashing those buckets' new
-# bytes: the others' digests are the ones it verified for the version it holds.
+# A streamed version's data section is cut into leaves (byte ranges, in order: pieces of its
+# buckets); its digest hashes the safetensors header of its tensors (names, dtypes, shapes,
+# offsets: the layout) and, per leaf, its length and the SHA-256 of its bytes. A generator
+# that patches only the leaves a delta changed verifies the whole version by hashing those
+# leaves' new bytes: the others' digests are the ones it verified for the version it holds.
 
 TREE_PREFIX = "buckets-sha256:"
 _TREE_MAGIC = b"rollart-buckets-v1\n"
@@ -164,7 +164,7 @@ _TREE_MAGIC = b"rollart-buckets-v1\n"
 def bucket_tree_digest(header: bytes, buckets: Iterable[tuple[int, str]]) -> str:
     """``"buckets-sha256:<hex>"`` of a version: ``header`` (the staged file's size + JSON
     prefix, :func:`rollart.engines.weight_stream.header_bytes`) and ``(length, sha256 hex)``
-    of each bucket of its data, in order."""
+    of each leaf of its data, in order."""
     h = hashlib.sha256(_TREE_MAGIC)
     h.update(hashlib.sha256(header).digest())
     for n, hexd in buckets:
@@ -173,7 +173,7 @@ def bucket_tree_digest(header: bytes, buckets: Iterable[tuple[int, str]]) -> str
 
 
 def file_bucket_digest(path: str | os.PathLike, sizes: Iterable[int]) -> str:
-    """The bucket-tree digest of a staged file whose data is cut into buckets of ``sizes``
+    """The bucket-tree digest of a staged file whose data is cut into leaves of ``sizes``
     bytes (every byte read: for tests and tools, blocking)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

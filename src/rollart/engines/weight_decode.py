@@ -10,10 +10,12 @@ Two ways to stage a version:
   deltas when patching in place is not allowed or not worth it.
 - **patched in place** (``in_place``: the engine reads its staged file only inside a load,
   :attr:`rollart.engines.base.AsyncEngine.partial_loads`): a delta over the version the
-  engine holds is written into that version's staged file, only its changed buckets (a
-  ``same`` bucket is neither fetched, read nor written), each hashed as it is written; the
-  others are verified by their digests, equal to those verified for the held version
-  (the bucket tree, :mod:`rollart.engines.digest`). The bytes overwritten go to an
+  engine holds is written into that version's staged file, only the leaves (1 MiB pieces
+  of its buckets, :attr:`~.weight_stream.Manifest.leaf_bytes`) whose bytes changed: a
+  ``same`` bucket is neither fetched, read nor written; a changed bucket's XOR is
+  decompressed and scanned for nonzero bytes, and only their leaves are read, XORed, hashed
+  and written. The other leaves are verified by their digests, equal to those verified for
+  the held version (the bucket tree, :mod:`rollart.engines.digest`). The bytes overwritten go to an
   :class:`Undo`; the file is renamed to the new version's name. A failure, or the engine
   refusing the version later (:meth:`Undo.revert`), writes them back and renames it back.
 
@@ -50,6 +52,7 @@ from .weight_stream import (
     StreamError,
     StreamLimits,
     header_bytes,
+    leaf_sizes,
     manifest_name,
     read_manifest,
 )
@@ -58,9 +61,10 @@ from .weight_blobs import Buffers
 __all__ = ["PATCH_FRACTION", "PATCH_MAX_BYTES", "Assembled", "Undo", "apply_manifest",
            "assemble_version"]
 
-PATCH_FRACTION = 0.25
+PATCH_FRACTION = 0.5
 """A delta is patched in place when its changed buckets hold at most this fraction of the
-version's bytes (the undo keeps their old bytes in memory until the engine took it)."""
+version's bytes (the undo keeps the old bytes of their changed leaves in memory until the
+engine took it: at most that much)."""
 PATCH_MAX_BYTES = 1 << 30
 """... and at most this many bytes."""
 
@@ -112,9 +116,11 @@ class Assembled(NamedTuple):
     path: Path
     version: int
     digest: str
-    buckets: tuple[tuple[int, str], ...] = ()
-    """``(raw bytes, SHA-256 hex)`` of each of its buckets: verified, the leaves of
+    buckets: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """``(raw bytes, leaf digests)`` of each of its buckets: verified, the leaves of
     ``digest`` (what a delta patched in place over it is checked against)."""
+    leaf_bytes: int = 0
+    """The leaf size of ``buckets``."""
     changed: frozenset[str] | None = None
     """Patched in place: the tensors whose bytes differ from the version it was patched
     over (the engine loads only those); None: a written version (load every tensor)."""
@@ -232,28 +238,78 @@ def _decode_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, base: BaseR
 
 
 def _patch_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, fd: int, offset: int,
-                  undo: Undo, dctx: Any, bufs: _DecodeBuffers) -> set[str]:
-    """One changed bucket of a delta patched in place at file ``offset``: decoded over the
-    bytes there, checked against its SHA-256, the old bytes saved to ``undo``, the new
-    written. Returns the tensors whose bytes changed."""
+                  have: tuple[str, ...], undo: Undo, dctx: Any,
+                  bufs: _DecodeBuffers) -> tuple[set[str], int]:
+    """One changed bucket of a delta patched in place at file ``offset``: its XOR
+    decompressed whole (mostly zeros: zstd writes those at memset's speed), the nonzero
+    bytes found a word at a time and mapped from byte planes to the bucket's bytes; only the
+    leaves they fall in are read, XORed, checked against their SHA-256, saved to ``undo``
+    and written. A leaf without a change must be the held version's (``have``). Returns the
+    tensors whose bytes changed and the bytes written."""
     what = f"v{man.version} bucket {j} ({b.name})"
     _check_wire(wire, b, what)
-    old, out = bufs.old.take(b.raw), bufs.out.take(b.raw)
-    _pread_all(fd, old, offset, what)
-    out[...] = old
-    _xor_decode(wire, b, man, out, dctx, bufs, what)
-    got = hashlib.sha256(out).hexdigest()
-    if got != b.sha256:
-        raise StreamError(f"{what}: its decoded bytes have SHA-256 {got}, the manifest says "
-                          f"{b.sha256} (a damaged delta, or a base that is not its parent)")
-    changed, pos = set(), 0
-    for s in b.spans:
-        if not np.array_equal(old[pos:pos + s.length], out[pos:pos + s.length]):
-            changed.add(man.tensors[s.tensor].name)
-        pos += s.length
-    undo.save(offset, old)
-    _pwrite_all(fd, out, offset)
-    return changed
+    padded = -(-b.raw // 8) * 8
+    x = bufs.out.take(padded)
+    x[b.raw:] = 0
+    try:
+        with dctx.stream_reader(wire) as r:
+            got, mv = 0, memoryview(x)
+            while got < b.raw:
+                n = r.readinto(mv[got:b.raw])
+                if not n:
+                    raise StreamError(f"{what}: the zstd frame ends before the {b.raw} bytes "
+                                      f"the manifest says")
+                got += n
+            if r.read(1):
+                raise StreamError(f"{what}: the zstd frame holds more than the {b.raw} bytes "
+                                  f"the manifest says")
+    except StreamError:
+        raise
+    except Exception as e:  # noqa: BLE001 - zstandard.ZstdError
+        raise StreamError(f"{what}: not a zstd frame ({e})") from None
+    words = np.flatnonzero(x.view(np.uint64))
+    cand = (words[:, None] * 8 + np.arange(8)).ravel()
+    sp = cand[x[cand] != 0]  # stream positions of the nonzero XOR bytes (in order)
+    vals = x[sp]
+    starts = np.cumsum([0] + [s.length for s in b.spans])  # a span's bytes: as many in the stream
+    k = np.searchsorted(starts, sp, side="right") - 1  # the span of each
+    pos = sp.copy()  # -> the byte of the bucket each XORs
+    touched = np.unique(k)
+    if man.shuffle:
+        for i in touched.tolist():
+            es = DTYPE_BYTES[man.tensors[b.spans[i].tensor].dtype]
+            if es > 1:
+                m = k == i
+                q = sp[m] - starts[i]
+                per = b.spans[i].length // es  # elements: the length of a plane
+                pos[m] = starts[i] + (q % per) * es + q // per
+    L = man.leaf_bytes
+    leaf = pos // L
+    order = np.argsort(leaf, kind="stable")
+    leaf, pos, vals = leaf[order], pos[order], vals[order]
+    dirty = np.unique(leaf).tolist()
+    clean = set(range(len(b.leaves))) - set(dirty)
+    for i in sorted(clean):
+        if b.leaves[i] != have[i]:
+            raise StreamError(f"{what}: leaf {i} is the parent's in the delta, but its digest "
+                              f"{b.leaves[i]} is not the held version's {have[i]}")
+    cuts = np.searchsorted(leaf, dirty + [len(b.leaves)])
+    written = 0
+    for n_, i in enumerate(dirty):
+        a = i * L
+        buf = bufs.old.take(min(L, b.raw - a))
+        _pread_all(fd, buf, offset + a, what)
+        undo.save(offset + a, buf)
+        sel = slice(cuts[n_], cuts[n_ + 1])
+        buf[pos[sel] - a] ^= vals[sel]  # positions are unique: a plain fancy-index XOR
+        d = hashlib.sha256(buf).hexdigest()
+        if d != b.leaves[i]:
+            raise StreamError(f"{what}: leaf {i}: its decoded bytes have SHA-256 {d}, the "
+                              f"manifest says {b.leaves[i]} (a damaged delta, or a base that "
+                              f"is not its parent)")
+        _pwrite_all(fd, buf, offset + a)
+        written += len(buf)
+    return {man.tensors[b.spans[i].tensor].name for i in touched.tolist()}, written
 
 
 def _check_stage(stage: Path) -> None:
@@ -266,7 +322,8 @@ def _check_stage(stage: Path) -> None:
 def _patchable(man: Manifest, base: Assembled | None) -> bool:
     """Whether ``man`` (a delta over ``base``) may be patched into ``base``'s file: the same
     buckets (so ``same`` ones are the base's, by their digests) and few changed bytes."""
-    if man.kind != "delta" or base is None or len(base.buckets) != len(man.buckets):
+    if (man.kind != "delta" or base is None or len(base.buckets) != len(man.buckets)
+            or base.leaf_bytes != man.leaf_bytes):
         return False
     if any(n != b.raw for (n, _), b in zip(base.buckets, man.buckets, strict=True)):
         return False
@@ -311,8 +368,11 @@ async def _write(blobs: Any, man: Manifest, final: Path,
     reader = None
     if man.kind == "delta":
         reader = await asyncio.to_thread(BaseReader, base.path, man.tensors, what)
-    writer = await asyncio.to_thread(StagedFile, final, man.tensors, [b.raw for b in man.buckets],
-                                     [b.sha256 for b in man.buckets])
+    sizes = [leaf_sizes(b.raw, man.leaf_bytes) for b in man.buckets]
+    writer = await asyncio.to_thread(
+        StagedFile, final, man.tensors, [n for ls in sizes for n in ls],
+        [d for b in man.buckets for d in b.leaves],
+        [j for j, ls in enumerate(sizes) for _ in ls])
     dctx = zstandard.ZstdDecompressor()
     bufs = _DecodeBuffers()
     start, fetched = 0, 0
@@ -344,8 +404,8 @@ async def _write(blobs: Any, man: Manifest, final: Path,
     finally:
         if reader is not None:
             reader.close()
-    leaves = tuple(zip((b.raw for b in man.buckets), writer.digests, strict=True))
-    return Assembled(final, man.version, digest, leaves, written=start), fetched
+    leaves = tuple((b.raw, tuple(b.leaves)) for b in man.buckets)  # each checked as written
+    return Assembled(final, man.version, digest, leaves, man.leaf_bytes, written=start), fetched
 
 
 async def _patch(blobs: Any, man: Manifest, final: Path, base: Assembled,
@@ -356,9 +416,9 @@ async def _patch(blobs: Any, man: Manifest, final: Path, base: Assembled,
 
     what = f"v{man.version}"
     for j, ((_, have), b) in enumerate(zip(base.buckets, man.buckets, strict=True)):
-        if b.codec == "same" and b.sha256 != have:
+        if b.codec == "same" and tuple(b.leaves) != have:
             raise StreamError(f"{what} bucket {j} ({b.name}): 'same' as its parent's, but its "
-                              f"digest {b.sha256} is not the held version's {have}")
+                              f"leaf digests are not the held version's")
     if undo.path != base.path:
         raise StreamError(f"{what}: the undo is not of the base's file")
     start = len(header_bytes(man.tensors))
@@ -381,19 +441,20 @@ async def _patch(blobs: Any, man: Manifest, final: Path, base: Assembled,
             except KeyError:
                 raise StreamError(f"{what} bucket {j} ({b.name}) is missing from {blobs.where}") from None
             fetched += len(wire)
-            changed |= await asyncio.to_thread(_patch_bucket, wire, b, j, man, fd, start, undo,
-                                               dctx, bufs)
+            names, n = await asyncio.to_thread(_patch_bucket, wire, b, j, man, fd, start,
+                                               base.buckets[j][1], undo, dctx, bufs)
+            changed |= names
             del wire
-            written += b.raw
+            written += n
             start += b.raw
     finally:
         await asyncio.to_thread(os.close, fd)
     # every leaf is verified: the changed buckets hashed above, the others equal to the
     # held version's; the tree of the leaves is the published digest (check_manifest)
     await asyncio.to_thread(undo.rename, final)
-    leaves = tuple((b.raw, b.sha256) for b in man.buckets)
-    return Assembled(final, man.version, man.digest, leaves, frozenset(changed), undo,
-                     written + (base.written if base.undo is undo else 0)), fetched
+    leaves = tuple((b.raw, tuple(b.leaves)) for b in man.buckets)
+    return Assembled(final, man.version, man.digest, leaves, man.leaf_bytes, frozenset(changed),
+                     undo, written + (base.written if base.undo is undo else 0)), fetched
 
 
 async def assemble_version(blobs: Any, name: str, stage: str | os.PathLike, *,

@@ -21,6 +21,7 @@ from .weight_files import DTYPE_BYTES
 from .weight_staging import BaseReader, StagedFile, byte_planes, changed_elements
 from .weight_stream import (
     DEFAULT_LIMITS,
+    LEAF_BYTES,
     SERVING_DTYPES,
     ZSTD_LEVEL,
     BucketEntry,
@@ -31,6 +32,7 @@ from .weight_stream import (
     StreamStats,
     TensorSpec,
     manifest_name,
+    leaf_sizes,
     plan_buckets,
     read_manifest,
 )
@@ -125,14 +127,16 @@ def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
 
 async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
                         bucket_bytes: int, base: TrainerBase | None, delta: bool,
-                        anchor_every: int, base_out: Path | None) -> tuple[Manifest, str]:
+                        anchor_every: int, base_out: Path | None,
+                        leaf_bytes: int = LEAF_BYTES) -> tuple[Manifest, str]:
     """Store version ``version`` of ``source`` (:class:`TorchTensors`) in ``blobs``: the
     buckets, then the manifest (the commit point). A delta over ``base`` when ``delta``,
     the base has the same tensors and its anchor is fewer than ``anchor_every`` versions
     back; else an anchor. The serving-dtype file of the version is written to ``base_out``
     (the next base; the caller moves it into place once the version is announced; None: no
     file, for a trainer that sends no deltas). Returns
-    the manifest and its name; on a failure the buckets written are deleted again."""
+    the manifest and its name; on a failure the buckets written are deleted again.
+    ``leaf_bytes``: the leaf size of the version's digest tree (a multiple of 8)."""
     import zstandard
 
     t0 = time.perf_counter()
@@ -148,8 +152,8 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
     nonce = secrets.token_hex(4)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     bufs = _EncodeBuffers()
-    writer = await asyncio.to_thread(StagedFile, base_out, specs,
-                                     [sum(s.length for s in spans) for spans in plan])
+    leaves = [leaf_sizes(sum(s.length for s in spans), leaf_bytes) for spans in plan]
+    writer = await asyncio.to_thread(StagedFile, base_out, specs, [n for ls in leaves for n in ls])
     made: list[tuple[str, int, int, str, list[Span], str]] = []
     written: list[str] = []
     changed, start = 0, 0
@@ -169,8 +173,11 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
             changed += ch
             start += raw
         digest = await asyncio.to_thread(writer.commit)
-        entries = [BucketEntry(name=n, raw=r, wire=w, xxh3=x, sha256=h, spans=sp, codec=c)
-                   for (n, r, w, x, sp, c), h in zip(made, writer.digests, strict=True)]
+        entries, k = [], 0
+        for (n, r, w, x, sp, c), ls in zip(made, leaves, strict=True):
+            entries.append(BucketEntry(name=n, raw=r, wire=w, xxh3=x, spans=sp, codec=c,
+                                       leaves=writer.digests[k:k + len(ls)]))
+            k += len(ls)
     except BaseException:
         writer.abort()
         for n in written:
@@ -188,7 +195,7 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
                    parent_version=base.version if reader is not None else None,
                    parent_digest=base.digest if reader is not None else "",
                    anchor=base.anchor if reader is not None else version, dtype=dtype,
-                   tensors=specs, buckets=entries, digest=digest, stats=stats)
+                   leaf_bytes=leaf_bytes, tensors=specs, buckets=entries, digest=digest, stats=stats)
     mname = manifest_name(version, digest)
     if await blobs.exists(mname):  # the same tensors published before (a resume): keep that one
         for n in written:

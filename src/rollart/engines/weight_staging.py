@@ -68,9 +68,9 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 class StagedFile:
     """A safetensors file written front to back (header from the tensors, then their data
-    in order, in pieces of any size) under a temp name, each bucket of ``sizes`` bytes
+    in order, in pieces of any size) under a temp name, each leaf of ``sizes`` bytes
     hashed (SHA-256) on the way and checked against ``expect`` (its manifest's digests)
-    when given; :meth:`commit` checks it is whole and its bucket-tree digest
+    when given (``bucket_of``: the bucket of each leaf, for the error); :meth:`commit` checks it is whole and its bucket-tree digest
     (:func:`rollart.engines.digest.bucket_tree_digest`) and renames it into place (no fsync:
     a staged file, or the trainer's base, is rebuilt after a crash, never trusted across
     one). Blocking.
@@ -79,7 +79,8 @@ class StagedFile:
     base)."""
 
     def __init__(self, final: str | os.PathLike | None, tensors: Sequence[TensorSpec],
-                 sizes: Sequence[int], expect: Sequence[str] | None = None):
+                 sizes: Sequence[int], expect: Sequence[str] | None = None,
+                 bucket_of: Sequence[int] | None = None):
         self.final = Path(final) if final is not None else None
         self.tensors = list(tensors)
         self.header = header_bytes(self.tensors)
@@ -88,8 +89,9 @@ class StagedFile:
             raise StreamError(f"buckets of {sum(self.sizes)} bytes for tensors of "
                               f"{sum(t.nbytes for t in self.tensors)}")
         self.expect = list(expect) if expect is not None else None
+        self.bucket_of = list(bucket_of) if bucket_of is not None else None
         self.digests: list[str] = []
-        """Hex SHA-256 of each bucket hashed so far."""
+        """Hex SHA-256 of each leaf hashed so far."""
         self._h = hashlib.sha256()
         self._left = self.sizes[0] if self.sizes else 0
         # SHA-256 (~1.5 GB/s) runs in its own thread, one piece behind the file write and the
@@ -128,7 +130,8 @@ class StagedFile:
     def _end_bucket(self) -> None:
         j, d = len(self.digests), self._h.hexdigest()
         if self.expect is not None and self.expect[j] != d:
-            raise StreamError(f"bucket {j}: its bytes have SHA-256 {d}, the manifest says "
+            where = f"bucket {self.bucket_of[j]}, " if self.bucket_of is not None else ""
+            raise StreamError(f"{where}leaf {j}: its bytes have SHA-256 {d}, the manifest says "
                               f"{self.expect[j]}")
         self.digests.append(d)
         self._h = hashlib.sha256()
@@ -158,7 +161,7 @@ class StagedFile:
         try:
             self._wait()
             if len(self.digests) < len(self.sizes):
-                raise StreamError(f"{self._name}: incomplete, bucket {len(self.digests)} "
+                raise StreamError(f"{self._name}: incomplete, leaf {len(self.digests)} "
                                   f"lacks {self._left} bytes")
             digest = bucket_tree_digest(self.header, zip(self.sizes, self.digests, strict=True))
             if expected is not None and digest != expected:

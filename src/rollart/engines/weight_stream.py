@@ -7,18 +7,21 @@ held it all in memory to check its digest. Here a version is
 
 - **buckets** of about ``trainer.sync.bucket_mb`` each: the tensors' bytes in name order,
   a large tensor split across buckets, each named in the manifest with its raw size, the
-  SHA-256 of its raw (decoded) bytes, its wire size and the XXH3 of its wire bytes;
+  SHA-256 of each ``leaf_bytes`` piece (leaf) of its raw (decoded) bytes, its wire size and
+  the XXH3 of its wire bytes;
 - a **manifest** (JSON, :class:`Manifest`): tensors, buckets, the version's digest and
   stats. It is written LAST: the commit point. A trainer killed mid-publish leaves buckets
   no manifest names, and no generator ever sees that version.
 
 The version's digest (the one the trainer publishes) is a **bucket tree**
 (:func:`rollart.engines.digest.bucket_tree_digest`): the SHA-256 of the staged file's
-header and of each bucket's length and raw SHA-256. :func:`check_manifest` recomputes it
-from the manifest, so the manifest commits to every bucket's digest; a generator then
-checks each bucket it writes against its digest, and a bucket it did not write (a delta's
-``same`` bucket, patched in place) against the digest it verified for the version it holds:
-verifying a version costs the bytes that changed, not the model.
+header and of each leaf's length and SHA-256 (``leaf_bytes``, 1 MiB: a leaf, not a 64 MiB
+bucket, is what a one-element change costs). :func:`check_manifest` recomputes it from the
+manifest, so the manifest commits to every leaf's digest; a generator then checks each
+leaf it writes against its digest, and a leaf it did not write (a delta's ``same`` bucket,
+or a leaf of a changed bucket whose XOR is zero, patched in place) against the digest it
+verified for the version it holds: verifying a version costs the bytes that changed, not
+the model.
 
 A **delta** bucket holds ``zstd(new XOR base)`` over the same byte range of the previous
 version, both in the serving dtype (``proxy.dtype``): after one optimizer step most
@@ -68,6 +71,7 @@ from .weight_files import DTYPE_BYTES
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "LEAF_BYTES",
     "SERVING_DTYPES",
     "BucketEntry",
     "Manifest",
@@ -79,6 +83,7 @@ __all__ = [
     "check_blob_name",
     "check_manifest",
     "header_bytes",
+    "leaf_sizes",
     "manifest_name",
     "plan_buckets",
     "read_manifest",
@@ -90,6 +95,10 @@ SERVING_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 """``proxy.dtype`` -> the safetensors dtype of the tensors a streamed version holds."""
 
 FORMAT = "rollart-stream-v2"
+LEAF_BYTES = 1 << 20
+"""The leaf size of the digest tree the trainer writes (:attr:`Manifest.leaf_bytes`): what a
+generator reads, hashes and writes for a delta that changes one element (a 1.5B model's
+manifest holds ~3k leaf digests, ~200 KB)."""
 ZSTD_LEVEL = 1
 """zstd level of delta buckets: on the byte planes of a bf16 XOR, level 1 gives level 3's
 ratio (0.044 / 0.149 / 0.59 of raw after steps at lr 1e-6 / 1e-5 / 3e-3) 25-55% faster
@@ -153,8 +162,9 @@ class BucketEntry(msgspec.Struct, frozen=True):
     bucket that was damaged (a fast hash, ~20 GB/s here, against SHA-256's ~1.5: a version's
     integrity rests on :attr:`sha256` and the bucket-tree digest the trainer announces on
     the bus, not on this). Empty for a ``same`` bucket."""
-    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
-    """Hex SHA-256 of the bucket's raw (decoded) bytes: a leaf of the version's digest."""
+    leaves: list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]]
+    """Hex SHA-256 of each :attr:`Manifest.leaf_bytes` piece of the bucket's raw (decoded)
+    bytes (the last one shorter): the leaves of the version's digest."""
     spans: list[Span]
     """The tensor bytes it covers, in order (consecutive in the data stream)."""
     codec: Literal["raw", "zstd", "same"] = "zstd"
@@ -192,6 +202,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """The newest anchor at or below this version (this version for an anchor)."""
     dtype: Annotated[str, Meta(max_length=16)]
     """The serving dtype (``proxy.dtype``) the float tensors are cast to."""
+    leaf_bytes: Annotated[int, Meta(ge=4096, le=1 << 30, multiple_of=8)] = LEAF_BYTES
+    """The size of a leaf of the digest tree (see :attr:`BucketEntry.leaves`)."""
     shuffle: bool = True
     """Each span's bytes are stored as byte planes (every element's first byte, then every
     second byte...) before zstd: the XOR of a small update is zero in the high (sign and
@@ -249,6 +261,9 @@ def check_manifest(man: Manifest, what: str, limits: StreamLimits = DEFAULT_LIMI
                               f"in a {man.kind} version (only a delta's, and none stored)")
         if b.codec != "same" and not b.xxh3:
             raise StreamError(f"{what}: bucket {j} ({b.name}) has no xxh3 of its stored bytes")
+        if len(b.leaves) != -(-b.raw // man.leaf_bytes):
+            raise StreamError(f"{what}: bucket {j} ({b.name}) has {len(b.leaves)} leaf digests for "
+                              f"{b.raw} bytes in leaves of {man.leaf_bytes}")
         if sum(s.length for s in b.spans) != b.raw:
             raise StreamError(f"{what}: bucket {j} ({b.name}) spans {b.raw} raw bytes it does not list")
         for s in b.spans:
@@ -267,9 +282,16 @@ def check_manifest(man: Manifest, what: str, limits: StreamLimits = DEFAULT_LIMI
                           f"and buckets")
 
 
+def leaf_sizes(raw: int, leaf_bytes: int) -> list[int]:
+    """The sizes of the leaves of a bucket of ``raw`` bytes."""
+    return [min(leaf_bytes, raw - a) for a in range(0, raw, leaf_bytes)]
+
+
 def tree_digest(man: Manifest) -> str:
-    """The bucket-tree digest the manifest's tensors and bucket digests make."""
-    return bucket_tree_digest(header_bytes(man.tensors), [(b.raw, b.sha256) for b in man.buckets])
+    """The bucket-tree digest the manifest's tensors and leaf digests make."""
+    return bucket_tree_digest(header_bytes(man.tensors),
+                              [(n, d) for b in man.buckets
+                               for n, d in zip(leaf_sizes(b.raw, man.leaf_bytes), b.leaves, strict=True)])
 
 
 def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int) -> list[list[Span]]:
