@@ -510,3 +510,28 @@ async def test_a_manifest_commits_to_its_bucket_digests(tiny_model_dir, tmp_path
     (tr.blobs.root / name).write_text(json.dumps(raw))
     with pytest.raises(StreamError, match="is not the bucket tree"):
         await read_manifest(tr.blobs, name)
+
+
+async def test_a_delta_that_rewrites_a_whole_tensor_is_patched_densely(tiny_model_dir, tmp_path):
+    """Buckets most of whose bytes changed are read whole and compared leaf by leaf (the
+    sparse scan would hold too many positions); the result is the same."""
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=1 << 15, leaf_bytes=4096)
+    man0, name0 = await tr.publish()
+    target = "model.layers.0.mlp.down_proj.weight"
+    with torch.no_grad():
+        tr.model.get_parameter(target).add_(1.0)
+    tr.version += 1
+    man1, name1 = await tr.publish()
+    changed = [b for b in man1.buckets if b.codec != "same"]
+    assert 1 < len(changed) and sum(b.raw for b in changed) < 0.5 * man1.stats.full_bytes
+    stage = tmp_path / "stage"
+    base, _ = await assemble_version(tr.blobs, name0, stage, base=None, digest=man0.digest)
+    before = base.path.read_bytes()
+    got, info = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest,
+                                       in_place=True)
+    assert info["path"] == "patch" and got.changed == {target}
+    nbytes = dict(zip([t.name for t in man1.tensors], [t.nbytes for t in man1.tensors]))[target]
+    assert nbytes <= info["written_bytes"] <= nbytes + 2 * 4096, "its leaves, no more"
+    assert same_tensors(got.path, tr.expected()) and staged_digest(got.path, man1) == man1.digest
+    await asyncio.to_thread(got.undo.revert)
+    assert base.path.read_bytes() == before

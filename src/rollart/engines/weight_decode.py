@@ -161,7 +161,7 @@ class _DecodeBuffers:
     def __init__(self) -> None:
         self.out = Buffers(2)
         self.old = Buffers(1)
-        self.chunk = np.empty(_CHUNK, np.uint8)
+        self.chunk = np.empty(_CHUNK + 8, np.uint8)  # + 8: a partial last word, zeroed
 
 
 def _targets(out: np.ndarray, b: BucketEntry, man: Manifest):
@@ -237,28 +237,44 @@ def _decode_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, base: BaseR
     writer.write(out)
 
 
-def _patch_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, fd: int, offset: int,
-                  have: tuple[str, ...], undo: Undo, dctx: Any,
-                  bufs: _DecodeBuffers) -> tuple[set[str], int]:
-    """One changed bucket of a delta patched in place at file ``offset``: its XOR
-    decompressed whole (mostly zeros: zstd writes those at memset's speed), the nonzero
-    bytes found a word at a time and mapped from byte planes to the bucket's bytes; only the
-    leaves they fall in are read, XORed, checked against their SHA-256, saved to ``undo``
-    and written. A leaf without a change must be the held version's (``have``). Returns the
-    tensors whose bytes changed and the bytes written."""
-    what = f"v{man.version} bucket {j} ({b.name})"
-    _check_wire(wire, b, what)
-    padded = -(-b.raw // 8) * 8
-    x = bufs.out.take(padded)
-    x[b.raw:] = 0
+_SPARSE = 64
+"""A changed bucket is patched sparsely while at most 1 in this many of its XOR bytes is
+nonzero (the positions found take 16 bytes each); beyond, it is patched densely."""
+
+
+def _nonzero_xor(wire: Any, b: BucketEntry, man: Manifest, dctx: Any, bufs: _DecodeBuffers,
+                 what: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Stream positions and values of the nonzero bytes of a bucket's XOR, found a chunk at a
+    time, 8 bytes at a time (mostly zeros: zstd writes those at memset's speed, and no
+    bucket-sized buffer is touched); None when more than 1 in :data:`_SPARSE` is nonzero."""
+    chunk = bufs.chunk
+    mv = memoryview(chunk)
+    cap = max(1024, b.raw // _SPARSE)
+    found_p: list[np.ndarray] = []
+    found_v: list[np.ndarray] = []
+    count = got = 0
     try:
         with dctx.stream_reader(wire) as r:
-            got, mv = 0, memoryview(x)
             while got < b.raw:
-                n = r.readinto(mv[got:b.raw])
-                if not n:
-                    raise StreamError(f"{what}: the zstd frame ends before the {b.raw} bytes "
-                                      f"the manifest says")
+                n = 0
+                want = min(len(chunk) - 8, b.raw - got)
+                while n < want:  # fill the chunk: positions are counted from its start
+                    k = r.readinto(mv[n:want])
+                    if not k:
+                        raise StreamError(f"{what}: the zstd frame ends before the {b.raw} bytes "
+                                          f"the manifest says")
+                    n += k
+                padded = -(-n // 8) * 8
+                chunk[n:padded] = 0
+                words = np.flatnonzero(chunk[:padded].view(np.uint64))
+                if len(words):
+                    cand = (words[:, None] * 8 + np.arange(8)).ravel()
+                    cand = cand[chunk[cand] != 0]
+                    count += len(cand)
+                    if count > cap:
+                        return None
+                    found_p.append(cand + got)
+                    found_v.append(chunk[cand])
                 got += n
             if r.read(1):
                 raise StreamError(f"{what}: the zstd frame holds more than the {b.raw} bytes "
@@ -267,16 +283,32 @@ def _patch_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, fd: int, off
         raise
     except Exception as e:  # noqa: BLE001 - zstandard.ZstdError
         raise StreamError(f"{what}: not a zstd frame ({e})") from None
-    words = np.flatnonzero(x.view(np.uint64))
-    cand = (words[:, None] * 8 + np.arange(8)).ravel()
-    sp = cand[x[cand] != 0]  # stream positions of the nonzero XOR bytes (in order)
-    vals = x[sp]
+    if not found_p:
+        return np.empty(0, np.int64), np.empty(0, np.uint8)
+    return np.concatenate(found_p), np.concatenate(found_v)
+
+
+def _patch_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, fd: int, offset: int,
+                  have: tuple[str, ...], undo: Undo, dctx: Any,
+                  bufs: _DecodeBuffers) -> tuple[set[str], int]:
+    """One changed bucket of a delta patched in place at file ``offset``: only the leaves
+    its XOR changes are read, XORed, checked against their SHA-256, saved to ``undo`` and
+    written; a leaf without a change must be the held version's (``have``). Sparse (the
+    nonzero XOR bytes found, mapped from byte planes to the bucket's bytes: the bucket's
+    bytes are never read) or, for a bucket much of which changed, dense (read whole, XORed,
+    compared leaf by leaf). Returns the tensors whose bytes changed and the bytes written."""
+    what = f"v{man.version} bucket {j} ({b.name})"
+    _check_wire(wire, b, what)
+    found = _nonzero_xor(wire, b, man, dctx, bufs, what)
+    if found is None:
+        return _patch_dense(wire, b, j, man, fd, offset, have, undo, dctx, bufs)
+    sp, vals = found
     starts = np.cumsum([0] + [s.length for s in b.spans])  # a span's bytes: as many in the stream
     k = np.searchsorted(starts, sp, side="right") - 1  # the span of each
     pos = sp.copy()  # -> the byte of the bucket each XORs
-    touched = np.unique(k)
+    touched = np.unique(k).tolist()
     if man.shuffle:
-        for i in touched.tolist():
+        for i in touched:
             es = DTYPE_BYTES[man.tensors[b.spans[i].tensor].dtype]
             if es > 1:
                 m = k == i
@@ -288,28 +320,67 @@ def _patch_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, fd: int, off
     order = np.argsort(leaf, kind="stable")
     leaf, pos, vals = leaf[order], pos[order], vals[order]
     dirty = np.unique(leaf).tolist()
-    clean = set(range(len(b.leaves))) - set(dirty)
-    for i in sorted(clean):
-        if b.leaves[i] != have[i]:
-            raise StreamError(f"{what}: leaf {i} is the parent's in the delta, but its digest "
-                              f"{b.leaves[i]} is not the held version's {have[i]}")
-    cuts = np.searchsorted(leaf, dirty + [len(b.leaves)])
+    _check_clean(b, set(range(len(b.leaves))) - set(dirty), have, what)
+    cuts = np.searchsorted(leaf, [*dirty, len(b.leaves)])
     written = 0
-    for n_, i in enumerate(dirty):
+    for n, i in enumerate(dirty):
         a = i * L
         buf = bufs.old.take(min(L, b.raw - a))
         _pread_all(fd, buf, offset + a, what)
         undo.save(offset + a, buf)
-        sel = slice(cuts[n_], cuts[n_ + 1])
+        sel = slice(cuts[n], cuts[n + 1])
         buf[pos[sel] - a] ^= vals[sel]  # positions are unique: a plain fancy-index XOR
-        d = hashlib.sha256(buf).hexdigest()
-        if d != b.leaves[i]:
-            raise StreamError(f"{what}: leaf {i}: its decoded bytes have SHA-256 {d}, the "
-                              f"manifest says {b.leaves[i]} (a damaged delta, or a base that "
-                              f"is not its parent)")
+        _check_leaf(buf, b, i, what)
         _pwrite_all(fd, buf, offset + a)
         written += len(buf)
-    return {man.tensors[b.spans[i].tensor].name for i in touched.tolist()}, written
+    return {man.tensors[b.spans[i].tensor].name for i in touched}, written
+
+
+def _patch_dense(wire: Any, b: BucketEntry, j: int, man: Manifest, fd: int, offset: int,
+                 have: tuple[str, ...], undo: Undo, dctx: Any,
+                 bufs: _DecodeBuffers) -> tuple[set[str], int]:
+    """:func:`_patch_bucket` for a bucket much of which changed: read whole, XORed as it
+    streams out of zstd, the leaves that differ checked, saved and written."""
+    what = f"v{man.version} bucket {j} ({b.name})"
+    old, out = bufs.old.take(b.raw), bufs.out.take(b.raw)
+    _pread_all(fd, old, offset, what)
+    out[...] = old
+    _xor_decode(wire, b, man, out, dctx, bufs, what)
+    L, written, clean = man.leaf_bytes, 0, set()
+    for i in range(len(b.leaves)):
+        a, e = i * L, min(b.raw, (i + 1) * L)
+        if np.array_equal(old[a:e], out[a:e]):
+            clean.add(i)
+            continue
+        _check_leaf(out[a:e], b, i, what)
+    _check_clean(b, clean, have, what)
+    for i in range(len(b.leaves)):
+        if i not in clean:
+            a, e = i * L, min(b.raw, (i + 1) * L)
+            undo.save(offset + a, old[a:e])
+            _pwrite_all(fd, out[a:e], offset + a)
+            written += e - a
+    names, pos = set(), 0
+    for s in b.spans:
+        if not np.array_equal(old[pos:pos + s.length], out[pos:pos + s.length]):
+            names.add(man.tensors[s.tensor].name)
+        pos += s.length
+    return names, written
+
+
+def _check_leaf(buf: np.ndarray, b: BucketEntry, i: int, what: str) -> None:
+    d = hashlib.sha256(buf).hexdigest()
+    if d != b.leaves[i]:
+        raise StreamError(f"{what}: leaf {i}: its decoded bytes have SHA-256 {d}, the manifest "
+                          f"says {b.leaves[i]} (a damaged delta, or a base that is not its parent)")
+
+
+def _check_clean(b: BucketEntry, clean: set[int], have: tuple[str, ...], what: str) -> None:
+    """The leaves a delta leaves as they are must be the held version's."""
+    for i in sorted(clean):
+        if b.leaves[i] != have[i]:
+            raise StreamError(f"{what}: leaf {i} is the parent's in the delta, but its digest "
+                              f"{b.leaves[i]} is not the held version's {have[i]}")
 
 
 def _check_stage(stage: Path) -> None:
