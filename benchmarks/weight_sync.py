@@ -3,7 +3,7 @@
 ::
 
     python benchmarks/weight_sync.py [--quick] [--sizes 0.1,0.5,1.5] [--bucket-mb 64]
-    python benchmarks/weight_sync.py --deltas [--delta-size 0.5]
+    python benchmarks/weight_sync.py --deltas [--delta-size 0.5-40]
 
 Random-init Qwen3-layout models from the tiny builder (its 512-token vocabulary; the layers
 of Qwen3-0.6B and -1.7B, so ~0.1B, ~0.44B and ~1.4B parameters: nothing is downloaded),
@@ -68,6 +68,8 @@ MODELS = {
             "intermediate_size": 3072},  # Qwen3-0.6B's layers
     "1.5": {"hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8,
             "intermediate_size": 6144},  # Qwen3-1.7B's layers
+    "0.5-40": {"hidden_size": 1024, "num_layers": 40, "num_heads": 16, "num_kv_heads": 8,
+               "intermediate_size": 3072},  # Qwen3-0.6B's layer, 40 of them: 0.50B parameters
 }
 QUICKSTART_LR = 3e-3
 LRS = (1e-6, 1e-5, QUICKSTART_LR)
@@ -543,7 +545,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="0.1B, bf16, one learning rate, shm and tcp")
     ap.add_argument("--deltas", action="store_true",
                     help="issue 45 §2 only: full versions against near-empty deltas (section weight_delta)")
-    ap.add_argument("--delta-size", default="0.5", help="the model of --deltas (of 0.1, 0.5, 1.5)")
+    ap.add_argument("--delta-size", default="0.5-40",
+                    help="the model of --deltas (of 0.1, 0.5, 0.5-40: 0.50B parameters, 1.5)")
     ap.add_argument("--readme-only", action="store_true",
                     help="rewrite the README section from results/weight_sync.json, measure nothing")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)

@@ -259,6 +259,8 @@ class StreamStage:
         self.in_place = in_place
         """The engine reads the staged file only inside a load (``partial_loads``): a delta is
         patched into the held version's file, and the engine loads the changed tensors."""
+        self._whole = False
+        """A load was refused: the engine may hold part of it, so the next load is whole."""
 
     async def fetch(self, bus: Any, pub: m.PolicyPublished) -> Any:
         """Assemble ``pub`` into the staging folder (off the loop; the engine serves)."""
@@ -277,12 +279,13 @@ class StreamStage:
         self.last = (f"{info['path']}, {info['manifests']} manifest(s), "
                      f"{info['wire_bytes'] / 2**20:.2f} MiB fetched, "
                      f"{info['written_bytes'] / 2**20:.2f} MiB written, {time.perf_counter() - t0:.3f}s")
-        return got
+        return got._replace(changed=None) if self._whole else got
 
     def loaded(self, got: Any) -> None:
         """The engine holds ``got`` now: it is the base; the previous one is the folder's
         spare, which the next version is written over (:func:`~rollart.engines.weight_staging.retire`)."""
         old, self.base = self.base, got
+        self._whole = False
         if got.undo is not None:  # patched over old's file: nothing of old is left to retire
             got.undo.drop()
             self.base = got._replace(undo=None, changed=None)
@@ -292,6 +295,7 @@ class StreamStage:
     def discard(self, got: Any) -> None:
         """A staged version the engine refused (patched in place: the held version's bytes
         and name are put back)."""
+        self._whole = True
         if got.undo is not None:
             got.undo.revert()
         elif self.base is None or got.path != self.base.path:
