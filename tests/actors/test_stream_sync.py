@@ -120,3 +120,46 @@ async def _current(bus, run, v):
 
     pub = await current_policy(bus, run)
     return pub if pub is not None and pub.version == v else None
+
+
+async def test_a_refused_patched_version_puts_the_held_file_back_and_the_next_load_is_whole(
+        tiny_model, tmp_path):
+    """The engine refused a delta patched into the held staged file: the file is the held
+    version's again, byte for byte and by name, and the next version is loaded whole (the
+    engine may hold part of the refused one)."""
+    from rollart.actors.generate.policy import StreamStage
+    from rollart.engines.weight_blobs import DirBlobs
+    from rollart.engines.weight_decode import assemble_version
+    from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    blobs, pubs, base = DirBlobs(tmp_path / "store"), [], None
+    for v in range(3):
+        if v:
+            with torch.no_grad():
+                model.get_parameter("model.norm.weight").view(-1)[v] += 1.0
+        out = tmp_path / f"t{v}.safetensors"
+        man, name = await write_version(blobs, TorchTensors(dict(model.state_dict()), "bfloat16"),
+                                        version=v, dtype="bfloat16", bucket_bytes=1 << 15,
+                                        base=base, delta=True, anchor_every=8, base_out=out)
+        base = TrainerBase(out, v, man.digest, man.anchor)
+        pubs.append((man, name))
+    stage = StreamStage("gen-0", in_place=True)
+    try:
+        got0, _ = await assemble_version(blobs, pubs[0][1], stage.dir, base=None,
+                                         digest=pubs[0][0].digest)
+        stage.loaded(got0)
+        before = got0.path.read_bytes()
+        got1, info = await assemble_version(blobs, pubs[1][1], stage.dir, base=stage.base,
+                                            digest=pubs[1][0].digest, in_place=stage.in_place)
+        assert info["path"] == "patch" and got1.changed == {"model.norm.weight"}
+        stage.discard(got1)  # the engine refused v1
+        assert got0.path.read_bytes() == before and not got1.path.exists()
+        assert stage._whole, "the next load reads every tensor"
+        got1b, _ = await assemble_version(blobs, pubs[1][1], stage.dir, base=stage.base,
+                                          digest=pubs[1][0].digest, in_place=True)
+        stage.loaded(got1b)
+        assert stage.base.undo is None and stage.base.path == got1b.path and not stage._whole
+    finally:
+        stage.close()

@@ -98,7 +98,7 @@ class StagedFile:
         # caller's next fetch: SHA-256 and file writes release the GIL, so on two cores a
         # version assembles at the speed of the slower of the two, not of their sum. One
         # piece at a time: a caller may reuse a piece's buffer after the next write() returns
-        # (TcpBlobs alternates two buffers for that).
+        # (TcpBlobs and DirBlobs(reuse=True) alternate two buffers for that).
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-digest")
         self._pending: concurrent.futures.Future | None = None
         self._f = None
