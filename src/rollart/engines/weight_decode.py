@@ -14,18 +14,20 @@ Two ways to stage a version:
   of its buckets, :attr:`~.weight_stream.Manifest.leaf_bytes`) whose bytes changed: a
   ``same`` bucket is neither fetched, read nor written; a changed bucket's XOR is
   decompressed and scanned for nonzero bytes, and only their leaves are read, XORed, hashed
-  and written. The other leaves are verified by their digests, equal to those verified for
-  the held version (the bucket tree, :mod:`rollart.engines.digest`). The bytes overwritten go to an
-  :class:`Undo`; the file is renamed to the new version's name. A failure, or the engine
-  refusing the version later (:meth:`Undo.revert`), writes them back and renames it back.
+  and written (a bucket much of which changed is read whole and compared leaf by leaf
+  instead). The other leaves are verified by their digests, equal to those verified for the
+  held version (the bucket tree, :mod:`rollart.engines.digest`). The bytes overwritten go
+  to an :class:`Undo`; the file is renamed to the new version's name. A failure, or the
+  engine refusing the version later (:meth:`Undo.revert`), writes them back and renames it
+  back.
 
 Why patch in place with an undo rather than into a second copy-on-write buffer: a second
 buffer must first be brought to the held version (its own pages, the model's size again,
-or a log of what it lacks), while an undo holds the changed buckets only and only until the
+or a log of what it lacks), while an undo holds the changed leaves only and only until the
 engine took the version; the held version's file is not read by anyone meanwhile (the
 engine reads it only inside a load, under the pause). The price: a delta that changes much
-of the model would need a model-sized undo, so above ``PATCH_FRACTION`` of the model (or
-``PATCH_MAX_BYTES``) the version is written instead. Engines that keep reading or link the
+of the model would need a model-sized undo, so when its changed buckets exceed
+``PATCH_FRACTION`` of the model (or ``PATCH_MAX_BYTES``) the version is written instead. Engines that keep reading or link the
 staged file after a load (vLLM hard-links it, SGLang symlinks it) get written versions.
 
 Kept whole (over 450 lines): both ways share the bucket decoding, the checks and the chain

@@ -70,7 +70,8 @@ class StagedFile:
     """A safetensors file written front to back (header from the tensors, then their data
     in order, in pieces of any size) under a temp name, each leaf of ``sizes`` bytes
     hashed (SHA-256) on the way and checked against ``expect`` (its manifest's digests)
-    when given (``bucket_of``: the bucket of each leaf, for the error); :meth:`commit` checks it is whole and its bucket-tree digest
+    when given (``bucket_of``: the bucket of each leaf, for the error); :meth:`commit`
+    checks it is whole and its bucket-tree digest
     (:func:`rollart.engines.digest.bucket_tree_digest`) and renames it into place (no fsync:
     a staged file, or the trainer's base, is rebuilt after a crash, never trusted across
     one). Blocking.
