@@ -3,6 +3,7 @@
 ::
 
     python benchmarks/weight_sync.py [--quick] [--sizes 0.1,0.5,1.5] [--bucket-mb 64]
+    python benchmarks/weight_sync.py --deltas [--delta-size 0.5-40]
 
 Random-init Qwen3-layout models from the tiny builder (its 512-token vocabulary; the layers
 of Qwen3-0.6B and -1.7B, so ~0.1B, ~0.44B and ~1.4B parameters: nothing is downloaded),
@@ -24,6 +25,15 @@ and dtype, in fresh child processes so that each peak RSS is its own:
   seconds (the engine is paused for the load only: the generation pause of
   ``proxy.on_update: wait``), and the peak RSS above the RSS before.
 
+``--deltas`` (issue 45 §2, :func:`measure_deltas`, README section ``weight_delta``): one
+model in bf16 over ``tcp``, the generator following versions as a replica does
+(:class:`rollart.actors.generate.policy.StreamStage`: each version the base of the next,
+deltas patched into the held staged file in place and only their changed tensors loaded):
+v0 a full anchor, v1 and v2 near-empty deltas (one element of one tensor each: wire size far
+under 1% of full), v3 and v4 full anchors (v4: the steady state, written over a spare). Per
+version: fetch+assembly seconds, load seconds (the pause), bytes fetched and written.
+``--quick`` runs it too at 0.1B (and writes nothing).
+
 The machine's limits, measured in the same run: ``memcpy`` (numpy copy of 256 MiB) and
 loopback TCP (one thread each side, 8 MiB ``sendall``/``recv_into``, 1 GiB). Prints JSON,
 writes ``results/weight_sync.json`` and its section of ``README.md``.
@@ -43,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from common import RESULTS, describe_machine, finish, render, replace_section, table
@@ -57,6 +68,8 @@ MODELS = {
             "intermediate_size": 3072},  # Qwen3-0.6B's layers
     "1.5": {"hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8,
             "intermediate_size": 6144},  # Qwen3-1.7B's layers
+    "0.5-40": {"hidden_size": 1024, "num_layers": 40, "num_heads": 16, "num_kv_heads": 8,
+               "intermediate_size": 3072},  # Qwen3-0.6B's layer, 40 of them: 0.50B parameters
 }
 QUICKSTART_LR = 3e-3
 LRS = (1e-6, 1e-5, QUICKSTART_LR)
@@ -263,6 +276,149 @@ def generator_child(model_dir: str, dtype: str, transport: str, where: str, vers
     return {"versions": out}
 
 
+def trainer_touch_child(model_dir: str, store: str, base_out: str, bucket_mb: int) -> dict:
+    """v0 a full anchor; v1, v2: one element of one tensor changed, each a delta over the
+    version before; v3, v4: full anchors (bf16 serving dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollart.engines.weight_blobs import DirBlobs
+    from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
+    from rollart.engines.weight_staging import retire
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    resident(model)
+    blobs = DirBlobs(store)
+    out: dict = {"params": sum(p.numel() for p in model.parameters()), "versions": []}
+    names = ["model.norm.weight", "model.layers.0.input_layernorm.weight"]
+    base: TrainerBase | None = None
+    for version in range(5):
+        if version in (1, 2):
+            with torch.no_grad():
+                model.get_parameter(names[version - 1]).view(-1)[0] += 0.5
+        nxt = Path(base_out).with_name(f"v{version}.safetensors")
+        t = time.perf_counter()
+        man, name = asyncio.run(write_version(
+            blobs, TorchTensors(model.state_dict(), "bfloat16"), version=version, dtype="bfloat16",
+            bucket_bytes=bucket_mb << 20, base=base if version in (1, 2) else None, delta=True,
+            anchor_every=1 << 30, base_out=nxt))
+        dt = time.perf_counter() - t
+        if base is not None:
+            retire(base.path)
+        base = TrainerBase(nxt, version, man.digest, man.anchor)
+        s = man.stats
+        out["versions"].append({"version": version, "kind": man.kind, "name": name,
+                                "digest": man.digest, "publish_s": dt, "wire_bytes": s.wire_bytes,
+                                "full_bytes": s.full_bytes, "changed": s.changed / s.total,
+                                "buckets": len(man.buckets),
+                                "changed_buckets": sum(b.codec != "same" for b in man.buckets)})
+        print(f"  trainer v{version} {man.kind}: {dt:.2f}s, {s.wire_bytes / 1e6:.3f} of "
+              f"{s.full_bytes / 1e6:.1f} MB", file=sys.stderr, flush=True)
+    return out
+
+
+def follower_child(model_dir: str, where: str, versions: list[dict], stage: str) -> dict:
+    """The torch engine following ``versions`` over tcp as a replica does (StreamStage):
+    assembled in place where it may, only the changed tensors loaded, the held version
+    retired as the folder's spare once the next is loaded."""
+    from rollart.engines.torch_engine import TorchGenerationEngine
+    from rollart.engines.weight_decode import Assembled, assemble_version
+    from rollart.engines.weight_staging import retire
+    from rollart.engines.weight_tcp_client import TcpBlobs, parse_tcp_uri
+
+    eng = TorchGenerationEngine(model_dir, dtype="bfloat16", threads=2, kv_cache_mb=0)
+    resident(eng.model)
+    out: list[dict] = []
+
+    async def run() -> None:
+        host, port, token, _ = parse_tcp_uri(where + "/x")
+        blobs = TcpBlobs(host, port, token)
+        base: Assembled | None = None
+        for v in versions:
+            t = time.perf_counter()
+            got, info = await assemble_version(blobs, v["name"], stage, base=base,
+                                               digest=v["digest"], in_place=True)
+            fetch_s = time.perf_counter() - t
+            t = time.perf_counter()
+            if got.changed is not None:
+                await asyncio.to_thread(partial(eng.load_weights, changed=got.changed),
+                                        got.path, v["version"])
+            else:
+                await asyncio.to_thread(eng.load_weights, got.path, v["version"])
+            load_s = time.perf_counter() - t
+            if got.undo is not None:  # StreamStage.loaded
+                got.undo.drop()
+                got = got._replace(undo=None, changed=None)
+            elif base is not None and base.path != got.path:
+                retire(base.path)
+            base = got
+            out.append({"version": v["version"], "kind": v["kind"], "path": info["path"],
+                        "fetch_s": fetch_s, "load_s": load_s, "wire_bytes": info["wire_bytes"],
+                        "written_bytes": info["written_bytes"],
+                        "changed_tensors": info["changed_tensors"]})
+            print(f"  follower v{v['version']} ({info['path']}): fetch+assembly {fetch_s:.3f}s "
+                  f"load {load_s:.3f}s, {info['wire_bytes'] / 1e6:.3f} MB fetched, "
+                  f"{info['written_bytes'] / 1e6:.1f} MB written", file=sys.stderr, flush=True)
+
+    asyncio.run(run())
+    return {"versions": out}
+
+
+def measure_deltas(size: str, model_dir: Path, bucket_mb: int) -> dict:
+    """Full versions against near-empty deltas, bf16 over loopback tcp (see the docstring)."""
+    from rollart.engines.weight_blobs import shm_dir
+    from rollart.engines.weight_tcp_server import WeightServer
+
+    work = Path(tempfile.mkdtemp(prefix="rollart-bench-wd-"))
+    store = shm_dir(f"bench-delta-{os.getpid()}-{size}")
+    shutil.rmtree(store, ignore_errors=True)
+    try:
+        tr = run_child("touch", str(model_dir), str(store), str(work / "base"), str(bucket_mb))
+        srv = WeightServer(store, host="127.0.0.1")
+        srv.start_sync()
+        try:
+            tcp = tcp_gbps()  # the limit, just before the generator reads over the same loopback
+            g = run_child("follow", str(model_dir), f"{srv.base_uri}/{srv.token}",
+                          json.dumps(tr["versions"]), str(work / "stage"))
+        finally:
+            srv.close_sync()
+        return {"size": size, "bucket_mb": bucket_mb, "tcp_gbps": tcp, "trainer": tr, "generator": g}
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def delta_section(res: dict) -> str:
+    tcp = max(res["tcp_gbps"], res["deltas"]["tcp_gbps"], res.get("tcp_gbps_end", 0.0))
+    d = res["deltas"]
+    tv, gv = d["trainer"]["versions"], d["generator"]["versions"]
+    full_t, full_g = tv[4], gv[4]
+    served_full = full_g["fetch_s"] + full_g["load_s"]
+    rate = full_t["full_bytes"] / full_g["fetch_s"] / 1e9
+    rows, targets = [], [(f"full fetch >= 50% of TCP ({rate / tcp:.0%})", rate / tcp >= 0.5)]
+    for t, g in zip(tv, gv, strict=True):
+        served = g["fetch_s"] + g["load_s"]
+        rows.append([f"v{t['version']} {t['kind']}", g["path"],
+                     f"{t['changed_buckets']} of {t['buckets']}",
+                     f"{t['wire_bytes'] / 2**20:.3f} ({t['wire_bytes'] / t['full_bytes']:.4%})",
+                     f"{g['written_bytes'] / 2**20:.1f}", f"{t['publish_s']:.2f}",
+                     f"{g['fetch_s']:.3f}", f"{g['load_s']:.3f}", f"{served:.3f}",
+                     f"{served / served_full:.1%}"])
+        if t["kind"] == "delta":
+            targets.append((f"v{t['version']} delta <= 10% of a full version "
+                            f"({served / served_full:.1%})", served <= 0.1 * served_full))
+    return render("weight_delta", size=d["size"],
+                  params=f"{d['trainer']['params'] / 1e6:.0f} M", bucket_mb=d["bucket_mb"],
+                  tcp=f"{tcp:.2f}", rate=f"{rate:.2f}", share=f"{rate / tcp:.0%}",
+                  torch=res["torch"], machine=describe_machine(res), date=res["when"][:10],
+                  passed=sum(ok for _, ok in targets), total=len(targets),
+                  failed=", ".join(n for n, ok in targets if not ok) or "none",
+                  table=table(["version", "staged by", "buckets changed", "MiB on the wire",
+                               "MiB written", "publish s", "fetch+assembly s", "load (pause) s",
+                               "served s", "of a full version"], rows))
+
+
 def run_child(*args: str) -> dict:
     cmd = [sys.executable, __file__, "--child", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
@@ -387,16 +543,30 @@ def main() -> None:
     ap.add_argument("--sizes", default="0.1,0.5,1.5", help="models to run (of 0.1, 0.5, 1.5)")
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="0.1B, bf16, one learning rate, shm and tcp")
+    ap.add_argument("--deltas", action="store_true",
+                    help="issue 45 §2 only: full versions against near-empty deltas (section weight_delta)")
+    ap.add_argument("--delta-size", default="0.5-40",
+                    help="the model of --deltas (of 0.1, 0.5, 0.5-40: 0.50B parameters, 1.5)")
     ap.add_argument("--readme-only", action="store_true",
                     help="rewrite the README section from results/weight_sync.json, measure nothing")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.readme_only:
-        replace_section("weight_sync", section(json.loads((RESULTS / "weight_sync.json").read_text())))
+        if args.deltas:
+            replace_section("weight_delta", delta_section(
+                json.loads((RESULTS / "weight_delta.json").read_text())))
+        else:
+            replace_section("weight_sync", section(json.loads((RESULTS / "weight_sync.json").read_text())))
         return
     if args.child:
         role, *rest = args.child
-        if role == "trainer":
+        if role == "touch":
+            md, store, base, bucket = rest
+            r = trainer_touch_child(md, store, base, int(bucket))
+        elif role == "follow":
+            md, where, versions, stage = rest
+            r = follower_child(md, where, json.loads(versions), stage)
+        elif role == "trainer":
             md, dtype, store, base, bucket, lrs, opt = rest
             r = trainer_child(md, dtype, store, base, int(bucket), [float(x) for x in lrs.split(",")], opt)
         else:
@@ -417,6 +587,18 @@ def main() -> None:
                  "bucket_mb": args.bucket_mb, "optimizer": "AdamW (1.5B: SGD, AdamW's state does not fit in 24 GiB)",
                  "memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps(), "models": {}}
     print(f"memcpy {res['memcpy_gbps']:.1f} GB/s, loopback TCP {res['tcp_gbps']:.2f} GB/s", file=sys.stderr)
+    if args.deltas or args.quick:
+        size = "0.1" if args.quick else args.delta_size
+        t = time.perf_counter()
+        md = build_tiny_model(MODEL_CACHE / f"qwen3-{size}b", seed=0, **MODELS[size])
+        print(f"model {size}B ready in {time.perf_counter() - t:.0f}s; deltas", file=sys.stderr)
+        res["deltas"] = measure_deltas(size, md, args.bucket_mb)
+    if args.deltas:
+        res["load_end"] = os.getloadavg()[0]
+        res["tcp_gbps_end"] = tcp_gbps()
+        res["total_s"] = time.time() - t0
+        finish(res, True, RESULTS / "weight_delta.json", "weight_delta", delta_section)
+        return
     for size in sizes:
         t = time.perf_counter()
         md = build_tiny_model(MODEL_CACHE / f"qwen3-{size}b", seed=0, **MODELS[size])

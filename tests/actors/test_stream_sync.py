@@ -42,8 +42,12 @@ async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp
     kinds = []
     async with Node(bus, [proxy], heartbeat_every=0):
         assert proxy.async_engine.engine.dtype == torch.bfloat16, "proxy.dtype reaches the engine"
-        for v in range(5):
-            if v:  # a real optimizer step on the trainer's model
+        for v in range(6):
+            if v == 5:  # one element of one tensor: a delta the proxy patches in place
+                with torch.no_grad():
+                    model.get_parameter("model.norm.weight").view(-1)[0] += 1.0
+                trainer.backend.version = v
+            elif v:  # a real optimizer step on the trainer's model
                 ids = torch.randint(0, 300, (4, 16))
                 model.train()
                 model(ids, labels=ids).loss.backward()
@@ -73,29 +77,32 @@ async def test_proxy_loads_streamed_anchors_and_deltas(nats_bus, tiny_model, tmp
             assert all(torch.equal(own[k], exp[k]) for k in exp), f"v{v}: the engine holds the trainer's tensors"
             if v == 1:  # the model folder is no staged base: v1 came by the chain from v0
                 assert proxy._stage.last.startswith("chain, 2 manifest(s)"), proxy._stage.last
+            elif v == 5:  # the changed bucket only, and the engine loaded the changed tensor
+                assert proxy._stage.last.startswith("patch, 1 manifest(s)"), proxy._stage.last
+                assert man.stats.changed == 1 and proxy._stage.base.undo is None
             elif v > 1:
                 assert proxy._stage.last.startswith("delta" if kinds[-1] == "delta" else "full")
-        loaded = await collect(bus, run, "policy.loaded", 4, deadline=30)
+        loaded = await collect(bus, run, "policy.loaded", 5, deadline=30)
         stage = proxy._stage.dir
-        assert proxy._stage.base.version == 4 and proxy._stage.base.path.exists()
+        assert proxy._stage.base.version == 5 and proxy._stage.base.path.exists()
         from rollart.engines.weight_staging import SPARE
 
         # one base, and the previous one as the spare the next version is written over
         assert sorted(p.name for p in stage.iterdir()) == sorted([proxy._stage.base.path.name, SPARE])
-    assert kinds == ["full", "delta", "delta", "full", "delta"], kinds
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta"], kinds
     # v0 is the model folder's own weights: nothing to load
-    assert [x.version for x in loaded] == [1, 2, 3, 4] and not any(x.error for x in loaded)
+    assert [x.version for x in loaded] == [1, 2, 3, 4, 5] and not any(x.error for x in loaded)
     assert all(x.pause_s > 0 and x.fetch_s > 0 and x.load_s >= x.fetch_s for x in loaded), loaded
-    assert [v for v, _ in proxy.pauses] == [1, 2, 3, 4]
+    assert [v for v, _ in proxy.pauses] == [1, 2, 3, 4, 5]
     assert trainer.weights.stream.last["stream_wire_ratio"] < 1.0
     for x in loaded:  # what the trainer's policy.loaded consumer hands its publisher
         trainer.weights.loaded(x)
-    row = trainer.weights.sync_row(4)  # the metrics row of the step trained from v4
-    assert row["sync_version"] == 4 and row["sync_replicas"] == 1, row
+    row = trainer.weights.sync_row(5)  # the metrics row of the step trained from v5
+    assert row["sync_version"] == 5 and row["sync_replicas"] == 1, row
     assert row["sync_pause_s_max"] == loaded[-1].pause_s and row["stream_wire_ratio"] < 1.0, row
     assert trainer.weights.sync_row(0) == {}, "v0 is the model folder's: nothing travelled"
-    # keep_weights 2: v3 and v4 kept, v3 is an anchor, so v0..v2 are gone
-    assert sorted(trainer.weights.stream.versions) == [3, 4]
+    # keep_weights 2: v4 and v5 kept, their anchor is v3, so v0..v2 are gone
+    assert sorted(trainer.weights.stream.versions) == [3, 4, 5]
     assert not stage.exists(), "the staging folder goes with the proxy"
     if weights == "tcp":
         srv = trainer.weights.stream.server
@@ -113,3 +120,46 @@ async def _current(bus, run, v):
 
     pub = await current_policy(bus, run)
     return pub if pub is not None and pub.version == v else None
+
+
+async def test_a_refused_patched_version_puts_the_held_file_back_and_the_next_load_is_whole(
+        tiny_model, tmp_path):
+    """The engine refused a delta patched into the held staged file: the file is the held
+    version's again, byte for byte and by name, and the next version is loaded whole (the
+    engine may hold part of the refused one)."""
+    from rollart.actors.generate.policy import StreamStage
+    from rollart.engines.weight_blobs import DirBlobs
+    from rollart.engines.weight_decode import assemble_version
+    from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    blobs, pubs, base = DirBlobs(tmp_path / "store"), [], None
+    for v in range(3):
+        if v:
+            with torch.no_grad():
+                model.get_parameter("model.norm.weight").view(-1)[v] += 1.0
+        out = tmp_path / f"t{v}.safetensors"
+        man, name = await write_version(blobs, TorchTensors(dict(model.state_dict()), "bfloat16"),
+                                        version=v, dtype="bfloat16", bucket_bytes=1 << 15,
+                                        base=base, delta=True, anchor_every=8, base_out=out)
+        base = TrainerBase(out, v, man.digest, man.anchor)
+        pubs.append((man, name))
+    stage = StreamStage("gen-0", in_place=True)
+    try:
+        got0, _ = await assemble_version(blobs, pubs[0][1], stage.dir, base=None,
+                                         digest=pubs[0][0].digest)
+        stage.loaded(got0)
+        before = got0.path.read_bytes()
+        got1, info = await assemble_version(blobs, pubs[1][1], stage.dir, base=stage.base,
+                                            digest=pubs[1][0].digest, in_place=stage.in_place)
+        assert info["path"] == "patch" and got1.changed == {"model.norm.weight"}
+        stage.discard(got1)  # the engine refused v1
+        assert got0.path.read_bytes() == before and not got1.path.exists()
+        assert stage._whole, "the next load reads every tensor"
+        got1b, _ = await assemble_version(blobs, pubs[1][1], stage.dir, base=stage.base,
+                                          digest=pubs[1][0].digest, in_place=True)
+        stage.loaded(got1b)
+        assert stage.base.undo is None and stage.base.path == got1b.path and not stage._whole
+    finally:
+        stage.close()

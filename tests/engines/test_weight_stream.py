@@ -15,11 +15,18 @@ from pathlib import Path
 import pytest
 
 from rollart.config import RunConfig, load
-from rollart.engines.digest import file_content_digest
-from rollart.engines.weight_decode import assemble_version
+from rollart.engines.digest import file_bucket_digest
+from rollart.engines.weight_decode import Undo, apply_manifest, assemble_version
 from rollart.engines.weight_encode import TorchTensors, TrainerBase, write_version
 from rollart.engines.weight_staging import SPARE, retire
-from rollart.engines.weight_stream import StreamError, manifest_name, read_manifest
+from rollart.engines.weight_stream import (
+    LEAF_BYTES,
+    StreamError,
+    leaf_sizes,
+    manifest_name,
+    plan_buckets,
+    read_manifest,
+)
 from rollart.engines.weight_blobs import DirBlobs
 from tests.waiting import until_sync
 
@@ -31,13 +38,14 @@ class Trainer:
     """A tiny model, its AdamW and the trainer's side of the stream (a base file on disk)."""
 
     def __init__(self, model_dir, tmp: Path, dtype: str, lr: float = 3e-3, seed: int = 0,
-                 bucket_bytes: int = 1 << 16, anchor_every: int = 8):
+                 bucket_bytes: int = 1 << 16, anchor_every: int = 8, leaf_bytes: int = LEAF_BYTES):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.dtype, self.bucket_bytes, self.anchor_every = dtype, bucket_bytes, anchor_every
+        self.leaf_bytes = leaf_bytes
         self.dir = tmp / "trainer"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.blobs = DirBlobs(tmp / "store")
@@ -60,10 +68,16 @@ class Trainer:
         man, name = await write_version(
             blobs or self.blobs, TorchTensors(dict(self.model.state_dict()), self.dtype),
             version=self.version, dtype=self.dtype, bucket_bytes=self.bucket_bytes,
-            base=self.base, delta=True, anchor_every=self.anchor_every, base_out=nxt)
+            base=self.base, delta=True, anchor_every=self.anchor_every, base_out=nxt,
+            leaf_bytes=self.leaf_bytes)
         os.replace(nxt, self.dir / "base.safetensors")
         self.base = TrainerBase(self.dir / "base.safetensors", self.version, man.digest, man.anchor)
         return man, name
+
+
+def staged_digest(path: Path, man) -> str:
+    """The bucket-tree digest of a staged file, every byte of it read."""
+    return file_bucket_digest(path, [n for b in man.buckets for n in leaf_sizes(b.raw, man.leaf_bytes)])
 
 
 def same_tensors(path: Path, expected: dict) -> bool:
@@ -91,7 +105,7 @@ async def test_anchor_and_deltas_assemble_bit_identical(tiny_model_dir, tmp_path
             assert 0 < man.stats.changed <= man.stats.total
         got, info = await assemble_version(tr.blobs, name, stage, base=base, digest=man.digest)
         assert info["path"] == ("full" if v == 0 else "delta")
-        assert got.digest == man.digest == file_content_digest(got.path)
+        assert got.digest == man.digest == staged_digest(got.path, man)
         assert same_tensors(got.path, tr.expected()), f"v{v} differs from a direct load"
         if base is not None:
             base.path.unlink()
@@ -153,7 +167,7 @@ async def test_corrupt_bucket_is_refused_naming_it_and_the_base_is_kept(tiny_mod
         await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest)
     msg = str(e.value)
     assert f"bucket 1 ({man1.buckets[1].name})" in msg and man1.buckets[1].xxh3 in msg, msg
-    assert base.path.read_bytes() == before and file_content_digest(base.path) == man0.digest
+    assert base.path.read_bytes() == before and staged_digest(base.path, man0) == man0.digest
     assert sorted(p.name for p in stage.iterdir() if p.name != SPARE) == [base.path.name], \
         "nothing half-staged (a refused file is the spare)"
     # a wrong published digest is refused before any bucket is fetched
@@ -171,7 +185,7 @@ async def test_missing_base_falls_back_to_the_anchor_chain(tiny_model_dir, tmp_p
     stage = tmp_path / "stage"
     man3, name3 = pubs[3]
     got, info = await assemble_version(tr.blobs, name3, stage, base=None, digest=man3.digest)
-    assert info == {"path": "chain", "manifests": 4, "wire_bytes": info["wire_bytes"]}
+    assert info["path"] == "chain" and info["manifests"] == 4
     assert same_tensors(got.path, tr.expected())
     # a replica that skipped versions: from its own v1, not the anchor
     v1, _ = await assemble_version(tr.blobs, pubs[1][1], tmp_path / "s1", base=None,
@@ -212,7 +226,10 @@ async def test_buckets_without_a_manifest_are_no_version(tiny_model_dir, tmp_pat
         await tr.publish(Killed(tr.blobs.root))
     stored = sorted(p.name for p in tr.blobs.root.iterdir())
     assert stored and all(".b" in n for n in stored), stored
-    digest = file_content_digest(tr.dir / "next.safetensors")  # what it would have published
+    specs = TorchTensors(dict(tr.model.state_dict()), tr.dtype).specs
+    sizes = [n for spans in plan_buckets(specs, tr.bucket_bytes)
+             for n in leaf_sizes(sum(s.length for s in spans), LEAF_BYTES)]
+    digest = file_bucket_digest(tr.dir / "next.safetensors", sizes)  # what it would have published
     with pytest.raises(StreamError, match="never committed"):
         await read_manifest(tr.blobs, manifest_name(0, digest))
 
@@ -224,7 +241,7 @@ async def test_a_generator_killed_mid_assembly_leaves_a_temp_file_only(tiny_mode
     marker = tmp_path / "holding"
     script = textwrap.dedent(f"""
         import asyncio, pathlib, threading
-        from rollart.engines.weight_decode import assemble_version
+        from rollart.engines.weight_decode import Undo, apply_manifest, assemble_version
         from rollart.engines.weight_blobs import DirBlobs
 
         class Slow(DirBlobs):
@@ -263,7 +280,7 @@ async def test_a_generator_killed_mid_assembly_leaves_a_temp_file_only(tiny_mode
     spare.write_bytes(b"\xff" * (spare.stat().st_size + 12345))
     again, _ = await assemble_version(tr.blobs, name, stage, base=None, digest=man.digest)
     assert not spare.exists() and same_tensors(again.path, tr.expected())
-    assert file_content_digest(again.path) == man.digest
+    assert staged_digest(again.path, man) == man.digest
 
 
 async def test_bf16_delta_after_one_step_at_the_quickstart_lr_is_well_under_full(tmp_path):
@@ -312,3 +329,209 @@ async def test_a_delta_streams_out_of_zstd_in_chunks_that_split_elements(tiny_mo
     base, _ = await assemble_version(tr.blobs, name0, stage, base=None, digest=man0.digest)
     got, info = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest)
     assert info["path"] == "delta" and same_tensors(got.path, tr.expected())
+
+
+# ======================================================================================
+# Deltas that cost what changed (issue 45 §2): unchanged buckets are not stored, fetched,
+# read or written; a delta is patched into the held version's file in place, with an undo
+# ======================================================================================
+def touch_one(tr: Trainer, name: str) -> None:
+    """A new version that differs from the last in one element of tensor ``name``."""
+    with torch.no_grad():
+        tr.model.state_dict()[name].view(-1)[0] += 1.0
+    tr.version += 1
+
+
+def bucket_ranges(man, header: int) -> list[tuple[int, int]]:
+    out, pos = [], header
+    for b in man.buckets:
+        out.append((pos, pos + b.raw))
+        pos += b.raw
+    return out
+
+
+async def test_a_delta_touching_one_tensor_rewrites_only_its_leaf(tiny_model_dir, tmp_path):
+    from rollart.engines.torch_engine import TorchGenerationEngine
+    from rollart.engines.weight_stream import header_bytes
+
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=1 << 15, leaf_bytes=4096)
+    man0, name0 = await tr.publish()
+    target = "model.norm.weight"
+    touch_one(tr, target)
+    man1, name1 = await tr.publish()
+    changed = [j for j, b in enumerate(man1.buckets) if b.codec != "same"]
+    assert len(changed) == 1 and len(man1.buckets) > 20, "one bucket of many changed"
+    j = changed[0]
+    assert {man1.tensors[s.tensor].name for s in man1.buckets[j].spans} >= {target}
+    assert all(b.wire == 0 and not (tr.blobs.root / b.name).exists()
+               for b in man1.buckets if b.codec == "same"), "unchanged buckets are not stored"
+    assert man1.stats.wire_bytes == man1.buckets[j].wire and man1.stats.changed == 1
+
+    stage = tmp_path / "stage"
+    base, _ = await assemble_version(tr.blobs, name0, stage, base=None, digest=man0.digest)
+    before = base.path.read_bytes()
+    got, info = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest,
+                                       in_place=True)
+    assert info["path"] == "patch" and info["wire_bytes"] == man1.buckets[j].wire
+    assert got.changed == {target} and got.undo is not None
+    assert not base.path.exists() and got.path.exists(), "the held file, renamed to the version"
+    after = got.path.read_bytes()
+    lo, _ = bucket_ranges(man1, len(header_bytes(man1.tensors)))[j]
+    diff = [i for i in range(len(before)) if before[i] != after[i]]
+    assert len(after) == len(before) and diff, "the file changed"
+    leaf = (diff[0] - lo) // 4096
+    assert all((i - lo) // 4096 == leaf for i in diff) and diff[0] >= lo, "within one leaf"
+    assert info["written_bytes"] == got.written == leaf_sizes(man1.buckets[j].raw, 4096)[leaf], \
+        "only that leaf written, of a 32 KiB bucket"
+    assert same_tensors(got.path, tr.expected()) and staged_digest(got.path, man1) == man1.digest
+
+    # the engine reads only the named tensors: one that holds other weights keeps them
+    eng = TorchGenerationEngine(tiny_model_dir, threads=1, dtype="bfloat16")
+    own = eng.model.state_dict()
+    keep = {k: v.clone() for k, v in own.items()}
+    eng.load_weights(got.path, 1, changed=got.changed)
+    exp = tr.expected()
+    assert eng.version == 1 and torch.equal(own[target], exp[target])
+    assert all(torch.equal(own[k], keep[k]) for k in own if k != target), "others not read"
+    # over the version it holds (v0), the engine ends at the trainer's v1
+    eng.load_weights(got.path, 1)  # a whole load: the reference
+    whole = {k: v.clone() for k, v in own.items()}
+    eng2 = TorchGenerationEngine(tiny_model_dir, threads=1, dtype="bfloat16")
+    await asyncio.to_thread(got.undo.revert)
+    assert base.path.read_bytes() == before and not got.path.exists(), "the undo puts v0 back"
+    eng2.load_weights(base.path, 0)
+    again, _ = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest,
+                                      in_place=True)
+    eng2.load_weights(again.path, 1, changed=again.changed)
+    assert all(torch.equal(eng2.model.state_dict()[k], whole[k]) for k in whole)
+
+
+async def test_a_corrupt_delta_bucket_patched_in_place_leaves_the_old_version(tiny_model_dir,
+                                                                            tmp_path):
+    from rollart.engines.weight_stream import header_bytes
+
+    tr = Trainer(tiny_model_dir, tmp_path, "float32", bucket_bytes=1 << 14)
+    man0, name0 = await tr.publish()
+    touch_one(tr, "model.norm.weight")
+    touch_one(tr, "lm_head.weight")
+    tr.version -= 1
+    man1, name1 = await tr.publish()
+    changed = [j for j, b in enumerate(man1.buckets) if b.codec != "same"]
+    assert len(changed) == 2
+    stage = tmp_path / "stage"
+    base, _ = await assemble_version(tr.blobs, name0, stage, base=None, digest=man0.digest)
+    before = base.path.read_bytes()
+    # the second changed bucket is damaged in the store: the first was patched already
+    j = changed[1]
+    bad = tr.blobs.root / man1.buckets[j].name
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(StreamError) as e:
+        await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest, in_place=True)
+    assert f"bucket {j} ({man1.buckets[j].name})" in str(e.value), str(e.value)
+    assert base.path.read_bytes() == before, "the held version is back, byte for byte"
+    assert sorted(p.name for p in stage.iterdir() if p.name != SPARE) == [base.path.name]
+    bad.write_bytes(bytes(data[:len(data) // 2]) + bytes([data[len(data) // 2] ^ 0xFF]) +
+                    bytes(data[len(data) // 2 + 1:]))  # repaired
+
+    # a held file that is not what it was verified as (its bytes changed on disk): the
+    # decoded bucket's SHA-256 is not the manifest's; named, and the file left as it was
+    k = changed[0]
+    lo, _ = bucket_ranges(man1, len(header_bytes(man1.tensors)))[k]
+    broken = bytearray(before)
+    broken[lo] ^= 0x01
+    base.path.write_bytes(bytes(broken))
+    undo = Undo(base.path)
+    with pytest.raises(StreamError) as e:
+        await apply_manifest(tr.blobs, man1, stage, base, undo=undo)
+    assert f"bucket {k} ({man1.buckets[k].name}): leaf 0: its decoded bytes have SHA-256" \
+        in str(e.value)
+    await asyncio.to_thread(undo.revert)
+    assert base.path.read_bytes() == bytes(broken)
+    # assemble_version reverts it itself and falls back to the anchor's chain (a new file)
+    got, info = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest,
+                                       in_place=True)
+    assert info["path"] == "chain" and info["manifests"] == 2 and got.undo is None
+    assert base.path.read_bytes() == bytes(broken) and same_tensors(got.path, tr.expected())
+    # repaired, it applies in place
+    base.path.write_bytes(before)
+    got, info = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest,
+                                       in_place=True)
+    assert info["path"] == "patch" and same_tensors(got.path, tr.expected())
+
+
+async def test_a_generator_two_versions_behind_walks_the_deltas_in_place(tiny_model_dir, tmp_path):
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=1 << 14)
+    pubs = [await tr.publish()]
+    touch_one(tr, "model.norm.weight")
+    pubs.append(await tr.publish())
+    touch_one(tr, "lm_head.weight")
+    pubs.append(await tr.publish())
+    stage = tmp_path / "stage"
+    base, _ = await assemble_version(tr.blobs, pubs[0][1], stage, base=None, digest=pubs[0][0].digest)
+    before = base.path.read_bytes()
+    man2, name2 = pubs[2]
+    got, info = await assemble_version(tr.blobs, name2, stage, base=base, digest=man2.digest,
+                                       in_place=True)
+    assert info["path"] == "chain" and info["manifests"] == 2, info
+    assert got.changed == {"model.norm.weight", "lm_head.weight"} and got.undo is not None
+    assert info["written_bytes"] == sum(b.raw for m_, _ in pubs[1:] for b in m_.buckets
+                                        if b.codec != "same")
+    assert same_tensors(got.path, tr.expected()) and staged_digest(got.path, man2) == man2.digest
+    assert sorted(p.name for p in stage.iterdir() if p.name != SPARE) == [got.path.name]
+    await asyncio.to_thread(got.undo.revert)  # the engine refused v2: v0 as it was
+    assert base.path.read_bytes() == before
+    # without a base: the anchor written, the deltas patched into it
+    got2, info2 = await assemble_version(tr.blobs, name2, tmp_path / "s2", base=None,
+                                         digest=man2.digest, in_place=True)
+    assert info2["path"] == "chain" and info2["manifests"] == 3
+    assert got2.undo is None and got2.changed is None, "a file of its own: loaded whole"
+    assert same_tensors(got2.path, tr.expected())
+    assert sorted(p.name for p in (tmp_path / "s2").iterdir() if p.name != SPARE) == [got2.path.name]
+    # a delta that changes most buckets is written into a new file, not patched
+    tr.step()
+    man3, name3 = await tr.publish()
+    got3, info3 = await assemble_version(tr.blobs, name3, tmp_path / "s2", base=got2,
+                                         digest=man3.digest, in_place=True)
+    assert info3["path"] == "delta" and got3.undo is None and got3.changed is None
+    assert got2.path.exists() and same_tensors(got3.path, tr.expected())
+
+
+async def test_a_manifest_commits_to_its_bucket_digests(tiny_model_dir, tmp_path):
+    import json
+
+    tr = Trainer(tiny_model_dir, tmp_path, "float32", bucket_bytes=1 << 14)
+    man, name = await tr.publish()
+    # the trainer's digest is the bucket tree of the file it wrote (its next base)
+    assert staged_digest(tr.dir / "base.safetensors", man) == man.digest
+    raw = json.loads((tr.blobs.root / name).read_bytes())
+    raw["buckets"][3]["leaves"][0] = "0" * 64
+    (tr.blobs.root / name).write_text(json.dumps(raw))
+    with pytest.raises(StreamError, match="is not the bucket tree"):
+        await read_manifest(tr.blobs, name)
+
+
+async def test_a_delta_that_rewrites_a_whole_tensor_is_patched_densely(tiny_model_dir, tmp_path):
+    """Buckets most of whose bytes changed are read whole and compared leaf by leaf (the
+    sparse scan would hold too many positions); the result is the same."""
+    tr = Trainer(tiny_model_dir, tmp_path, "bfloat16", bucket_bytes=1 << 15, leaf_bytes=4096)
+    man0, name0 = await tr.publish()
+    target = "model.layers.0.mlp.down_proj.weight"
+    with torch.no_grad():
+        tr.model.get_parameter(target).add_(1.0)
+    tr.version += 1
+    man1, name1 = await tr.publish()
+    changed = [b for b in man1.buckets if b.codec != "same"]
+    assert 1 < len(changed) and sum(b.raw for b in changed) < 0.5 * man1.stats.full_bytes
+    stage = tmp_path / "stage"
+    base, _ = await assemble_version(tr.blobs, name0, stage, base=None, digest=man0.digest)
+    before = base.path.read_bytes()
+    got, info = await assemble_version(tr.blobs, name1, stage, base=base, digest=man1.digest,
+                                       in_place=True)
+    assert info["path"] == "patch" and got.changed == {target}
+    nbytes = dict(zip([t.name for t in man1.tensors], [t.nbytes for t in man1.tensors]))[target]
+    assert nbytes <= info["written_bytes"] <= nbytes + 2 * 4096, "its leaves, no more"
+    assert same_tensors(got.path, tr.expected()) and staged_digest(got.path, man1) == man1.digest
+    await asyncio.to_thread(got.undo.revert)
+    assert base.path.read_bytes() == before

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 
 from rollart import messages as m
 from rollart.actors.kernel.policy_gate import PolicyGate
-from rollart.engines.digest import TensorDigest
+from rollart.engines.digest import bucket_tree_digest
 from rollart.engines.weight_decode import assemble_version
 from rollart.engines.weight_staging import SPARE
 from rollart.engines.weight_stream import (
@@ -40,6 +41,7 @@ from rollart.engines.weight_stream import (
     StreamLimits,
     StreamStats,
     TensorSpec,
+    header_bytes,
     manifest_name,
     read_manifest,
 )
@@ -56,9 +58,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Helpers: a real (tiny) streamed version on disk, written as the trainer writes one
 # ======================================================================================
 def _digest(data: bytes) -> str:
-    d = TensorDigest()
-    d.add("w", "U8", [len(data)], len(data), [data])
-    return d.hexdigest()
+    """The digest of a version of one U8 tensor ``w`` holding ``data`` in one bucket."""
+    return bucket_tree_digest(header_bytes([TensorSpec("w", "U8", [len(data)])]),
+                              [(len(data), hashlib.sha256(data).hexdigest())])
 
 
 def write_anchor(store: Path, data: bytes, version: int = 0) -> tuple[Manifest, str]:
@@ -71,6 +73,7 @@ def write_anchor(store: Path, data: bytes, version: int = 0) -> tuple[Manifest, 
                    tensors=[TensorSpec("w", "U8", [len(data)])],
                    buckets=[BucketEntry(name=bname, raw=len(data), wire=len(data),
                                         xxh3=xxhash.xxh3_128_hexdigest(data),
+                                        leaves=[hashlib.sha256(data).hexdigest()],
                                         spans=[Span(0, 0, len(data))], codec="raw")],
                    digest=digest, stats=StreamStats(changed=len(data), total=len(data),
                                                     wire_bytes=len(data), full_bytes=len(data),
@@ -107,6 +110,7 @@ async def test_a_parent_digest_that_is_a_path_writes_nothing_outside_the_stage(t
               "tensors": [["w", "U8", [len(payload)]]],
               "buckets": [{"name": "stream.v000000-evil.b0000", "raw": len(payload),
                            "wire": len(payload), "xxh3": xxhash.xxh3_128_hexdigest(payload),
+                           "leaves": ["0" * 64],
                            "spans": [[0, 0, len(payload)]], "codec": "raw"}],
               "digest": evil, "stats": {"changed": 1, "total": 1, "wire_bytes": 1,
                                         "full_bytes": 1, "encode_s": 0.0}}
@@ -123,9 +127,9 @@ async def test_a_parent_digest_that_is_a_path_writes_nothing_outside_the_stage(t
 
 
 @pytest.mark.parametrize("field", ["digest", "parent_digest"])
-@pytest.mark.parametrize("value", ["tensors-sha256:../../etc", "tensors-sha256:" + "A" * 64,
-                                   "tensors-sha256:" + "0" * 63, "sha256:" + "0" * 64,
-                                   "tensors-sha256:" + "0" * 64 + "/"])
+@pytest.mark.parametrize("value", ["buckets-sha256:../../etc", "buckets-sha256:" + "A" * 64,
+                                   "buckets-sha256:" + "0" * 63, "sha256:" + "0" * 64,
+                                   "buckets-sha256:" + "0" * 64 + "/"])
 async def test_digests_are_hex_of_the_right_length(tmp_path, field, value):
     man, _ = write_anchor(tmp_path / "s", b"x" * 16)
     raw = msgspec.to_builtins(man)
@@ -240,9 +244,9 @@ _HWM = textwrap.dedent("""
     man = {"version": 0, "kind": "full", "anchor": 0, "dtype": "float32",
            "tensors": [["w", "U8", [raw]]],
            "buckets": [{"name": "b0", "raw": raw, "wire": len(wire),
-                        "xxh3": xxhash.xxh3_128_hexdigest(wire), "spans": [[0, 0, raw]],
+                        "xxh3": xxhash.xxh3_128_hexdigest(wire), "leaves": ["0" * 64], "spans": [[0, 0, raw]],
                         "codec": "zstd"}],
-           "digest": "tensors-sha256:" + "0" * 64,
+           "digest": "buckets-sha256:" + "0" * 64,
            "stats": {"changed": 1, "total": 1, "wire_bytes": 1, "full_bytes": 1, "encode_s": 0}}
     (store / "m").write_bytes(json.dumps(man).encode())
     before = hwm()
@@ -409,7 +413,7 @@ async def test_the_token_is_not_in_the_uri_and_travels_in_the_weights_store(tmp_
     assert set(OBJECTS) == {"trainer", "generate"}, "who may read the token"
 
 
-def _pub(v: int, uri: str, digest: str = "tensors-sha256:" + "a" * 64) -> m.PolicyPublished:
+def _pub(v: int, uri: str, digest: str = "buckets-sha256:" + "a" * 64) -> m.PolicyPublished:
     return m.PolicyPublished(version=v, uri=uri, digest=digest, layout="stream")
 
 
@@ -521,7 +525,7 @@ def _valid_raw() -> dict:
         _VALID_RAW = {"version": 0, "kind": "full", "anchor": 0, "dtype": "float32",
                       "tensors": [["w", "U8", [64]]],
                       "buckets": [{"name": "b0", "raw": 64, "wire": 64,
-                                   "xxh3": xxhash.xxh3_128_hexdigest(data),
+                                   "xxh3": xxhash.xxh3_128_hexdigest(data), "leaves": ["0" * 64],
                                    "spans": [[0, 0, 64]], "codec": "raw"}],
                       "digest": digest, "stats": {"changed": 64, "total": 64, "wire_bytes": 64,
                                                   "full_bytes": 64, "encode_s": 0.0}}

@@ -128,6 +128,10 @@ class GenerationEngine(abc.ABC):
     version: int = 0
     applies_adapters: bool = False
     """Whether `load_weights` applies a LoRA adapter file over the base (``trainer.lora``)."""
+    partial_loads: bool = False
+    """Whether `load_weights` takes ``changed=`` (the names of the only tensors that differ
+    from the weights held) and reads the file only inside the call (so a streamed delta may be
+    patched into the staged file in place, :mod:`rollart.engines.weight_decode`)."""
 
     @abc.abstractmethod
     def generate(self, inputs: list[GenInput]) -> list[GenOutput]:
@@ -199,6 +203,12 @@ class AsyncEngine(abc.ABC):
     applies_adapters: bool = False
     """Whether :meth:`load_weights` applies a LoRA adapter file (``PolicyPublished.kind``
     ``lora``, ``trainer.lora``) over the base weights; the proxy refuses adapters otherwise."""
+    partial_loads: bool = False
+    """Whether `load_weights` takes ``changed=`` and reads a file only inside the call (see
+    :attr:`GenerationEngine.partial_loads`). vLLM and SGLang do not: they link the staged
+    file into their weights folder and reload it whole; loading part of it would take their
+    per-tensor update path (``update_weights_from_tensor`` / ``load_weights`` of named
+    tensors) and a staged file they no longer link."""
 
     async def start(self) -> None:
         """Load the model and start serving (may take minutes); called once, before anything

@@ -29,12 +29,13 @@ lock and one queue, so they are read together.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,15 +323,24 @@ class BatchedEngine(AsyncEngine):
         return bool(getattr(self.engine, "applies_adapters", False))
 
     @property
+    def partial_loads(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.engine, "partial_loads", False))
+
+    @property
     def paused(self) -> bool:
         return not self._resumed.is_set()
 
     # -- weights -------------------------------------------------------------------------
-    async def load_weights(self, source: str | Path | bytes, version: int) -> None:
+    async def load_weights(self, source: str | Path | bytes, version: int, *,
+                           changed: Collection[str] | None = None) -> None:
+        """``changed``: see :attr:`partial_loads` (the engine's)."""
         if self.engine is None:
             raise EngineClosed("start() the engine first")
         if isinstance(source, (bytes, bytearray, memoryview)):
             await self._in_thread(self._load_bytes, bytes(source), int(version))
+        elif changed is not None and self.partial_loads:
+            await self._in_thread(functools.partial(self.engine.load_weights, changed=changed),
+                                  source, int(version))
         else:
             await self._in_thread(self.engine.load_weights, source, int(version))
 

@@ -149,6 +149,52 @@ def _digest_stream(f: BinaryIO, size: int) -> str:
     return d.hexdigest()
 
 
+# -- bucket-tree digests: a streamed version (rollart.engines.weight_stream) --------------
+#
+# A streamed version's data section is cut into leaves (byte ranges, in order: pieces of its
+# buckets); its digest hashes the safetensors header of its tensors (names, dtypes, shapes,
+# offsets: the layout) and, per leaf, its length and the SHA-256 of its bytes. A generator
+# that patches only the leaves a delta changed verifies the whole version by hashing those
+# leaves' new bytes: the others' digests are the ones it verified for the version it holds.
+
+TREE_PREFIX = "buckets-sha256:"
+_TREE_MAGIC = b"rollart-buckets-v1\n"
+
+
+def bucket_tree_digest(header: bytes, buckets: Iterable[tuple[int, str]]) -> str:
+    """``"buckets-sha256:<hex>"`` of a version: ``header`` (the staged file's size + JSON
+    prefix, :func:`rollart.engines.weight_stream.header_bytes`) and ``(length, sha256 hex)``
+    of each leaf of its data, in order."""
+    h = hashlib.sha256(_TREE_MAGIC)
+    h.update(hashlib.sha256(header).digest())
+    for n, hexd in buckets:
+        h.update(struct.pack("<Q", int(n)) + bytes.fromhex(hexd))
+    return TREE_PREFIX + h.hexdigest()
+
+
+def file_bucket_digest(path: str | os.PathLike, sizes: Iterable[int]) -> str:
+    """The bucket-tree digest of a staged file whose data is cut into leaves of ``sizes``
+    bytes (every byte read: for tests and tools, blocking)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > _MAX_HEADER:
+            raise DigestMismatch(f"not a safetensors file: header length {n}")
+        header = struct.pack("<Q", n) + f.read(n)
+        out = []
+        for size in sizes:
+            h, left = hashlib.sha256(), int(size)
+            while left > 0:
+                c = f.read(min(_CHUNK, left))
+                if not c:
+                    raise DigestMismatch("truncated data")
+                h.update(c)
+                left -= len(c)
+            out.append((size, h.hexdigest()))
+        if f.read(1):
+            raise DigestMismatch("data past the last bucket")
+    return bucket_tree_digest(header, out)
+
+
 def content_digest(data: bytes) -> str:
     """``"tensors-sha256:<hex>"`` of safetensors bytes (blocking: call it off the loop)."""
     return _digest_stream(io.BytesIO(data), len(data))

@@ -355,8 +355,16 @@ class TorchGenerationEngine(GenerationEngine):
                 seen[key] = k
         return alias
 
-    def load_weights(self, path: str | Path, version: int) -> None:
+    partial_loads = True
+    """The file is read only inside :meth:`load_weights`; ``changed`` loads some tensors."""
+
+    def load_weights(self, path: str | Path, version: int, *,
+                     changed: Collection[str] | None = None) -> None:
         """Load a full state dict (safetensors) strictly and set `version`.
+
+        ``changed``: only these tensors differ from the weights held (a streamed delta
+        patched into the staged file in place, :mod:`rollart.engines.weight_decode`): the
+        file is checked whole (names, shapes) but only they are read.
 
         Every parameter must be in the file with the model's shape, and the file must hold no
         unknown names; a tied parameter may be present under either name. Nothing is changed
@@ -387,7 +395,7 @@ class TorchGenerationEngine(GenerationEngine):
                     return
                 self._check_names({k: t.shape for k, t in header.items()}, str(path))
                 self.clear_kv()  # the stored K/V belong to the old weights
-                read_file_into(self.model.state_dict(), path)
+                read_file_into(self.model.state_dict(), path, changed)
         except ValueError:
             raise
         except Exception as e:  # safetensors raises several types for bad files

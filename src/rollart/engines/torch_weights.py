@@ -3,6 +3,7 @@ weight load, :meth:`rollart.engines.torch_engine.TorchGenerationEngine.load_weig
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -16,8 +17,10 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 """The float dtypes of a safetensors file the engine loads weights from."""
 
 
-def read_file_into(own: dict[str, torch.Tensor], path: Path) -> None:
-    """Copy a checked safetensors file into ``own`` (a model's ``state_dict()``): read
+def read_file_into(own: dict[str, torch.Tensor], path: Path,
+                   names: Collection[str] | None = None) -> None:
+    """Copy a checked safetensors file into ``own`` (a model's ``state_dict()``), only the
+    tensors ``names`` when given (a delta patched in place: the others are unchanged): read
     straight into each parameter's memory where the file holds its dtype (a staged streamed
     version always does), else through one tensor's buffer and a cast. Plain reads, not a
     memory map: the file's pages stay page cache and do not add a model's worth to the
@@ -25,6 +28,8 @@ def read_file_into(own: dict[str, torch.Tensor], path: Path) -> None:
     start, layout = data_layout(path)
     with open(path, "rb", buffering=0) as f, torch.no_grad():
         for k, (dtype, shape, b, e) in layout.items():
+            if names is not None and k not in names:
+                continue
             dst = own[k]
             src_dtype = _SAFETENSORS_DTYPES.get(dtype)
             if src_dtype is None:

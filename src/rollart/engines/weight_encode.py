@@ -1,6 +1,7 @@
 """The trainer's side of streamed versions (:mod:`rollart.engines.weight_stream`): its fp32
 masters cast to the serving dtype a tensor at a time, cut into buckets (raw for an anchor,
-zstd of the XOR byte planes for a delta), stored, and the manifest written last."""
+zstd of the XOR byte planes for a delta, nothing for a delta's bucket that did not change),
+each hashed for the version's bucket tree, stored, and the manifest written last."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .weight_files import DTYPE_BYTES
 from .weight_staging import BaseReader, StagedFile, byte_planes, changed_elements
 from .weight_stream import (
     DEFAULT_LIMITS,
+    LEAF_BYTES,
     SERVING_DTYPES,
     ZSTD_LEVEL,
     BucketEntry,
@@ -30,6 +32,7 @@ from .weight_stream import (
     StreamStats,
     TensorSpec,
     manifest_name,
+    leaf_sizes,
     plan_buckets,
     read_manifest,
 )
@@ -100,7 +103,9 @@ class _EncodeBuffers:
 
 def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
                    base: BaseReader | None, start: int, writer: StagedFile,
-                   cctx: Any, bufs: _EncodeBuffers) -> tuple[bytes | memoryview, int, int]:
+                   cctx: Any, bufs: _EncodeBuffers) -> tuple[bytes | memoryview | None, int, int]:
+    """``(wire bytes, raw bytes, changed elements)`` of one bucket; wire None: a delta's
+    bucket whose bytes are the base's (``same``: nothing stored)."""
     n = sum(s.length for s in spans)
     raw = bufs.raw.take(n)
     pos = 0
@@ -114,20 +119,24 @@ def _encode_bucket(source: Any, spans: list[Span], tensors: list[TensorSpec],
     payload = base.read_into(start, bufs.xor.take(n))
     np.bitwise_xor(payload, raw, out=payload)
     changed = changed_elements(payload, spans, tensors)
+    if not changed and not payload.any():  # -0.0 vs 0.0 differ in bytes: the bytes decide
+        return None, n, 0
     planes = byte_planes(payload, spans, tensors, out=bufs.planes.take(n))
     return cctx.compress(memoryview(planes)), n, changed
 
 
 async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
                         bucket_bytes: int, base: TrainerBase | None, delta: bool,
-                        anchor_every: int, base_out: Path | None) -> tuple[Manifest, str]:
+                        anchor_every: int, base_out: Path | None,
+                        leaf_bytes: int = LEAF_BYTES) -> tuple[Manifest, str]:
     """Store version ``version`` of ``source`` (:class:`TorchTensors`) in ``blobs``: the
     buckets, then the manifest (the commit point). A delta over ``base`` when ``delta``,
     the base has the same tensors and its anchor is fewer than ``anchor_every`` versions
     back; else an anchor. The serving-dtype file of the version is written to ``base_out``
     (the next base; the caller moves it into place once the version is announced; None: no
     file, for a trainer that sends no deltas). Returns
-    the manifest and its name; on a failure the buckets written are deleted again."""
+    the manifest and its name; on a failure the buckets written are deleted again.
+    ``leaf_bytes``: the leaf size of the version's digest tree (a multiple of 8)."""
     import zstandard
 
     t0 = time.perf_counter()
@@ -143,23 +152,32 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
     nonce = secrets.token_hex(4)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     bufs = _EncodeBuffers()
-    writer = await asyncio.to_thread(StagedFile, base_out, specs)
-    entries: list[BucketEntry] = []
+    leaves = [leaf_sizes(sum(s.length for s in spans), leaf_bytes) for spans in plan]
+    writer = await asyncio.to_thread(StagedFile, base_out, specs, [n for ls in leaves for n in ls])
+    made: list[tuple[str, int, int, str, list[Span], str]] = []
     written: list[str] = []
     changed, start = 0, 0
     try:
         for i, spans in enumerate(plan):
             wire, raw, ch = await asyncio.to_thread(_encode_bucket, source, spans, specs, reader,
                                                     start, writer, cctx, bufs)
-            check = xxhash.xxh3_128_hexdigest(wire)  # ~20 GB/s: not worth a thread hop
             name = f"stream.v{version:06d}-{nonce}.b{i:04d}"
-            await blobs.put(name, wire)
-            written.append(name)
-            entries.append(BucketEntry(name=name, raw=raw, wire=len(wire), xxh3=check, spans=spans,
-                                       codec="zstd" if reader is not None else "raw"))
+            if wire is None:
+                made.append((name, raw, 0, "", spans, "same"))
+            else:
+                check = xxhash.xxh3_128_hexdigest(wire)  # ~20 GB/s: not worth a thread hop
+                await blobs.put(name, wire)
+                written.append(name)
+                made.append((name, raw, len(wire), check, spans,
+                             "zstd" if reader is not None else "raw"))
             changed += ch
             start += raw
         digest = await asyncio.to_thread(writer.commit)
+        entries, k = [], 0
+        for (n, r, w, x, sp, c), ls in zip(made, leaves, strict=True):
+            entries.append(BucketEntry(name=n, raw=r, wire=w, xxh3=x, spans=sp, codec=c,
+                                       leaves=writer.digests[k:k + len(ls)]))
+            k += len(ls)
     except BaseException:
         writer.abort()
         for n in written:
@@ -177,7 +195,7 @@ async def write_version(blobs: Any, source: Any, *, version: int, dtype: str,
                    parent_version=base.version if reader is not None else None,
                    parent_digest=base.digest if reader is not None else "",
                    anchor=base.anchor if reader is not None else version, dtype=dtype,
-                   tensors=specs, buckets=entries, digest=digest, stats=stats)
+                   leaf_bytes=leaf_bytes, tensors=specs, buckets=entries, digest=digest, stats=stats)
     mname = manifest_name(version, digest)
     if await blobs.exists(mname):  # the same tensors published before (a resume): keep that one
         for n in written:

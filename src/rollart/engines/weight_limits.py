@@ -18,9 +18,10 @@ class StreamError(ValueError):
 # -- what a manifest from another process may hold (issue 43) ------------------------------
 # A manifest names files (its buckets, its parent's manifest) and sizes that the generator
 # allocates and stages: every name is a plain file name of the store, every digest the hex of
-# a content digest (a staged file's name is made of it), every size within the caps below,
+# a bucket-tree digest (a staged file's name is made of it), every size within the caps below,
 # all checked before a byte of a bucket is fetched.
-DIGEST_RE = r"^tensors-sha256:[0-9a-f]{64}$"
+DIGEST_RE = r"^buckets-sha256:[0-9a-f]{64}$"
+"""A version's bucket-tree digest (:func:`rollart.engines.digest.bucket_tree_digest`)."""
 BLOB_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 _DIGEST = re.compile(DIGEST_RE)
 _BLOB_NAME = re.compile(BLOB_NAME_RE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import os
 import stat
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .digest import TensorDigest
+from .digest import bucket_tree_digest
 from .weight_files import DTYPE_BYTES
 from .weight_stream import Span, StreamError, TensorSpec, header_bytes
 
@@ -67,48 +68,52 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 class StagedFile:
     """A safetensors file written front to back (header from the tensors, then their data
-    in order, in pieces of any size) under a temp name; :meth:`commit` checks it is whole
-    and its content digest and renames it into place (no fsync: a staged file, or the
-    trainer's base, is rebuilt after a crash, never trusted across one). Blocking.
+    in order, in pieces of any size) under a temp name, each leaf of ``sizes`` bytes
+    hashed (SHA-256) on the way and checked against ``expect`` (its manifest's digests)
+    when given (``bucket_of``: the bucket of each leaf, for the error); :meth:`commit`
+    checks it is whole and its bucket-tree digest
+    (:func:`rollart.engines.digest.bucket_tree_digest`) and renames it into place (no fsync:
+    a staged file, or the trainer's base, is rebuilt after a crash, never trusted across
+    one). Blocking.
 
-    ``final`` None: no file, the content digest alone (a trainer that sends no deltas needs
-    no base)."""
+    ``final`` None: no file, the digest alone (a trainer that sends no deltas needs no
+    base)."""
 
-    def __init__(self, final: str | os.PathLike | None, tensors: Sequence[TensorSpec]):
+    def __init__(self, final: str | os.PathLike | None, tensors: Sequence[TensorSpec],
+                 sizes: Sequence[int], expect: Sequence[str] | None = None,
+                 bucket_of: Sequence[int] | None = None):
         self.final = Path(final) if final is not None else None
         self.tensors = list(tensors)
-        self._digest = TensorDigest()
-        self._i = 0
-        self._left: int | None = None
-        # The content digest (SHA-256, ~1.5 GB/s) runs in its own thread, one piece behind
-        # the file write and the caller's next fetch: SHA-256 and file writes release the GIL,
-        # so on two cores a version assembles at the speed of the slower of the two, not of
-        # their sum. One piece at a time: a caller may reuse a piece's buffer after the
-        # next write() returns (TcpBlobs alternates two buffers for that).
+        self.header = header_bytes(self.tensors)
+        self.sizes = [int(n) for n in sizes]
+        if sum(self.sizes) != sum(t.nbytes for t in self.tensors):
+            raise StreamError(f"buckets of {sum(self.sizes)} bytes for tensors of "
+                              f"{sum(t.nbytes for t in self.tensors)}")
+        self.expect = list(expect) if expect is not None else None
+        self.bucket_of = list(bucket_of) if bucket_of is not None else None
+        self.digests: list[str] = []
+        """Hex SHA-256 of each leaf hashed so far."""
+        self._h = hashlib.sha256()
+        self._left = self.sizes[0] if self.sizes else 0
+        # SHA-256 (~1.5 GB/s) runs in its own thread, one piece behind the file write and the
+        # caller's next fetch: SHA-256 and file writes release the GIL, so on two cores a
+        # version assembles at the speed of the slower of the two, not of their sum. One
+        # piece at a time: a caller may reuse a piece's buffer after the next write() returns
+        # (TcpBlobs and DirBlobs(reuse=True) alternate two buffers for that).
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-digest")
         self._pending: concurrent.futures.Future | None = None
         self._f = None
+        self._close_empty()
         if self.final is None:
-            self._advance()
             return
         self.tmp = self.final.with_name(f".{self.final.name}.{os.getpid()}.tmp")
         self.final.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(_open_over_spare(self.tmp), "r+b")  # noqa: SIM115 - closed in commit() or abort()
-        self._f.write(header_bytes(self.tensors))
-        self._advance()
+        self._f.write(self.header)
 
     @property
     def _name(self) -> str:
         return self.final.name if self.final is not None else "the version"
-
-    def _advance(self) -> None:
-        while self._left is None and self._i < len(self.tensors):
-            t = self.tensors[self._i]
-            self._digest.begin(t.name, t.dtype, t.shape, t.nbytes)
-            self._left = t.nbytes
-            if self._left == 0:
-                self._digest.end()
-                self._i, self._left = self._i + 1, None
 
     def write(self, data: Any) -> None:
         """The next bytes of the data section (the buffer must stay unchanged until the next
@@ -119,19 +124,31 @@ class StagedFile:
         if self._f is not None:
             self._f.write(mv)
 
+    def _close_empty(self) -> None:
+        while self._left == 0 and len(self.digests) < len(self.sizes):
+            self._end_bucket()
+
+    def _end_bucket(self) -> None:
+        j, d = len(self.digests), self._h.hexdigest()
+        if self.expect is not None and self.expect[j] != d:
+            where = f"bucket {self.bucket_of[j]}, " if self.bucket_of is not None else ""
+            raise StreamError(f"{where}leaf {j}: its bytes have SHA-256 {d}, the manifest says "
+                              f"{self.expect[j]}")
+        self.digests.append(d)
+        self._h = hashlib.sha256()
+        if len(self.digests) < len(self.sizes):
+            self._left = self.sizes[len(self.digests)]
+
     def _hash(self, mv: memoryview) -> None:
         pos = 0
         while pos < len(mv):
-            if self._left is None:
+            if len(self.digests) >= len(self.sizes):
                 raise StreamError(f"{self._name}: more data than its tensors hold")
             n = min(self._left, len(mv) - pos)
-            self._digest.update(mv[pos:pos + n])
+            self._h.update(mv[pos:pos + n])
             pos += n
             self._left -= n
-            if self._left == 0:
-                self._digest.end()
-                self._i, self._left = self._i + 1, None
-                self._advance()
+            self._close_empty()
 
     def _wait(self) -> None:
         """The previous piece hashed (its error raised here)."""
@@ -140,14 +157,14 @@ class StagedFile:
             p.result()
 
     def commit(self, expected: str | None = None) -> str:
-        """Rename the whole file into place and return its content digest; ``StreamError``
-        (and no file) when data is missing or the digest is not ``expected``."""
+        """Rename the whole file into place and return its digest; ``StreamError`` (and no
+        file) when data is missing or the digest is not ``expected``."""
         try:
             self._wait()
-            if self._i < len(self.tensors):
-                raise StreamError(f"{self._name}: incomplete, tensor "
-                                  f"{self.tensors[self._i].name} lacks {self._left} bytes")
-            digest = self._digest.hexdigest()
+            if len(self.digests) < len(self.sizes):
+                raise StreamError(f"{self._name}: incomplete, leaf {len(self.digests)} "
+                                  f"lacks {self._left} bytes")
+            digest = bucket_tree_digest(self.header, zip(self.sizes, self.digests, strict=True))
             if expected is not None and digest != expected:
                 raise StreamError(f"assembled digest {digest} is not the published {expected}")
             if self._f is not None:

@@ -6,26 +6,41 @@ Why not one file per version: a version is the whole model, every step, and a ge
 held it all in memory to check its digest. Here a version is
 
 - **buckets** of about ``trainer.sync.bucket_mb`` each: the tensors' bytes in name order,
-  a large tensor split across buckets, each bucket zstd-compressed and named in the
-  manifest with its raw size, wire size and the SHA-256 of its wire bytes;
-- a **manifest** (JSON, :class:`Manifest`): tensors, buckets, the content digest of the
-  whole result (:class:`rollart.engines.digest.TensorDigest`, the digest the trainer
-  publishes), and stats. It is written LAST: the commit point. A trainer killed
-  mid-publish leaves buckets no manifest names, and no generator ever sees that version.
+  a large tensor split across buckets, each named in the manifest with its raw size, the
+  SHA-256 of each ``leaf_bytes`` piece (leaf) of its raw (decoded) bytes, its wire size and
+  the XXH3 of its wire bytes;
+- a **manifest** (JSON, :class:`Manifest`): tensors, buckets, the version's digest and
+  stats. It is written LAST: the commit point. A trainer killed mid-publish leaves buckets
+  no manifest names, and no generator ever sees that version.
+
+The version's digest (the one the trainer publishes) is a **bucket tree**
+(:func:`rollart.engines.digest.bucket_tree_digest`): the SHA-256 of the staged file's
+header and of each leaf's length and SHA-256 (``leaf_bytes``, 1 MiB: a leaf, not a 64 MiB
+bucket, is what a one-element change costs). :func:`check_manifest` recomputes it from the
+manifest, so the manifest commits to every leaf's digest; a generator then checks each
+leaf it writes against its digest, and a leaf it did not write (a delta's ``same`` bucket,
+or a leaf of a changed bucket whose XOR is zero, patched in place) against the digest it
+verified for the version it holds: verifying a version costs the bytes that changed, not
+the model.
 
 A **delta** bucket holds ``zstd(new XOR base)`` over the same byte range of the previous
 version, both in the serving dtype (``proxy.dtype``): after one optimizer step most
 bf16 elements keep their bytes, so the XOR is mostly zeros and compresses to a small
-fraction of the full size. Every ``anchor_every`` versions (and whenever the trainer has no
+fraction of the full size. A bucket whose bytes did not change at all is ``same``: nothing
+stored, nothing fetched, nothing written. Every ``anchor_every`` versions (and whenever the trainer has no
 base) the version is a full **anchor**. A generator whose loaded version is not the
 delta's parent walks the parents back to the newest anchor (or to its own version) and
 applies them in order; the store keeps every version from the anchor the kept versions need.
 
-The generator writes the result into a staging file (temp name, then ``os.replace``),
-computing its content digest on the way; only a complete file with the published digest is
+The generator writes an anchor into a staging file (temp name, then ``os.replace``),
+hashing each bucket on the way; a delta over the version it holds is patched into that
+version's staged file in place, bucket by bucket, with an undo of the bytes it overwrote
+(:mod:`rollart.engines.weight_decode`). Only a complete file with the published digest is
 handed to the engine, so an engine never serves a half-applied version, and a failure
-anywhere leaves the old weights serving with a reason (which bucket, which digest). Peak
-extra memory is a few buckets, never the model.
+anywhere (or the engine's refusal) puts the old bytes back and leaves the old weights
+serving with a reason (which bucket, which digest). Peak extra memory is a few buckets
+plus the undo of a patch (at most ``PATCH_FRACTION`` of the model; a larger delta is
+written into a new file instead).
 
 This module is the format (manifest, bucket plan, the staged file's header); where versions
 are stored is :mod:`rollart.engines.weight_blobs` (a folder, the object store, the trainer's
@@ -51,10 +66,12 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from .digest import bucket_tree_digest
 from .weight_files import DTYPE_BYTES
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "LEAF_BYTES",
     "SERVING_DTYPES",
     "BucketEntry",
     "Manifest",
@@ -66,16 +83,22 @@ __all__ = [
     "check_blob_name",
     "check_manifest",
     "header_bytes",
+    "leaf_sizes",
     "manifest_name",
     "plan_buckets",
     "read_manifest",
     "serving_dtype",
+    "tree_digest",
 ]
 
 SERVING_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 """``proxy.dtype`` -> the safetensors dtype of the tensors a streamed version holds."""
 
-FORMAT = "rollart-stream-v1"
+FORMAT = "rollart-stream-v2"
+LEAF_BYTES = 1 << 20
+"""The leaf size of the digest tree the trainer writes (:attr:`Manifest.leaf_bytes`): what a
+generator reads, hashes and writes for a delta that changes one element (a 1.5B model's
+manifest holds ~3k leaf digests, ~200 KB)."""
 ZSTD_LEVEL = 1
 """zstd level of delta buckets: on the byte planes of a bf16 XOR, level 1 gives level 3's
 ratio (0.044 / 0.149 / 0.59 of raw after steps at lr 1e-6 / 1e-5 / 3e-3) 25-55% faster
@@ -134,17 +157,21 @@ class BucketEntry(msgspec.Struct, frozen=True):
     """Bytes of tensor data it carries (decoded)."""
     wire: Size
     """Bytes stored (zstd)."""
-    xxh3: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+    xxh3: Annotated[str, Meta(pattern=r"^([0-9a-f]{32})?$")]
     """Hex XXH3-128 of the stored (wire) bytes, checked as the bucket arrives: it names the
     bucket that was damaged (a fast hash, ~20 GB/s here, against SHA-256's ~1.5: a version's
-    integrity rests on the SHA-256 content digest the trainer announces on the bus, checked
-    once over the assembled tensors, not on this)."""
+    integrity rests on :attr:`sha256` and the bucket-tree digest the trainer announces on
+    the bus, not on this). Empty for a ``same`` bucket."""
+    leaves: list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]]
+    """Hex SHA-256 of each :attr:`Manifest.leaf_bytes` piece of the bucket's raw (decoded)
+    bytes (the last one shorter): the leaves of the version's digest."""
     spans: list[Span]
     """The tensor bytes it covers, in order (consecutive in the data stream)."""
-    codec: Literal["raw", "zstd"] = "zstd"
+    codec: Literal["raw", "zstd", "same"] = "zstd"
     """``zstd``: the byte planes of the data (a delta's: of the XOR), zstd-compressed;
     ``raw``: the tensor bytes as they are (anchors: weights compress only to ~75-90%, at
-    zstd's ~0.25 GB/s here, a loss next to a link's GB/s)."""
+    zstd's ~0.25 GB/s here, a loss next to a link's GB/s); ``same`` (deltas only): the
+    parent's bytes unchanged, nothing stored (``wire`` 0; ``name`` is never fetched)."""
 
 
 class StreamStats(msgspec.Struct, frozen=True):
@@ -168,13 +195,15 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["full", "delta"]
     parent_version: Size | None = None
     """The version a delta applies to (None for an anchor)."""
-    parent_digest: Annotated[str, Meta(pattern=r"^(tensors-sha256:[0-9a-f]{64})?$")] = ""
-    """Its content digest: a generator applies the delta only over exactly these tensors
+    parent_digest: Annotated[str, Meta(pattern=r"^(buckets-sha256:[0-9a-f]{64})?$")] = ""
+    """Its digest: a generator applies the delta only over exactly these tensors
     (the parent's manifest name is made of it: hex only)."""
     anchor: Size
     """The newest anchor at or below this version (this version for an anchor)."""
     dtype: Annotated[str, Meta(max_length=16)]
     """The serving dtype (``proxy.dtype``) the float tensors are cast to."""
+    leaf_bytes: Annotated[int, Meta(ge=4096, le=1 << 30, multiple_of=8)] = LEAF_BYTES
+    """The size of a leaf of the digest tree (see :attr:`BucketEntry.leaves`)."""
     shuffle: bool = True
     """Each span's bytes are stored as byte planes (every element's first byte, then every
     second byte...) before zstd: the XOR of a small update is zero in the high (sign and
@@ -183,8 +212,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     tensors: list[TensorSpec]
     buckets: list[BucketEntry]
     digest: Digest
-    """Content digest of the assembled version (the published one; the staged file's name
-    is made of it: hex only)."""
+    """Bucket-tree digest of the version (the published one, see the module docstring;
+    the staged file's name is made of it: hex only)."""
     stats: StreamStats
 
 
@@ -193,13 +222,14 @@ def manifest_name(version: int, digest: str) -> str:
     resume (other tensors) never overwrites the one generators may be reading. A name read
     from a store is made of a checked digest only (``StreamError`` else)."""
     if not isinstance(digest, str) or not _DIGEST.match(digest):
-        raise StreamError(f"v{version}: {digest[:80]!r} is not a content digest (tensors-sha256:<64 hex>)")
+        raise StreamError(f"v{version}: {digest[:80]!r} is not a content digest (buckets-sha256:<64 hex>)")
     return f"stream.v{int(version):06d}-{digest.rsplit(':', 1)[-1][:16]}.manifest"
 
 
 def check_manifest(man: Manifest, what: str, limits: StreamLimits = DEFAULT_LIMITS) -> None:
     """``StreamError`` unless the buckets' spans cover the tensors in order, exactly, a delta
-    names an earlier parent, and every size is within ``limits``."""
+    names an earlier parent, every size is within ``limits`` and the digest is the bucket
+    tree of the tensors and the buckets' digests (the manifest commits to them)."""
     if man.format != FORMAT:
         raise StreamError(f"{what}: unknown stream format {man.format!r} (expected {FORMAT!r})")
     if man.kind == "delta":
@@ -226,6 +256,14 @@ def check_manifest(man: Manifest, what: str, limits: StreamLimits = DEFAULT_LIMI
         if b.wire > (b.raw if b.codec == "raw" else wire_bound(b.raw)):
             raise StreamError(f"{what}: bucket {j} ({b.name}) stores {b.wire} bytes for {b.raw} "
                               f"raw ones ({b.codec})")
+        if b.codec == "same" and (man.kind != "delta" or b.wire != 0):
+            raise StreamError(f"{what}: bucket {j} ({b.name}) is 'same' with {b.wire} wire bytes "
+                              f"in a {man.kind} version (only a delta's, and none stored)")
+        if b.codec != "same" and not b.xxh3:
+            raise StreamError(f"{what}: bucket {j} ({b.name}) has no xxh3 of its stored bytes")
+        if len(b.leaves) != -(-b.raw // man.leaf_bytes):
+            raise StreamError(f"{what}: bucket {j} ({b.name}) has {len(b.leaves)} leaf digests for "
+                              f"{b.raw} bytes in leaves of {man.leaf_bytes}")
         if sum(s.length for s in b.spans) != b.raw:
             raise StreamError(f"{what}: bucket {j} ({b.name}) spans {b.raw} raw bytes it does not list")
         for s in b.spans:
@@ -239,6 +277,21 @@ def check_manifest(man: Manifest, what: str, limits: StreamLimits = DEFAULT_LIMI
                 k, pos = k + 1, 0
     if k != len(want):
         raise StreamError(f"{what}: the buckets do not cover tensor {man.tensors[want[k][0]].name}")
+    if tree_digest(man) != man.digest:
+        raise StreamError(f"{what}: its digest {man.digest} is not the bucket tree of its tensors "
+                          f"and buckets")
+
+
+def leaf_sizes(raw: int, leaf_bytes: int) -> list[int]:
+    """The sizes of the leaves of a bucket of ``raw`` bytes."""
+    return [min(leaf_bytes, raw - a) for a in range(0, raw, leaf_bytes)]
+
+
+def tree_digest(man: Manifest) -> str:
+    """The bucket-tree digest the manifest's tensors and leaf digests make."""
+    return bucket_tree_digest(header_bytes(man.tensors),
+                              [(n, d) for b in man.buckets
+                               for n, d in zip(leaf_sizes(b.raw, man.leaf_bytes), b.leaves, strict=True)])
 
 
 def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int) -> list[list[Span]]:
@@ -304,7 +357,7 @@ async def read_manifest(blobs: Any, name: str, limits: StreamLimits = DEFAULT_LI
                               f"(letters, digits, '.', '_', '-')") from None
         if f is not None:
             raise StreamError(f"manifest {name}: {f.group(1)} is not a content digest "
-                              f"(tensors-sha256:<64 hex>)") from None
+                              f"(buckets-sha256:<64 hex>)") from None
         raise StreamError(f"manifest {name} in {blobs.where} is not a stream manifest: {e}") from None
     except msgspec.DecodeError as e:
         raise StreamError(f"manifest {name} in {blobs.where} is not a stream manifest: {e}") from None

@@ -264,8 +264,10 @@ class PolicyPublished(Message, frozen=True, kw_only=True):
     """``file:///abs/path``, ``obj://bucket/name`` or (a streamed version's manifest on the
     trainer's weight server, ``trainer.weights: tcp``) ``tcp://host:port/name`` (its token is
     in the run's weights store, not here: every role reads this record)."""
-    digest: Annotated[str, Meta(pattern=r"(?s)^(sha256|tensors-sha256):.")]
-    """``sha256:<hex>`` of the weight bytes (``tensors-sha256:<hex>``: of their tensors)."""
+    digest: Annotated[str, Meta(pattern=r"(?s)^(sha256|tensors-sha256|buckets-sha256):.")]
+    """``sha256:<hex>`` of the weight bytes (``tensors-sha256:<hex>``: of their tensors;
+    ``buckets-sha256:<hex>``: a streamed version's bucket tree,
+    :func:`rollart.engines.digest.bucket_tree_digest`)."""
     created_at: float = 0.0
     kind: Literal["full", "lora"] = "full"
     """``full``: every weight of the model; ``lora``: a LoRA adapter (``trainer.lora``, peft's

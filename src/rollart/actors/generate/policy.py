@@ -122,19 +122,27 @@ class PolicyLoading:
                         if self._stage is None:
                             self._stage = await asyncio.to_thread(
                                 StreamStage, self.name, token_bucket=m.object_bucket(self.run),
-                                limits=self.stream_limits, run=self.run)
+                                limits=self.stream_limits, run=self.run,
+                                in_place=bool(getattr(self.async_engine, "partial_loads", False)))
                         staged = await self._stage.fetch(self.bus, pub)
                         source: Any = staged.path
+                        changed = staged.changed  # patched in place: only these differ
                     else:
                         source = await fetch_weights(self.bus, pub)
                         self._check_kind(source, pub)
+                        changed = None
                     fetch_s = time.perf_counter() - t0
-                    pause_s, apply_s = await self._load_paused(source, pub.version)
+                    pause_s, apply_s = await self._load_paused(source, pub.version, changed)
                 if staged is not None:
                     await asyncio.to_thread(self._stage.loaded, staged)
             except Exception as e:  # noqa: BLE001 - refuse, keep serving the old weights
                 if staged is not None:
-                    await asyncio.to_thread(self._stage.discard, staged)
+                    try:
+                        await asyncio.to_thread(self._stage.discard, staged)
+                    except OSError as d:  # the staged base is lost: the next version is assembled whole
+                        log.warning("%s: could not put the staged v%s back (%s)", self.name,
+                                    self.version, d)
+                        self._stage.base = None
                 tries, delay = follow.refuse(pub)
                 log.error("%s refused policy v%s (try %d, again in %.0fs or when announced "
                           "again): %s", self.name, pub.version, tries, delay, e)
@@ -182,18 +190,23 @@ class PolicyLoading:
                              f"replica's engine ({type(self.async_engine).__name__}) applies none: "
                              f"the trainer publishes merged weights when proxy.engine is not torch")
 
-    async def _load_paused(self, data: bytes | Path, version: int) -> tuple[float, float]:
+    async def _load_paused(self, data: bytes | Path, version: int,
+                           changed: Any = None) -> tuple[float, float]:
         """Load weights between ``pause()`` and ``resume()`` of the engine: ``finish`` waits
         for the requests in flight, ``interrupt`` aborts them (they continue afterwards, see
         :meth:`_serve`). A refused file raises; the engine resumes on its old weights.
         Returns the seconds from ``pause()`` to ``resume()`` returning (generation paused)
-        and those of the load itself."""
+        and those of the load itself. ``changed``: the only tensors that differ from the
+        weights held (a streamed delta patched in place; the engine's ``partial_loads``)."""
         eng = self.async_engine
         t0 = time.perf_counter()
         await eng.pause("abort" if self.on_update == "interrupt" else "wait")
         try:
             t1 = time.perf_counter()
-            await eng.load_weights(data, version)
+            if changed is not None:
+                await eng.load_weights(data, version, changed=changed)
+            else:
+                await eng.load_weights(data, version)
             apply_s = time.perf_counter() - t1
         finally:
             await eng.resume()
@@ -234,7 +247,7 @@ class StreamStage:
     the staged file of the version loaded, kept as the base of the next delta."""
 
     def __init__(self, name: str, *, token_bucket: str | None = None, limits: Any = None,
-                 run: str = ""):
+                 run: str = "", in_place: bool = False):
         self.name = name
         self.run = run
         """The run: a version's shared-memory folder must be one of its own."""
@@ -253,6 +266,11 @@ class StreamStage:
         self._why_not_local = ""
         """Why the last version offered in shared memory was read another way (logged once
         per reason)."""
+        self.in_place = in_place
+        """The engine reads the staged file only inside a load (``partial_loads``): a delta is
+        patched into the held version's file, and the engine loads the changed tensors."""
+        self._whole = False
+        """A load was refused: the engine may hold part of it, so the next load is whole."""
 
     async def fetch(self, bus: Any, pub: m.PolicyPublished) -> Any:
         """Assemble ``pub`` into the staging folder (off the loop; the engine serves)."""
@@ -276,23 +294,32 @@ class StreamStage:
             blobs, name = await blobs_for_uri(bus, pub.uri, token_bucket=self.token_bucket)
             route = {"obj": "object", "tcp": "tcp"}.get(urlparse(pub.uri).scheme, "file")
         got, info = await assemble_version(blobs, name, self.dir, base=self.base, digest=pub.digest,
+                                           in_place=self.in_place,
                                            limits=self.limits or DEFAULT_LIMITS)
         self.route = route
         self.last = (f"{info['path']}, {info['manifests']} manifest(s), "
                      f"{info['wire_bytes'] / 2**20:.2f} MiB fetched from {route}, "
-                     f"{time.perf_counter() - t0:.3f}s")
-        return got
+                     f"{info['written_bytes'] / 2**20:.2f} MiB written, {time.perf_counter() - t0:.3f}s")
+        return got._replace(changed=None) if self._whole else got
 
     def loaded(self, got: Any) -> None:
         """The engine holds ``got`` now: it is the base; the previous one is the folder's
         spare, which the next version is written over (:func:`~rollart.engines.weight_staging.retire`)."""
         old, self.base = self.base, got
-        if old is not None and old.path != got.path:
+        self._whole = False
+        if got.undo is not None:  # patched over old's file: nothing of old is left to retire
+            got.undo.drop()
+            self.base = got._replace(undo=None, changed=None)
+        elif old is not None and old.path != got.path:
             retire(old.path)
 
     def discard(self, got: Any) -> None:
-        """A staged version the engine refused."""
-        if self.base is None or got.path != self.base.path:
+        """A staged version the engine refused (patched in place: the held version's bytes
+        and name are put back)."""
+        self._whole = True
+        if got.undo is not None:
+            got.undo.revert()
+        elif self.base is None or got.path != self.base.path:
             retire(got.path)
 
     def close(self) -> None:

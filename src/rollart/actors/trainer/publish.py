@@ -401,7 +401,8 @@ class StreamPublisher:
         if sync.delta:
             await asyncio.to_thread(_rotate, base_path, nxt)  # the base of the next delta
             self.base = enc.TrainerBase(base_path, v, man.digest, man.anchor)
-        self.versions[v] = (man.anchor, [name, *(b.name for b in man.buckets)])  # manifest first
+        self.versions[v] = (man.anchor, [name, *(b.name for b in man.buckets
+                                                 if b.codec != "same")])  # manifest first
         await self._prune(v, blobs)
 
     async def _prune(self, v: int, blobs: Any) -> None:
