@@ -50,6 +50,7 @@ SECTIONS: list[tuple[str, Callable]] = [
     ("cpu_per_turn", _section("cpu_per_turn", "readme_section", "cpu_per_turn")),
     ("weight_sync", _section("weight_sync", "section", "weight_sync")),
     ("weight_delta", _section("weight_sync", "delta_section", "weight_delta")),
+    ("real_size", _section("real_size", "section", "real_size")),
     ("checkpoint_cost", _section("checkpoint_cost", "section", "checkpoint_cost")),
     ("trainer_ranks", _section("trainer_ranks", "section", "trainer_ranks")),
     ("lora", _section("lora", "section", "lora")),

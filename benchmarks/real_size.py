@@ -197,8 +197,8 @@ def measure(size: str, steps: int, folder: Path) -> dict:
     full = re.findall(r"full checkpoint at version (\d+): (\d+) bytes in ([\d.]+)s \(written "
                       r"([\d.]+)s, the step waited ([\d.]+)s", log.read_text())
     if full:
-        v, size, took, written, waited = full[-1]
-        out["full_checkpoint"] = {"version": int(v), "bytes": int(size), "s": float(took),
+        v, nbytes, took, written, waited = full[-1]
+        out["full_checkpoint"] = {"version": int(v), "bytes": int(nbytes), "s": float(took),
                                   "write_s": float(written), "copy_wait_s": float(waited)}
     out["versions_loaded"] = sorted({int(x) for x in re.findall(
         r"loaded policy v(\d+)", "".join(f.read_text() for f in (run_dir / "logs").glob("*.log")))})
@@ -219,25 +219,33 @@ def section(res: dict) -> str:
                          *["-"] * 8])
             continue
         s = m["steps"][1:] or m["steps"]  # the first step also builds and loads
+        full_v = [r for r in m["steps"] if r.get("stream_wire_ratio", 0) >= 0.5]
+        deltas = [r for r in m["steps"] if "stream_wire_ratio" in r and r["stream_wire_ratio"] < 0.5]
 
-        def col(k, fmt="{:.2f}"):
-            v = _mid([r.get(k) for r in s])
+        def med(rs, k, fmt="{:.2f}"):
+            v = _mid([r.get(k) for r in rs])
             return fmt.format(v) if v is not None else "-"
+
+        def served(rs):
+            if not rs:
+                return "-"
+            wire = _mid([r.get("stream_wire_bytes") for r in rs]) or 0
+            return (f"{med(rs, 'sync_fetch_s_max')} + {med(rs, 'sync_pause_s_max')} s "
+                    f"({wire / 2**20:.1f} MiB)")
 
         full = m.get("full_checkpoint") or {}
         rss = m["peak_rss_gib"]
-        rows.append([m["size"], f"{m['params'] / 1e9:.2f}B", col("seconds", "{:.1f} s"),
-                     col("stream_encode_s", "{:.2f} s"), col("sync_fetch_s_max", "{:.2f} s"),
-                     col("sync_pause_s_max", "{:.2f} s"),
+        rows.append([m["size"], f"{m['params'] / 1e9:.2f}B", med(s, "seconds", "{:.1f} s"),
+                     med(s, "stream_encode_s", "{:.2f} s"), served(full_v), served(deltas),
                      f"{full['bytes'] / 2**30:.1f} GiB in {full['s']:.1f} s" if full else "-",
                      ", ".join(f"v{v}" for v in m.get("versions_loaded", [])) or "-",
                      f"{rss.get('rollart run', 0):.1f}",  # the trainer runs in rollart run's process
                      f"{max((v for k, v in rss.items() if 'generate' in k), default=0):.1f}",
                      f"{m['wall_s']:.0f} s"])
     return render("real_size", tbl=table(
-        ["model", "parameters", "step (median)", "publish", "generator fetch", "generator pause",
-         "last full checkpoint", "versions loaded", "trainer RSS GiB", "generator RSS GiB",
-         "run wall"], rows),
+        ["model", "parameters", "step (median)", "publish", "full version: fetch + pause (wire)",
+         "delta: fetch + pause (wire)", "last full checkpoint", "versions loaded",
+         "trainer RSS GiB", "generator RSS GiB", "run wall"], rows),
         memcpy=f"{res['memcpy_gbps']:.1f}", tcp=f"{res['tcp_gbps']:.2f}",
         when=res["timestamp"][:10], machine=describe_machine(res["machine"]))
 
