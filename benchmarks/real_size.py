@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,7 +159,7 @@ class PeakRss:
         return {k: round(v, 2) for k, v in sorted(self.peak.items())}
 
 
-def measure(size: str, steps: int, folder: Path) -> dict:
+def measure(size: str, steps: int, folder: Path, keep: bool = False) -> dict:
     n = params(*LAYOUTS[size])
     est = estimate_gib(n)
     # the full checkpoint is the last step's (trainer.full_checkpoint_every: steps), written
@@ -203,6 +204,57 @@ def measure(size: str, steps: int, folder: Path) -> dict:
     out["versions_loaded"] = sorted({int(x) for x in re.findall(
         r"loaded policy v(\d+)", "".join(f.read_text() for f in (run_dir / "logs").glob("*.log")))})
     say(f"{size}: {out['wall_s']} s, peak RSS {out['peak_rss_gib']}")
+    if not keep:  # a 0.5B run folder holds ~9 GB (model, checkpoint, base): room for the next
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+def kill_mid_publish(size: str, steps: int, folder: Path) -> dict:
+    """``rollart run`` of ``size``, kill -9 of its process (the trainer's) while the first
+    version's buckets are being written to shared memory and its manifest is not, then
+    ``rollart run --resume``: what the resumed run trained and loaded."""
+    from rollart.engines.weight_blobs import shm_dir, shm_key
+
+    sub = folder / "kill"
+    sub.mkdir(parents=True, exist_ok=True)
+    cfg = write_config(sub, size, steps)
+    run = yaml.safe_load(cfg.read_text())["run"]
+    run_dir = sub / "runs" / run
+    shm = shm_dir(run, shm_key(run_dir))
+    log = sub / f"{run}.log"
+    say(f"{size}: kill -9 of the trainer mid-publish, then --resume (log {log})")
+    argv = [sys.executable, "-m", "rollart", "--log-level", "INFO", "run"]
+    with log.open("w") as fh:
+        proc = subprocess.Popen([*argv, str(cfg), "--quiet"], cwd=sub, env=child_env(),
+                                stdout=fh, stderr=subprocess.STDOUT)
+        deadline, seen = time.monotonic() + 900, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            buckets = sorted(shm.glob("stream.v000001-*.b*")) if shm.is_dir() else []
+            if buckets and not list(shm.glob("stream.v000001-*.manifest")):
+                seen = len(buckets)
+                proc.kill()
+                break
+            time.sleep(0.02)
+        proc.wait()
+        if seen is None:
+            raise SystemExit(f"{size}: no moment with v1's buckets and no manifest was seen "
+                             f"(rc {proc.returncode}):\n{log.read_text()[-3000:]}")
+        t0 = time.perf_counter()
+        rc = subprocess.run([*argv, "--resume", str(run_dir), "--quiet"], cwd=sub,
+                            env=child_env(), stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"{size}: the resume exited {rc}:\n{log.read_text()[-4000:]}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    ids = [t for r in rows for t in r["traj_ids"]]
+    logs = "".join(f.read_text() for f in (run_dir / "logs").glob("*.log"))
+    out = {"size": size, "killed_with_buckets": seen, "resume_wall_s": round(time.perf_counter() - t0, 1),
+           "steps": [r["step"] for r in rows], "trajectories": len(ids),
+           "trained_twice": len(ids) - len(set(ids)),
+           "versions_loaded": sorted({int(x) for x in re.findall(r"loaded policy v(\d+)", logs)}),
+           "shm_left": shm.is_dir()}
+    out["ok"] = (out["steps"] == list(range(1, steps + 1)) and out["trained_twice"] == 0
+                 and steps in out["versions_loaded"] and not out["shm_left"])
+    say(f"{size}: killed with {seen} buckets of v1 written, resumed: {out}")
     return out
 
 
@@ -247,7 +299,21 @@ def section(res: dict) -> str:
          "delta: fetch + pause (wire)", "last full checkpoint", "versions loaded",
          "trainer RSS GiB", "generator RSS GiB", "run wall"], rows),
         memcpy=f"{res['memcpy_gbps']:.1f}", tcp=f"{res['tcp_gbps']:.2f}",
-        when=res["timestamp"][:10], machine=describe_machine(res["machine"]))
+        when=res["timestamp"][:10], machine=describe_machine(res["machine"]),
+        kill=kill_line(res.get("kill")))
+
+
+def kill_line(k: dict | None) -> str:
+    if not k:
+        return "No kill test in this run."
+    return (f"Kill -9 of the trainer while version 1 was being published ({k['killed_with_buckets']} "
+            f"of its buckets in shared memory, no manifest), then `rollart run --resume` at "
+            f"{k['size']}: steps {k['steps'][0]}-{k['steps'][-1]} each once, "
+            f"{k['trajectories']} trajectories, {k['trained_twice']} trained twice, versions "
+            f"loaded {', '.join(f'v{v}' for v in k['versions_loaded'])}, the shared-memory folder "
+            f"{'left behind' if k['shm_left'] else 'removed'} at the end "
+            f"({'as expected' if k['ok'] else 'NOT as expected'}; the resume took "
+            f"{k['resume_wall_s']:.0f} s).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, from {', '.join(k.removesuffix('B') for k in LAYOUTS)}")
     p.add_argument("--steps", type=int, default=3, help="trainer.steps of each run (at least 2)")
     p.add_argument("--keep", default=None, help="keep the run folders here")
+    p.add_argument("--kill", default="0.5", metavar="SIZE",
+                   help="also kill -9 the trainer mid-publish at this size and resume ('': no)")
     args = p.parse_args(argv)
     sizes = ["0.01B"] if args.quick else [f"{s.strip()}B" for s in args.sizes.split(",") if s.strip()]
     bad = [s for s in sizes if s not in LAYOUTS]
@@ -274,7 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         for size in sizes:
-            res["models"].append(measure(size, steps, folder))
+            res["models"].append(measure(size, steps, folder, keep=bool(args.keep)))
+        # (not in --quick: a 10M model's version is written faster than a poll can catch)
+        kill = "" if args.quick else (f"{args.kill}B" if args.kill else "")
+        if kill:
+            if kill not in LAYOUTS:
+                p.error(f"unknown --kill size {args.kill}")
+            res["kill"] = kill_mid_publish(kill, steps, folder)
     return finish(res, writes(args), RESULTS, "real_size", section, say)
 
 
