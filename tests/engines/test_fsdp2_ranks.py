@@ -97,6 +97,12 @@ def test_a_version_is_gathered_one_tensor_at_a_time(sharded, tmp_path):
     assert digest == file_content_digest(tmp_path / "v.safetensors") == tensors_digest(want)
     for name, t in load_file(tmp_path / "v.safetensors").items():
         assert torch.equal(t, want[name]), name
+    from transformers import AutoModelForCausalLM
+
+    assert b.export_hf(tmp_path / "hf") == digest
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    for name, t in hf.state_dict().items():
+        assert torch.equal(t, want[name]), name
 
 
 @pytest.mark.slow  # a second process that imports torch and builds a trainer: ~10-20 s

@@ -24,7 +24,7 @@ The rank protocol is the replicated ranks' (rendezvous, rank 0's commands, pings
   in the world-size-1 layout (the trainer's full checkpoint file, resumable at any world size
   and sharding); :meth:`save_sharded` / :meth:`load_sharded` write and read a
   ``torch.distributed.checkpoint`` folder, each rank its own shard, loadable at another
-  world size (DCP reshards).
+  world size (DCP reshards); :meth:`export_hf` writes the weights as an HF model folder.
 
 Refused: ``trainer.lora`` (see :class:`rollart.config.trainer.ComputeKeys`), and
 :meth:`token_logprobs` on rank 0 alone (a forward of a sharded model is a collective).
@@ -228,6 +228,26 @@ class Fsdp2TrainBackend(RankedTrainBackend):
             os.fsync(f.fileno())
         return digest
 
+    def export_hf(self, out: str | os.PathLike) -> str:
+        """Rank 0: the current weights as a complete HF model folder at ``out`` (the model's
+        ``config.json``, ``model.safetensors`` written a tensor at a time, and the model
+        folder's other files: tokenizer, generation config), atomically (a temporary sibling
+        renamed); the weights' content digest."""
+        import shutil
+
+        out = Path(out)
+        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.model.config.to_json_file(tmp / "config.json")
+        digest = self.save_weights(tmp / "model.safetensors")
+        for f in sorted(Path(self.model_dir).iterdir()):
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WRITTEN:
+                shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return digest
+
     # -- checkpoints ----------------------------------------------------------------------
     def _full_state(self) -> tuple[dict, dict]:
         """Every rank: the model's and the optimizer's state, every sharded tensor gathered
@@ -381,6 +401,13 @@ class Fsdp2TrainBackend(RankedTrainBackend):
             self._dcp_load(cmd.name, checkpoint_codec.loads(cmd.state, what="rank 0's DCP metadata"))
         (log.debug if cmd.kind == "gather" else log.info)("rank %d: %s done (version %d)",
                                                           self.rank, cmd.kind, self.version)
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_WRITTEN = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+            "rollart_tiny.json"}
+"""A model folder's files :meth:`Fsdp2TrainBackend.export_hf` writes itself or leaves out
+(the weights, their index, the tiny model's build record)."""
 
 
 def _groups(groups: Sequence[Mapping]) -> list[dict]:
