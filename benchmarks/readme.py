@@ -51,6 +51,7 @@ SECTIONS: list[tuple[str, Callable]] = [
     ("weight_sync", _section("weight_sync", "section", "weight_sync")),
     ("checkpoint_cost", _section("checkpoint_cost", "section", "checkpoint_cost")),
     ("trainer_ranks", _section("trainer_ranks", "section", "trainer_ranks")),
+    ("fsdp2", _section("fsdp2", "section", "fsdp2")),
     ("lora", _section("lora", "section", "lora")),
     ("megatron", _section("megatron_backend", "section", "megatron_backend")),
     ("quickstart_seeds", _section("quickstart_seeds", "readme_section", "quickstart_seeds")),
