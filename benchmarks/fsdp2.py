@@ -13,7 +13,9 @@ size 1: a group of one). Each takes one warm-up step and ``K`` measured ones (me
 then reads every rank's ``VmRSS`` (resident now, after the steps: the training state) and
 ``VmHWM`` (the peak since the process started: loading the whole model included) from
 ``/proc``, and rank 0's local elements of the parameters and of the AdamW moments.
-Full: a 24 M-parameter Qwen3 (h512, 8 layers; fp32 training state 16 bytes a parameter,
+Every process runs with ``MALLOC_MMAP_THRESHOLD_=65536`` and ``MALLOC_TRIM_THRESHOLD_=0``:
+glibc gives freed tensors back to the system, so RSS is what a rank holds, not the high-water
+mark of its allocator's heap. Full: a 24 M-parameter Qwen3 (h512, 8 layers; fp32 training state 16 bytes a parameter,
 ~0.38 GB); ``--quick``: the tiny one, world sizes 1 and 2, one step (writes nothing).
 Prints JSON; a full run writes ``results/fsdp2.json`` and its section of ``README.md``.
 """
@@ -56,7 +58,8 @@ def child(args: argparse.Namespace) -> None:
     from rollart.engines.torch_trainer import TorchTrainBackend
     from trainer_ranks import batch
 
-    kw = {"lr": 1e-4, "threads": args.threads, "seed": 0, "micro_batch_tokens": 4096}
+    kw = {"lr": 1e-4, "threads": args.threads, "seed": 0,
+          "micro_batch_tokens": args.micro_batch_tokens}
     t0 = time.perf_counter()
     if args.shard == "none" and args.world_size == 1:
         b = TorchTrainBackend(args.model_dir, **kw)
@@ -95,7 +98,8 @@ def child(args: argparse.Namespace) -> None:
 def section(res: dict) -> str:
     rows = []
     for r in res["runs"]:
-        rows.append([r["shard"], r["world_size"], f"{r['s_per_step']:.2f}",
+        state = (2 * r["local_params"] + r["local_optimizer"]) * 4 / 2**20  # fp32: weight, grad, moments
+        rows.append([r["shard"], r["world_size"], f"{r['s_per_step']:.2f}", f"{state:.0f}",
                      f"{max(r['rss_mib']):.0f}", f"{statistics.mean(r['rss_mib']):.0f}",
                      f"{max(r['hwm_mib']):.0f}",
                      f"{r['local_optimizer'] / 1e6:.1f} M", f"{r['local_params'] / 1e6:.1f} M"])
@@ -104,7 +108,9 @@ def section(res: dict) -> str:
                   tokens=first["tokens"], steps=res["config"]["steps"],
                   threads=res["config"]["threads"], machine=describe_machine(res["machine"]),
                   date=res["timestamp"][:10],
-                  table=table(["shard", "world size", "s/step", "RSS, largest rank (MiB)",
+                  mbt=res["config"]["micro_batch_tokens"],
+                  table=table(["shard", "world size", "s/step", "training state per rank (MiB)",
+                               "RSS, largest rank (MiB)",
                                "RSS, mean of ranks (MiB)", "peak RSS, largest rank (MiB)",
                                "AdamW state per rank (elements)", "parameters per rank"], rows))
 
@@ -115,6 +121,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024,
+                    help="small: the activations of a micro-batch stay below the training state")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shard", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -126,7 +134,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.steps, args.samples = 1, 4
-    res = begin("fsdp2", args, ("steps", "threads", "samples", "quick"))
+    res = begin("fsdp2", args, ("steps", "threads", "samples", "micro_batch_tokens", "quick"))
     from rollart.engines.tiny import build_tiny_model
 
     runs = []
@@ -135,10 +143,12 @@ def main() -> int:
         for shard, ws in CONFIGS:
             if args.quick and ws > 2:
                 continue
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
             cmd = [sys.executable, __file__, "--child", "--shard", shard, "--world-size", str(ws),
                    "--model-dir", str(md), "--logs", str(Path(d) / "logs"), "--steps",
-                   str(args.steps), "--threads", str(args.threads), "--samples", str(args.samples)]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+                   str(args.steps), "--threads", str(args.threads), "--samples", str(args.samples),
+                   "--micro-batch-tokens", str(args.micro_batch_tokens)]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
             if out.returncode != 0:
                 raise SystemExit(f"{shard} at world size {ws} failed:\n{out.stderr[-3000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])

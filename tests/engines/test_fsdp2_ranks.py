@@ -134,10 +134,16 @@ def test_a_sharded_checkpoint_resumes_at_world_size_one(sharded, model_dir, tmp_
     script.write_text(
         "import json, sys, torch\n"
         "from rollart.algos.losses import LossConfig\n"
-        "from rollart.engines.rank_launch import start_ranks\n"
+        "from rollart.config.loader import convert\n"
+        "from rollart.config.schema import RunConfig\n"
+        "from rollart.engines.fsdp2_ranks import Fsdp2TrainBackend\n"
+        "from rollart.engines.train_backends import make_backend\n"
         "from tests.engines.test_torch_trainer import make_samples\n"
-        f"b = start_ranks({str(model_dir)!r}, world_size=1, dist_timeout=30, shard='fsdp2', "
-        f"log_dir={str(tmp_path)!r}, **{KW!r})\n"
+        f"cfg = convert({{'run_dir': {str(tmp_path)!r}, 'model': {{'threads': 1}}, 'trainer': "
+        f"{{'shard': 'fsdp2', 'world_size': 1, 'lr': {KW['lr']}, 'grad_clip': {KW['grad_clip']}, "
+        f"'micro_batch_tokens': {KW['micro_batch_tokens']}}}}}, RunConfig)\n"
+        f"b = make_backend(cfg, {str(model_dir)!r})\n"
+        "assert isinstance(b, Fsdp2TrainBackend) and b.world_size == 1, type(b)\n"
         f"b.load_sharded({str(tmp_path / 'dcp')!r})\n"
         "v = b.version\n"
         "b.train_step(make_samples(5, seed=2), loss_cfg=LossConfig(agg='seq-mean-token-mean'))\n"
@@ -154,3 +160,14 @@ def test_a_sharded_checkpoint_resumes_at_world_size_one(sharded, model_dir, tmp_
     from safetensors.torch import load_file
 
     _close(load_file(tmp_path / "one.safetensors"), after)
+
+
+def test_what_fsdp2_refuses_is_named(model_dir):
+    from rollart.engines.fsdp2_ranks import Fsdp2TrainBackend
+    from rollart.engines.rank_launch import backend_class
+
+    with pytest.raises(ValueError, match="trainer.shard: fsdp2 does not train trainer.lora"):
+        Fsdp2TrainBackend(model_dir, rank=0, world_size=2, dist_timeout=5,
+                          lora={"rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": ["q_proj"]})
+    with pytest.raises(ValueError, match="trainer.shard must be 'none' or 'fsdp2'"):
+        backend_class("zero3")

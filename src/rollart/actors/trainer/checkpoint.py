@@ -34,9 +34,12 @@ between full checkpoints, or a busy run, can exceed; a payload offloaded to the 
 store is deleted once acked. The journal is written by the trainer itself and deleted only
 when a full checkpoint made it useless, whatever the stream's limits.
 
-The trainer is not sharded: its ranks (``trainer.world_size``) are replicas that hold the
-whole model and optimizer, bit-identical after every step (:mod:`rollart.engines.trainer_ranks`),
-so rank 0's full checkpoint is every rank's, and per-rank files would be N copies of it.
+Replicated ranks (``trainer.world_size``, ``trainer.shard: none``) hold the whole model and
+optimizer, bit-identical after every step (:mod:`rollart.engines.trainer_ranks`), so rank 0's
+full checkpoint is every rank's, and per-rank files would be N copies of it. Sharded ranks
+(``trainer.shard: fsdp2``, :mod:`rollart.engines.fsdp2_ranks`) gather their shards to rank 0
+in the same layout when :meth:`state_dict_for_checkpoint` is asked (every rank takes part),
+so the file, its SHA-256 and a resume at any world size are the same.
 """
 
 from __future__ import annotations
