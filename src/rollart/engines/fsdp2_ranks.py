@@ -101,6 +101,9 @@ class Fsdp2TrainBackend(RankedTrainBackend):
 
     kinds = COMMAND_KINDS + ("gather", "state", "save", "restore")
     own_kinds = ("load", "gather", "state", "save", "restore")
+    gathers_state = True
+    """:meth:`state_dict_for_checkpoint` runs collectives (and copies every tensor): the
+    trainer calls it in a thread, not on its event loop."""
 
     def __init__(self, model_dir: str | os.PathLike, *, rank: int, world_size: int,
                  dist_timeout: float, **kwargs: Any) -> None:
@@ -117,7 +120,8 @@ class Fsdp2TrainBackend(RankedTrainBackend):
 
     # -- the group and the sharding ---------------------------------------------------
     def _make_group(self, store: Any, *, address: str) -> None:
-        # fully_shard needs a registered group (a DeviceMesh over the default group)
+        # fully_shard needs a registered group (a DeviceMesh over the default group); gloo
+        # finds its interface from the host name (other hosts: GLOO_SOCKET_IFNAME)
         if dist.is_initialized():
             raise RuntimeError("trainer.shard: fsdp2: this process already has a default "
                                "process group (one sharded trainer per process)")

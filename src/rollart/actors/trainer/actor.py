@@ -251,9 +251,12 @@ class Trainer(StepLoop, Actor):
                 "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s,
                 "entropy_coef": self.entropy_coef}
 
-    def _full_state(self) -> dict[str, Any]:
-        """What a full checkpoint holds (live tensors: :class:`Checkpoints` copies them)."""
-        return {"backend": self.backend.state_dict_for_checkpoint(), **self._durable_state()}
+    def _full_state(self, backend_state: dict | None = None) -> dict[str, Any]:
+        """What a full checkpoint holds (live tensors: :class:`Checkpoints` copies them);
+        ``backend_state``: the backend's, taken already."""
+        if backend_state is None:
+            backend_state = self.backend.state_dict_for_checkpoint()
+        return {"backend": backend_state, **self._durable_state()}
 
     async def _checkpoint(self, *, final: bool = False) -> dict[str, float]:
         """Make the steps so far durable (journal, then state; with ``trainer.checkpoint_store:
@@ -263,7 +266,14 @@ class Trainer(StepLoop, Actor):
         the step waited for a full checkpoint."""
         out = {"state_s": await self.ckpt.commit(self._durable_state())}
         if self.ckpt.full_due(self.version, final=final):
-            out["full_block_s"] = await self.ckpt.start_full(self._full_state, self.version)
+            t0, gathered = time.perf_counter(), None
+            if getattr(self.backend, "gathers_state", False):  # sharded ranks: collectives that
+                # gather every shard, off the event loop (see Fsdp2TrainBackend.gathers_state)
+                gathered = await asyncio.to_thread(self.backend.state_dict_for_checkpoint)
+            gather_s = time.perf_counter() - t0
+            out["full_block_s"] = gather_s + await self.ckpt.start_full(
+                lambda: self._full_state(gathered), self.version)
+            del gathered
             if final:
                 t0 = time.perf_counter()
                 await self.ckpt.wait()
