@@ -31,7 +31,7 @@ async def test_a_killed_rank_stops_the_run_and_resume_trains_each_group_once(tmp
     # small steps (2 groups of 4, each trained): the ranks are the point, not the learning
     more = {"shard": "fsdp2", "sync": SyncConfig(format="stream"), "full_checkpoint_every": 2} \
         if shard == "fsdp2" else {}
-    cfg = with_overrides(quickstart(tmp_path, "rank-kill", 1),
+    cfg = with_overrides(quickstart(tmp_path, f"rank-kill-{shard}", 1),  # one nats-server: own run
                          rollout={"group_size": 4, "batch_groups": 2},
                          trainer={"steps": STEPS, "world_size": 2, "dist_timeout": 10.0,
                                   "skip_uniform": 0, "eval_groups": 1, **more})
