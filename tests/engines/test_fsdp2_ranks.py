@@ -162,6 +162,21 @@ def test_a_sharded_checkpoint_resumes_at_world_size_one(sharded, model_dir, tmp_
     _close(load_file(tmp_path / "one.safetensors"), after)
 
 
+@pytest.mark.timeout(180)
+def test_a_checkpoint_of_another_model_is_refused_before_the_ranks_load_it(sharded):
+    b, init = sharded
+    bad = copy.deepcopy(init)
+    name = next(iter(bad["model"]))
+    bad["model"][name] = bad["model"][name][:1]
+    with pytest.raises(ValueError, match=f"the checkpoint's {name} is"):
+        b.load_checkpoint_state(bad)
+    del bad["model"][name]
+    with pytest.raises(ValueError, match="the checkpoint is of another model: missing"):
+        b.load_checkpoint_state(bad)
+    b.load_checkpoint_state(copy.deepcopy(init))  # the group is still usable
+    assert b.train_step(make_samples(4), loss_cfg=LossConfig())["version"] == 1
+
+
 def test_what_fsdp2_refuses_is_named(model_dir):
     from rollart.engines.fsdp2_ranks import Fsdp2TrainBackend
     from rollart.engines.rank_launch import backend_class

@@ -288,6 +288,15 @@ class Fsdp2TrainBackend(RankedTrainBackend):
         tensor is scattered to the ranks' shards (``distribute_tensor`` from rank 0)."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 loads checkpoints; the other ranks serve()")
+        own = self._weights()  # checked before any rank is asked: a refusal leaves them usable
+        if set(state["model"]) != set(own):
+            missing, unknown = sorted(set(own) - set(state["model"])), sorted(set(state["model"]) - set(own))
+            raise ValueError(f"the checkpoint is of another model: missing {missing[:3]}, "
+                             f"unknown {unknown[:3]}")
+        for name, t in own.items():
+            if tuple(state["model"][name].shape) != tuple(t.shape):
+                raise ValueError(f"the checkpoint's {name} is {tuple(state['model'][name].shape)}, "
+                                 f"the model's {tuple(t.shape)}")
         small = {"scheduler": state["scheduler"], "version": int(state["version"]),
                  "param_groups": state["optimizer"]["param_groups"],
                  "steps": {str(i): float(st["step"]) for i, st in state["optimizer"]["state"].items()
