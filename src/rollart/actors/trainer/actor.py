@@ -251,12 +251,9 @@ class Trainer(StepLoop, Actor):
                 "wall_s": self.history[-1]["wall_s"] if self.history else self.wall_s,
                 "entropy_coef": self.entropy_coef}
 
-    def _full_state(self, backend_state: dict | None = None) -> dict[str, Any]:
-        """What a full checkpoint holds (live tensors: :class:`Checkpoints` copies them);
-        ``backend_state``: the backend's, taken already."""
-        if backend_state is None:
-            backend_state = self.backend.state_dict_for_checkpoint()
-        return {"backend": backend_state, **self._durable_state()}
+    def _full_state(self) -> dict[str, Any]:
+        """What a full checkpoint holds (live tensors: :class:`Checkpoints` copies them)."""
+        return {"backend": self.backend.state_dict_for_checkpoint(), **self._durable_state()}
 
     async def _checkpoint(self, *, final: bool = False) -> dict[str, float]:
         """Make the steps so far durable (journal, then state; with ``trainer.checkpoint_store:
@@ -272,7 +269,8 @@ class Trainer(StepLoop, Actor):
                 gathered = await asyncio.to_thread(self.backend.state_dict_for_checkpoint)
             gather_s = time.perf_counter() - t0
             out["full_block_s"] = gather_s + await self.ckpt.start_full(
-                lambda: self._full_state(gathered), self.version)
+                self._full_state if gathered is None else self._durable_state, self.version,
+                fresh=None if gathered is None else {"backend": gathered})
             del gathered
             if final:
                 t0 = time.perf_counter()

@@ -302,12 +302,14 @@ class Checkpoints:
         budget = self.cfg.full_checkpoint_s
         return budget is not None and time.monotonic() - self.full_at >= budget
 
-    async def start_full(self, make_state: Callable[[], dict[str, Any]], version: int) -> float:
+    async def start_full(self, make_state: Callable[[], dict[str, Any]], version: int, *,
+                         fresh: dict[str, Any] | None = None) -> float:
         """Take a full checkpoint of the state ``make_state()`` returns (called on the event
         loop, where the handlers change the ledger; its tensors are copied in a thread, before
         the next step changes them) and write it in the background; waits for the previous
-        one first. Returns the seconds the step waited (previous write, then the copy to CPU
-        memory)."""
+        one first. ``fresh``: more of the state, already a copy nothing else changes (sharded
+        ranks' gathered tensors), added without a second copy. Returns the seconds the step
+        waited (previous write, then the copy to CPU memory)."""
         t0 = time.perf_counter()
         await self.wait()
         if self.pending:
@@ -317,6 +319,7 @@ class Checkpoints:
         live = {**make_state(), "journal_seq": seq}
         state = await asyncio.to_thread(snapshot, live)
         del live
+        state.update(fresh or {})
         blocked = time.perf_counter() - t0
         self.full_at = time.monotonic()
         self.started = (seq, version)
