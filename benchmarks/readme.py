@@ -53,6 +53,7 @@ SECTIONS: list[tuple[str, Callable]] = [
     ("real_size", _section("real_size", "section", "real_size")),
     ("checkpoint_cost", _section("checkpoint_cost", "section", "checkpoint_cost")),
     ("trainer_ranks", _section("trainer_ranks", "section", "trainer_ranks")),
+    ("fsdp2", _section("fsdp2", "section", "fsdp2")),
     ("lora", _section("lora", "section", "lora")),
     ("megatron", _section("megatron_backend", "section", "megatron_backend")),
     ("quickstart_seeds", _section("quickstart_seeds", "readme_section", "quickstart_seeds")),

@@ -159,6 +159,11 @@ def test_bad_value_names_its_key(section, key, value):
      "actors.trainer.handlers.on_completed.max_inflight and max_ack_pending to >= 6464"),
     ({"actors": {"env": {"handlers": {"on_request": {"max_deliver": 0}}}}},
      "actors.env.handlers.on_request.max_deliver must be -1 (no limit) or >= 1"),
+    ({"trainer": {"shard": "fsdp2", "backend": "megatron"}},
+     "trainer.shard: fsdp2 needs trainer.backend: torch (it is 'megatron'"),
+    ({"trainer": {"shard": "fsdp2", "lora": {"rank": 4}}},
+     "trainer.shard: fsdp2 does not train trainer.lora adapters"),
+    ({"trainer": {"shard": "zero3"}}, "trainer.shard"),
 ])
 def test_message_says_the_allowed_range(data, needle):
     with pytest.raises(ConfigError) as e:
@@ -187,6 +192,8 @@ def test_every_estimator_needs_a_group(advantage):
     {"rollout": {"replica_timeout": 0, "fail_after_groups": 0, "redundancy": 2, "alpha": 0}},
     {"actors": {"env": {"handlers": {"on_request": {"max_deliver": -1, "pool": "gpu-a_1"}}}}},
     {"actors": {"reward": {"replicas": 0}}},
+    {"trainer": {"shard": "fsdp2", "world_size": 2}},
+    {"trainer": {"shard": "fsdp2"}},  # one rank: fully_shard over a group of one
 ])
 def test_edge_values_that_work_are_accepted(data):
     convert(data, RunConfig)

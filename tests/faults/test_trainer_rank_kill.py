@@ -1,7 +1,9 @@
 """A trainer rank SIGKILLed during a run (real processes: `rollart run` on a nats-server, its
 node children, trainer rank 1 a child of the trainer's process): the run stops non-zero with
 one message naming rank 1, within ``trainer.dist_timeout``, never hangs; ``--resume`` then
-trains every step, and no trajectory is trained twice or lost to the failed step."""
+trains every step, and no trajectory is trained twice or lost to the failed step. Replicated
+ranks, and sharded ones (``trainer.shard: fsdp2``, versions streamed: every version gathered a
+tensor at a time, the resume's full checkpoint scattered back to the shards)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 
 from rollart.app.launch import with_overrides
 from rollart.app.run import train
+from rollart.config.trainer import SyncConfig
 from tests.e2e.test_learning import _rows, quickstart
 
 pytestmark = pytest.mark.slow
@@ -23,12 +26,15 @@ STEPS = 6
 
 
 @pytest.mark.timeout(900)
-async def test_a_killed_rank_stops_the_run_and_resume_trains_each_group_once(tmp_path, nats_server):
+@pytest.mark.parametrize("shard", ["none", "fsdp2"])
+async def test_a_killed_rank_stops_the_run_and_resume_trains_each_group_once(tmp_path, nats_server, shard):
     # small steps (2 groups of 4, each trained): the ranks are the point, not the learning
-    cfg = with_overrides(quickstart(tmp_path, "rank-kill", 1),
+    more = {"shard": "fsdp2", "sync": SyncConfig(format="stream"), "full_checkpoint_every": 2} \
+        if shard == "fsdp2" else {}
+    cfg = with_overrides(quickstart(tmp_path, f"rank-kill-{shard}", 1),  # one nats-server: own run
                          rollout={"group_size": 4, "batch_groups": 2},
                          trainer={"steps": STEPS, "world_size": 2, "dist_timeout": 10.0,
-                                  "skip_uniform": 0, "eval_groups": 1})
+                                  "skip_uniform": 0, "eval_groups": 1, **more})
     run = Path(cfg.run_dir) / cfg.run
     killed: dict = {}
 

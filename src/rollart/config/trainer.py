@@ -254,6 +254,14 @@ class ComputeKeys(SkipKeys):
     nccl on GPU): rank 0 is the trainer on the bus, each rank computes its share of the
     step's samples and the gradients are all-reduced. Without ``master`` rank 0 starts the
     other ranks on its own host (logs ``logs/trainer-rank<R>.log``)."""
+    shard: Literal["none", "fsdp2"] = "none"
+    """How ``world_size`` ranks hold the model: ``none``, every rank a replica of the model
+    and AdamW state (gradients all-reduced); ``fsdp2``, torch's ``fully_shard`` on each
+    decoder layer and the root: parameters, gradients and AdamW moments split over the ranks
+    (each holds about ``1 / world_size`` of them, gathered a layer at a time for the forward
+    and backward), the same update as one rank within float tolerance, full tensors gathered
+    one at a time to publish a version. Needs ``backend: torch``; ``lora`` is refused with it
+    (LoRA's trained state is small: the replicated ranks fit it)."""
     dist_timeout: float = 120.0
     """Seconds a collective between trainer ranks may take; a rank that died or hangs fails
     the step within them (the run stops, naming the rank)."""
@@ -269,6 +277,14 @@ class ComputeKeys(SkipKeys):
         in_range(self, k, "dist_timeout", gt=0)
         if self.world_size > 1 and self.backend != "torch":
             raise ValueError(f"{k}world_size > 1 needs {k}backend: torch (it is {self.backend!r})")
+        if self.shard == "fsdp2":
+            if self.backend != "torch":
+                raise ValueError(f"{k}shard: fsdp2 needs {k}backend: torch (it is {self.backend!r}: "
+                                 f"megatron-core shards its own way)")
+            if self.lora is not None:
+                raise ValueError(f"{k}shard: fsdp2 does not train {k}lora adapters: the adapters "
+                                 f"and their AdamW state are small, so {k}shard: none (replicated "
+                                 f"ranks) fits them; or drop {k}lora to shard a full fine-tuning")
         if self.lora is not None and self.backend != "torch":
             raise ValueError(f"{k}lora needs {k}backend: torch (it is {self.backend!r})")
         if self.master is not None:

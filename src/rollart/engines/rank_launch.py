@@ -23,7 +23,7 @@ import torch.distributed as dist
 from rollart.engines.trainer_ranks import RankedTrainBackend, RankFailed
 from rollart.procs import describe_exit
 
-__all__ = ["JOIN_TIMEOUT_S", "parse_master", "serve_rank", "start_ranks"]
+__all__ = ["JOIN_TIMEOUT_S", "backend_class", "parse_master", "serve_rank", "start_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +43,35 @@ def parse_master(master: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def backend_class(shard: str) -> type[RankedTrainBackend]:
+    """The rank class of ``trainer.shard``: replicas (``none``) or FSDP2 shards (``fsdp2``)."""
+    if shard == "none":
+        return RankedTrainBackend
+    if shard == "fsdp2":
+        from rollart.engines.fsdp2_ranks import Fsdp2TrainBackend
+
+        return Fsdp2TrainBackend
+    raise ValueError(f"trainer.shard must be 'none' or 'fsdp2' (it is {shard!r})")
+
+
 def start_ranks(model_dir: str | os.PathLike, *, world_size: int, dist_timeout: float,
                 master: str | None = None, log_dir: str | os.PathLike | None = None,
-                join_timeout: float = JOIN_TIMEOUT_S, **kwargs: Any) -> RankedTrainBackend:
+                join_timeout: float = JOIN_TIMEOUT_S, shard: str = "none",
+                **kwargs: Any) -> RankedTrainBackend:
     """Rank 0's backend: open the rendezvous store, start ranks 1..N-1 on this host (unless
     ``master`` is given: then they are started by hand), wait for them to join, build the
-    process group. ``kwargs``: :class:`TorchTrainBackend`'s arguments (every rank gets them)."""
+    process group. ``kwargs``: :class:`TorchTrainBackend`'s arguments (every rank gets them);
+    ``shard``: ``trainer.shard`` (:func:`backend_class`)."""
+    cls = backend_class(shard)
     local = master is None
     host, port = ("127.0.0.1", 0) if local else parse_master(master)
     store = dist.TCPStore(host if local else "0.0.0.0", port, world_size, is_master=True,
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=join_timeout))
     addr = f"{host}:{store.port}"
     store.set(SPEC_KEY, json.dumps({"model_dir": str(model_dir), "world_size": world_size,
-                                    "dist_timeout": dist_timeout, "kwargs": kwargs}))
-    backend = RankedTrainBackend(model_dir, rank=0, world_size=world_size,
+                                    "dist_timeout": dist_timeout, "shard": shard,
+                                    "kwargs": kwargs}))
+    backend = cls(model_dir, rank=0, world_size=world_size,
                                  dist_timeout=dist_timeout, **kwargs)
     backend._store = store  # the store must live as long as the group
     try:
@@ -88,8 +103,8 @@ def start_ranks(model_dir: str | os.PathLike, *, world_size: int, dist_timeout: 
         backend.shutdown(kill=True)
         raise
     threading.Thread(target=backend._keepalive, name="trainer-ranks-ping", daemon=True).start()
-    log.info("trainer ranks: %d processes in the group (%s)", world_size,
-             "gloo" if backend.device.type != "cuda" else "nccl")
+    log.info("trainer ranks: %d processes in the group (%s, shard %s)", world_size,
+             "gloo" if backend.device.type != "cuda" else "nccl", shard)
     return backend
 
 
@@ -125,7 +140,7 @@ def serve_rank(rank: int, master: str, *, model_dir: str | os.PathLike | None = 
     kwargs = spec["kwargs"]
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    backend = RankedTrainBackend(model_dir or spec["model_dir"], rank=rank,
+    backend = backend_class(str(spec.get("shard", "none")))(model_dir or spec["model_dir"], rank=rank,
                                  world_size=spec["world_size"], dist_timeout=spec["dist_timeout"],
                                  **kwargs)
     store.add(JOINED_KEY, 1)

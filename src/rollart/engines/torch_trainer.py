@@ -209,31 +209,38 @@ class TorchTrainBackend:
     def _accumulate(self, samples: Sequence[TrainSample], cfg: LossConfig, units_total: float,
                     tokens_total: int, sums: dict) -> None:
         for mb in self.micro_batches(samples):
-            batch = collate(mb, self.device)
-            mask = batch.response_mask
-            logp, ent = sequence_logprobs(self.model, batch, with_entropy=True,
-                                          entropy_grad=cfg.entropy_coef != 0)
-            old = batch.behav if cfg.old_logp == "behav" else logp.detach()
-            pg, m = policy_loss(logp, old, batch.adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                agg=cfg.agg, behav_logp=batch.behav if cfg.uses_behav else None,
-                                is_cap=cfg.is_cap, decoupled=cfg.decoupled)
-            total = pg
-            if cfg.entropy_coef:
-                total = total - cfg.entropy_coef * aggregate(ent, mask, cfg.agg)
-            if cfg.kl_coef:
-                with torch.no_grad(), self._base_only():
-                    ref, _ = sequence_logprobs(self._reference(), batch)
-                total = total + cfg.kl_coef * kl_k3(logp, ref, mask, cfg.agg)
-                m["kl"] = masked_mean(kl_k3_per_token(logp.detach(), ref), mask).item()
-            weight = agg_units(mask, cfg.agg) / units_total
-            if weight > 0:
-                (total * weight).backward()
-            share = mask.sum().item() / max(1, tokens_total)
-            m["entropy"] = masked_mean(ent.detach(), mask).item()
-            sums["loss"] += total.item() * weight
-            sums["pg_loss"] += pg.item() * weight
-            for k, v in m.items():
-                sums[k] += v * share
+            self._micro_batch(mb, cfg, units_total, tokens_total, sums)
+
+    def _micro_batch(self, mb: Sequence[TrainSample], cfg: LossConfig, units_total: float,
+                     tokens_total: int, sums: dict, *, always_backward: bool = False) -> None:
+        """Forward and backward of one micro-batch (weight ``units / units_total``), its
+        metrics added into ``sums``; ``always_backward``: back-propagate a weight of 0 too
+        (sharded ranks: every rank runs the same collectives in its backward)."""
+        batch = collate(mb, self.device)
+        mask = batch.response_mask
+        logp, ent = sequence_logprobs(self.model, batch, with_entropy=True,
+                                      entropy_grad=cfg.entropy_coef != 0)
+        old = batch.behav if cfg.old_logp == "behav" else logp.detach()
+        pg, m = policy_loss(logp, old, batch.adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                            agg=cfg.agg, behav_logp=batch.behav if cfg.uses_behav else None,
+                            is_cap=cfg.is_cap, decoupled=cfg.decoupled)
+        total = pg
+        if cfg.entropy_coef:
+            total = total - cfg.entropy_coef * aggregate(ent, mask, cfg.agg)
+        if cfg.kl_coef:
+            with torch.no_grad(), self._base_only():
+                ref, _ = sequence_logprobs(self._reference(), batch)
+            total = total + cfg.kl_coef * kl_k3(logp, ref, mask, cfg.agg)
+            m["kl"] = masked_mean(kl_k3_per_token(logp.detach(), ref), mask).item()
+        weight = agg_units(mask, cfg.agg) / units_total
+        if weight > 0 or always_backward:
+            (total * weight).backward()
+        share = mask.sum().item() / max(1, tokens_total)
+        m["entropy"] = masked_mean(ent.detach(), mask).item()
+        sums["loss"] += total.item() * weight
+        sums["pg_loss"] += pg.item() * weight
+        for k, v in m.items():
+            sums[k] += v * share
 
     def train_step(self, samples: Sequence[TrainSample], *, loss_cfg: object = None) -> dict:
         """One optimizer step on ``samples``; returns metrics (loss, pg_loss, grad_norm (before
@@ -350,13 +357,7 @@ class TorchTrainBackend:
         """Restore what ``state_dict_for_checkpoint`` returned (also after ``torch.load``)."""
         self._load_trained_state(state["model"], state.get("lora"))
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        # the next step's LR under this backend's schedule, not the one restored with the
-        # optimizer: a resume may extend total_steps (past a finished cosine that one is 0.0)
-        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                   self.scheduler.lr_lambdas):
-            group["lr"] = base * fn(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        self._restore_schedule(state["scheduler"])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         py = rng["python"]
@@ -364,6 +365,16 @@ class TorchTrainBackend:
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.version = int(state["version"])
+
+    def _restore_schedule(self, scheduler_state: Mapping) -> None:
+        """The scheduler's state, and the next step's LR under this backend's schedule."""
+        self.scheduler.load_state_dict(scheduler_state)
+        # the next step's LR under this backend's schedule, not the one restored with the
+        # optimizer: a resume may extend total_steps (past a finished cosine that one is 0.0)
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                   self.scheduler.lr_lambdas):
+            group["lr"] = base * fn(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",

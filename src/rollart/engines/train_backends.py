@@ -30,11 +30,13 @@ def make_backend(cfg: Any, model_dir: str | os.PathLike) -> Any:
                                "pip install 'rollart[megatron]'")
         return mt.MegatronTrainBackend(model_dir, tensor_parallel=t.megatron.tensor_parallel,
                                        pipeline_parallel=t.megatron.pipeline_parallel, **kwargs)
-    if getattr(t, "world_size", 1) > 1:  # trainer ranks over torch.distributed
+    shard = getattr(t, "shard", "none")
+    if getattr(t, "world_size", 1) > 1 or shard != "none":  # trainer ranks over torch.distributed
         from pathlib import Path
 
         from rollart.engines.rank_launch import start_ranks
 
         return start_ranks(model_dir, world_size=t.world_size, dist_timeout=t.dist_timeout,
-                           master=t.master, log_dir=Path(cfg.run_dir) / cfg.run / "logs", **kwargs)
+                           master=t.master, log_dir=Path(cfg.run_dir) / cfg.run / "logs",
+                           shard=shard, **kwargs)
     return TorchTrainBackend(model_dir, **kwargs)

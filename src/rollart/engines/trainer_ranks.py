@@ -82,16 +82,16 @@ def checked_size(size: int, cap: int, *, rank: int) -> int:
     return size
 
 
-def decode_command(data: bytes, *, rank: int) -> "_Command":
-    """The command in ``data`` (msgpack, never a pickle)."""
+def decode_command(data: bytes, *, rank: int, kinds: tuple[str, ...] = COMMAND_KINDS) -> "_Command":
+    """The command in ``data`` (msgpack, never a pickle), one of ``kinds``."""
     try:
         cmd = _command_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CommandRefused(f"trainer rank {rank}: rank 0's command does not decode "
                              f"({len(data)} bytes: {str(e)[:200]})") from None
-    if cmd.kind not in COMMAND_KINDS:
+    if cmd.kind not in kinds:
         raise CommandRefused(f"trainer rank {rank}: rank 0's command {cmd.kind[:40]!r} is not "
-                             f"one of {COMMAND_KINDS}")
+                             f"one of {kinds}")
     return cmd
 
 
@@ -102,6 +102,9 @@ class _Command(msgspec.Struct, array_like=True):
     samples: list[TrainSample] = []
     loss: LossConfig | None = None
     state: bytes = b""
+    name: str = ""
+    """What a sharded backend's own commands name (a tensor, a folder:
+    :mod:`rollart.engines.fsdp2_ranks`)."""
 
 
 _command_decoder = msgspec.msgpack.Decoder(_Command)
@@ -110,6 +113,11 @@ _command_decoder = msgspec.msgpack.Decoder(_Command)
 class RankedTrainBackend(TorchTrainBackend):
     """A :class:`TorchTrainBackend` that is one rank of a process group (see the module
     docstring). Build rank 0 with :func:`start_ranks`, the others with :func:`serve_rank`."""
+
+    kinds: tuple[str, ...] = COMMAND_KINDS
+    """The commands ranks 1..N-1 take from rank 0."""
+    own_kinds: tuple[str, ...] = ()
+    """Those a subclass serves itself (:meth:`_serve_other`)."""
 
     def __init__(self, model_dir: str | os.PathLike, *, rank: int, world_size: int,
                  dist_timeout: float, **kwargs: Any) -> None:
@@ -136,6 +144,17 @@ class RankedTrainBackend(TorchTrainBackend):
     def join(self, store: Any, *, address: str) -> None:
         """Create the process group over ``store`` (every rank calls it; ``address``: this
         host's address the other ranks reach) and give every rank rank 0's parameters."""
+        self._make_group(store, address=address)
+        with torch.no_grad():  # the trained parameters (LoRA: the adapters; the frozen base
+            for t in self._params + list(self.model.buffers()):  # is every rank's own load)
+                self._wait(self.pg.broadcast(t.data, 0))
+        self._joined()
+
+    def _joined(self) -> None:
+        """After :meth:`join`: every rank holds rank 0's parameters (a sharded backend shards
+        them here)."""
+
+    def _make_group(self, store: Any, *, address: str) -> None:
         timeout = datetime.timedelta(seconds=self.dist_timeout)
         pg_store = dist.PrefixStore("pg", store)
         if self.device.type == "cuda":
@@ -149,9 +168,6 @@ class RankedTrainBackend(TorchTrainBackend):
             opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname) if ifname
                              else dist.ProcessGroupGloo.create_device(hostname=address)]
             self.pg = dist.ProcessGroupGloo(pg_store, self.rank, self.world_size, opts)
-        with torch.no_grad():  # the trained parameters (LoRA: the adapters; the frozen base
-            for t in self._params + list(self.model.buffers()):  # is every rank's own load)
-                self._wait(self.pg.broadcast(t.data, 0))
 
     def _wait(self, work: Any) -> None:
         work.wait()
@@ -184,7 +200,8 @@ class RankedTrainBackend(TorchTrainBackend):
                                 dtype=torch.uint8))
         if buf.numel():
             self._wait(self.pg.broadcast(buf, 0))
-        return cmd if self.rank == 0 else decode_command(buf.numpy().tobytes(), rank=self.rank)
+        return cmd if self.rank == 0 else decode_command(buf.numpy().tobytes(), rank=self.rank,
+                                                         kinds=self.kinds)
 
     # -- the step (every rank) ------------------------------------------------------
     def micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
@@ -202,6 +219,15 @@ class RankedTrainBackend(TorchTrainBackend):
             metrics = super().accumulate_gradients(samples, loss_cfg=loss_cfg)
         finally:
             self._sharding = False
+        self._reduce_gradients()
+        keys = [k for k in metrics if k not in ("tokens", "samples")]
+        sums = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        self._allreduce(sums)
+        metrics.update(zip(keys, sums.tolist()))
+        return metrics
+
+    def _reduce_gradients(self) -> None:
+        """Every rank's gradients summed into every rank's (one flat all-reduce)."""
         grads = []
         for p in self._params:
             if p.grad is None:
@@ -213,11 +239,6 @@ class RankedTrainBackend(TorchTrainBackend):
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
-        keys = [k for k in metrics if k not in ("tokens", "samples")]
-        sums = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        self._allreduce(sums)
-        metrics.update(zip(keys, sums.tolist()))
-        return metrics
 
     def _check_replicas(self) -> None:
         """Every rank's parameters are the same (a fingerprint, compared across ranks)."""
@@ -268,6 +289,19 @@ class RankedTrainBackend(TorchTrainBackend):
                 self._broadcast_command(_Command("load", state=data))
             except Exception as e:  # noqa: BLE001
                 raise self._fail(self._why(e, "loading the checkpoint")) from None
+
+    def _command(self, cmd: _Command, during: str, then: Any = None) -> Any:
+        """Rank 0: send ``cmd`` to the other ranks and run ``then()`` (what every rank does
+        for it), under the group's lock; a failure makes the group unusable (:class:`RankFailed`)."""
+        with self._lock:
+            self._usable()
+            try:
+                self._broadcast_command(cmd)
+                return then() if then is not None else None
+            except RankFailed as e:
+                raise self._fail(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - a collective failed: dead or hung rank
+                raise self._fail(self._why(e, during)) from None
 
     def _usable(self) -> None:
         if self.failed is not None:
@@ -360,6 +394,13 @@ class RankedTrainBackend(TorchTrainBackend):
                 return 0
             if cmd.kind == "ping":
                 continue
+            if cmd.kind in self.own_kinds:
+                try:
+                    self._serve_other(cmd)
+                except Exception:
+                    log.exception("rank %d: command %s failed", self.rank, cmd.kind)
+                    return 1
+                continue
             if cmd.kind == "load":
                 try:  # safetensors and msgspec: nothing in it is unpickled
                     state = checkpoint_codec.loads(cmd.state, what="rank 0's checkpoint state")
@@ -380,6 +421,10 @@ class RankedTrainBackend(TorchTrainBackend):
                 return 1
             log.info("rank %d: step -> version %d (%.2fs, %d samples)", self.rank, self.version,
                      m["seconds"], len(cmd.samples))
+
+    def _serve_other(self, cmd: _Command) -> None:
+        """Ranks 1..N-1: a command of :attr:`kinds` beyond the replicated ranks' own."""
+        raise CommandRefused(f"trainer rank {self.rank}: no handler for command {cmd.kind!r}")
 
 
 def _py_rng() -> Any:

@@ -48,7 +48,9 @@ _TORCH_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64
 class TorchTensors:
     """The trainer's tensors as bytes in the serving dtype (float tensors cast, others
     as they are), cast one tensor at a time (the last one is kept for the next span):
-    never a serving-dtype copy of the whole model in memory."""
+    never a serving-dtype copy of the whole model in memory. A mapping with a ``meta(name)``
+    method (:class:`rollart.engines.fsdp2_ranks.Fsdp2TrainBackend`'s, which gathers a tensor
+    when it is read) is asked for shapes and dtypes by it, so tensors are read one at a time."""
 
     def __init__(self, tensors: Mapping[str, Any], dtype: str):
         import torch  # optional dependency: the trainer has it
@@ -60,8 +62,9 @@ class TorchTensors:
         self._tensors = tensors
         self.names = sorted(tensors)
         self.specs = []
+        meta = getattr(tensors, "meta", None)  # a lazy mapping (sharded ranks): shapes only
         for name in self.names:
-            t = tensors[name]
+            t = meta(name) if meta is not None else tensors[name]
             dt = self._target if t.is_floating_point() else t.dtype
             self.specs.append(TensorSpec(name, _TORCH_NAMES[str(dt).removeprefix("torch.")],
                                          [int(d) for d in t.shape]))

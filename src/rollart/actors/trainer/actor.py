@@ -263,8 +263,15 @@ class Trainer(StepLoop, Actor):
         the step waited for a full checkpoint."""
         out = {"state_s": await self.ckpt.commit(self._durable_state())}
         if self.ckpt.full_due(self.version, final=final):
-            out["full_block_s"] = await self.ckpt.start_full(self._full_state, self.version,
-                                                             final=final)
+            t0, gathered = time.perf_counter(), None
+            if getattr(self.backend, "gathers_state", False):  # sharded ranks: collectives that
+                # gather every shard, off the event loop (see Fsdp2TrainBackend.gathers_state)
+                gathered = await asyncio.to_thread(self.backend.state_dict_for_checkpoint)
+            gather_s = time.perf_counter() - t0
+            out["full_block_s"] = gather_s + await self.ckpt.start_full(
+                self._full_state if gathered is None else self._durable_state, self.version,
+                final=final, fresh=None if gathered is None else {"backend": gathered})
+            del gathered
             if final:
                 t0 = time.perf_counter()
                 await self.ckpt.wait()

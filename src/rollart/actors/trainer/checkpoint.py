@@ -34,9 +34,12 @@ between full checkpoints, or a busy run, can exceed; a payload offloaded to the 
 store is deleted once acked. The journal is written by the trainer itself and deleted only
 when a full checkpoint made it useless, whatever the stream's limits.
 
-The trainer is not sharded: its ranks (``trainer.world_size``) are replicas that hold the
-whole model and optimizer, bit-identical after every step (:mod:`rollart.engines.trainer_ranks`),
-so rank 0's full checkpoint is every rank's, and per-rank files would be N copies of it.
+Replicated ranks (``trainer.world_size``, ``trainer.shard: none``) hold the whole model and
+optimizer, bit-identical after every step (:mod:`rollart.engines.trainer_ranks`), so rank 0's
+full checkpoint is every rank's, and per-rank files would be N copies of it. Sharded ranks
+(``trainer.shard: fsdp2``, :mod:`rollart.engines.fsdp2_ranks`) gather their shards to rank 0
+in the same layout when :meth:`state_dict_for_checkpoint` is asked (every rank takes part),
+so the file, its SHA-256 and a resume at any world size are the same.
 """
 
 from __future__ import annotations
@@ -302,12 +305,14 @@ class Checkpoints:
         return budget is not None and time.monotonic() - self.full_at >= budget
 
     async def start_full(self, make_state: Callable[[], dict[str, Any]], version: int, *,
-                         final: bool = False) -> float:
+                         final: bool = False, fresh: dict[str, Any] | None = None) -> float:
         """Take a full checkpoint of the state ``make_state()`` returns (called on the event
         loop, where the handlers change the ledger; its tensors are copied in a thread, before
         the next step changes them) and write it in the background; waits for the previous
         one first. ``final``: the last step's, which no step follows, so CPU tensors are
-        written as they are (the caller waits for the write). Returns the seconds the step
+        written as they are (the caller waits for the write). ``fresh``: more of the state,
+        already a copy nothing else changes (sharded ranks' gathered tensors), added without a
+        second copy. Returns the seconds the step
         waited (previous write, then the copy to CPU memory)."""
         t0 = time.perf_counter()
         await self.wait()
@@ -318,6 +323,7 @@ class Checkpoints:
         live = {**make_state(), "journal_seq": seq}
         state = await asyncio.to_thread(snapshot, live, copy_tensors=not final)
         del live
+        state.update(fresh or {})
         blocked = time.perf_counter() - t0
         self.full_at = time.monotonic()
         self.started = (seq, version)

@@ -353,15 +353,22 @@ class StepLoop:
         final = self.version >= self.cfg.trainer.steps
         checkpointed = self.version % self.cfg.trainer.checkpoint_every == 0 or final
         # the record first: a resume keeps exactly the rows of the steps its checkpoint holds
-        with tracing.span("checkpoint", {"saved": checkpointed}):
-            await asyncio.to_thread(self.files.write_metrics, out)
-            if self.loggers is not None:  # never raises: a failing logger turns itself off
-                await asyncio.to_thread(self.loggers.log, out)
-            if checkpointed:  # seconds of the state, and waited for a full checkpoint
-                out.update(await self._checkpoint(final=final))
-        with tracing.span("publish"):
-            await self._publish()
-            await self._publish_ledger()
+        try:
+            with tracing.span("checkpoint", {"saved": checkpointed}):
+                await asyncio.to_thread(self.files.write_metrics, out)
+                if self.loggers is not None:  # never raises: a failing logger turns itself off
+                    await asyncio.to_thread(self.loggers.log, out)
+                if checkpointed:  # seconds of the state, and waited for a full checkpoint
+                    out.update(await self._checkpoint(final=final))
+            with tracing.span("publish"):
+                await self._publish()
+                await self._publish_ledger()
+        except TrainStepFailed as e:  # sharded ranks gather for a full checkpoint and a
+            # version (trainer.shard: fsdp2): a rank died there. As a crash at this point:
+            # nothing acked; a resume replays the journaled step or trains its groups again
+            self.failure = f"after training step {v + 1}: {e}"
+            log.error("%s: run stopped: %s", self.name, self.failure)
+            return None
         out["publish_s"] = time.perf_counter() - t1
         if checkpointed:
             self._release_unacked()
