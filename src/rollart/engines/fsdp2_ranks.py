@@ -214,23 +214,26 @@ class Fsdp2TrainBackend(RankedTrainBackend):
     def save_weights(self, path: str | os.PathLike) -> str:
         """The version as one safetensors file, written front to back a tensor at a time
         (temp file, fsync, rename); its content digest."""
+        from rollart.engines.digest import file_content_digest
         from rollart.engines.weight_encode import TorchTensors
         from rollart.engines.weight_staging import StagedFile
 
         tensors = self.weight_tensors()
         source = TorchTensors(tensors, str(self.dtype).removeprefix("torch."))
-        writer = StagedFile(path, source.specs)
+        total = sum(spec.nbytes for spec in source.specs)
+        writer = StagedFile(path, source.specs, [total] if total else [])
         try:
             for i, spec in enumerate(source.specs):
                 data = source.read(i, 0, spec.nbytes)
                 writer.write(data.copy())  # the hasher reads it one piece behind
-            digest = writer.commit()
+            writer.commit()  # whole, renamed into place (its bucket-tree digest unused here)
         except BaseException:
             writer.abort()
             raise
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        return digest
+        # a file version's digest is its tensors' (tensors-sha256, as every backend's file)
+        return file_content_digest(path)
 
     def export_hf(self, out: str | os.PathLike) -> str:
         """Rank 0: the current weights as a complete HF model folder at ``out`` (the model's
