@@ -28,6 +28,10 @@ The rank protocol is the replicated ranks' (rendezvous, rank 0's commands, pings
 
 Refused: ``trainer.lora`` (see :class:`rollart.config.trainer.ComputeKeys`), and
 :meth:`token_logprobs` on rank 0 alone (a forward of a sharded model is a collective).
+
+Kept whole (over 450 lines): the group, the sharded step, the per-tensor gathers and the
+checkpoints all answer rank 0's commands in one ``_serve_other``; apart, each piece would
+reach into the others' state.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import json
 import logging
 import os
 import random
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,9 @@ from rollart.engines.trainer_ranks import COMMAND_KINDS, RankedTrainBackend, _Co
 __all__ = ["Fsdp2TrainBackend", "decoder_layers"]
 
 log = logging.getLogger(__name__)
+_OWNER: weakref.ref | None = None
+"""The sharded trainer that made this process's default process group (a live one refuses
+another; a stopped or collected one's group is left for the next)."""
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -122,9 +130,15 @@ class Fsdp2TrainBackend(RankedTrainBackend):
     def _make_group(self, store: Any, *, address: str) -> None:
         # fully_shard needs a registered group (a DeviceMesh over the default group); gloo
         # finds its interface from the host name (other hosts: GLOO_SOCKET_IFNAME)
+        global _OWNER
+        owner = _OWNER() if _OWNER is not None else None
         if dist.is_initialized():
-            raise RuntimeError("trainer.shard: fsdp2: this process already has a default "
-                               "process group (one sharded trainer per process)")
+            if owner is not None and not owner._stop.is_set():
+                raise RuntimeError("trainer.shard: fsdp2: this process already has a default "
+                                   "process group (one sharded trainer per process)")
+            log.warning("leaving the default process group a stopped sharded trainer left")
+            dist.destroy_process_group()  # its ranks failed before it could leave it
+        _OWNER = weakref.ref(self)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",

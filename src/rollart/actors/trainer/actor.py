@@ -183,6 +183,12 @@ class Trainer(StepLoop, Actor):
             log.exception("%s: the last full checkpoint failed", self.name)
         if self.loggers is not None:
             await asyncio.to_thread(self.loggers.close)
+        # trainer ranks (trainer.world_size > 1) stop with the actor, not at the process's
+        # exit: a process that embeds the trainer (tests, a service) may start another, and a
+        # sharded trainer's default process group must be left for it
+        shutdown = getattr(getattr(self, "backend", None), "shutdown", None)
+        if shutdown is not None:
+            await asyncio.to_thread(shutdown)
 
     async def _on_heartbeat(self, req) -> None:
         hb = decode_core(m.NodeHeartbeat, req)

@@ -20,7 +20,7 @@ from rollart import messages as m
 from rollart.actors.kernel.base import Actor
 from rollart.actors.kernel.policy import content_digest, file_content_digest, set_policy
 from rollart.aio import retry
-from rollart.bus import BusError
+from rollart.bus import BusError, BusTimeout
 from rollart.bus.codec import encode
 from rollart.config import TrainerConfig, nats_settings
 from rollart.telemetry import otel_metrics
@@ -342,8 +342,17 @@ class StreamPublisher:
                 # The token (and under TLS the certificate to pin) goes where only the roles
                 # that read weights may read (the weights store, permissions.OBJECTS), not into
                 # the version's URI, which every role reads (KV policy.version, policy.published).
-                store = await a.bus.object_store(m.object_bucket(a.run))
-                await store.put(TOKEN_OBJECT, self.server.access_object())
+                # retried like the policy record: a JetStream cluster electing a leader (a
+                # server killed) answers nothing for seconds, and this is the first write
+                # of a version's publish
+
+                async def put_token() -> None:
+                    store = await a.bus.object_store(m.object_bucket(a.run))
+                    await store.put(TOKEN_OBJECT, self.server.access_object())
+
+                await retry(put_token, retry_on=BusTimeout,
+                            what=f"{a.name}: storing the weight server's token", attempts=60,
+                            base=0.2, cap=5.0, logger=log)
                 log.info("%s: weight server for generators at %s (listening on %s, %s)", a.name,
                          self.server.base_uri, self.server.host,
                          "TLS" if self.server.cert_sha256 else "cleartext")
