@@ -60,11 +60,15 @@ async def test_quickstart_learns_with_lora(tmp_path):
 
 @pytest.mark.timeout(1200)
 async def test_quickstart_learns_with_streamed_deltas(tmp_path):
-    """``trainer.sync.format: stream`` (deltas on, anchors every 8 versions): the quickstart
-    learns the same, every version after the first assembled from a delta or a chain."""
+    """``trainer.sync.format: stream`` (deltas on, anchors every 8 versions) kept in the run
+    folder (``trainer.weights: file``, so the kept versions can be read after the run: the
+    default ``auto`` keeps them in shared memory, removed at the end; `make test`'s learning
+    run is on that default): the quickstart learns the same, every version after the first
+    assembled from a delta or a chain."""
     from rollart.config.trainer import SyncConfig
 
-    cfg = with_overrides(quickstart(tmp_path, "learn-stream", 1), trainer={"sync": SyncConfig(format="stream")})
+    cfg = with_overrides(quickstart(tmp_path, "learn-stream", 1),
+                         trainer={"sync": SyncConfig(format="stream"), "weights": "file"})
     assert cfg.trainer.sync.format == "stream" and cfg.trainer.sync.delta
     await learns(cfg, "stream")
     stream = Path(cfg.run_dir) / cfg.run / "weights" / "stream"
