@@ -195,24 +195,39 @@ def _xor_decode(wire: Any, b: BucketEntry, man: Manifest, out: np.ndarray, dctx:
                 bufs: _DecodeBuffers, what: str) -> None:
     """XOR the bucket's decompressed byte planes into ``out`` (the base's bytes, or zeros)."""
     chunk, mv = bufs.chunk, memoryview(bufs.chunk)
+    with _zstd_frame(wire, dctx, what) as r:
+        for t in _targets(out, b, man):
+            off = 0
+            while off < len(t):
+                n = r.readinto(mv[:min(len(chunk), len(t) - off)])
+                if not n:
+                    raise _short_frame(b, what)
+                np.bitwise_xor(t[off:off + n], chunk[:n], out=t[off:off + n])
+                off += n
+        _frame_ends(r, b, what)
+
+
+@contextlib.contextmanager
+def _zstd_frame(wire: Any, dctx: Any, what: str) -> Any:
+    """A reader of the bucket's zstd frame; a zstandard error comes out as a StreamError."""
     try:
         with dctx.stream_reader(wire) as r:
-            for t in _targets(out, b, man):
-                off = 0
-                while off < len(t):
-                    n = r.readinto(mv[:min(len(chunk), len(t) - off)])
-                    if not n:
-                        raise StreamError(f"{what}: the zstd frame ends before the {b.raw} bytes "
-                                          f"the manifest says")
-                    np.bitwise_xor(t[off:off + n], chunk[:n], out=t[off:off + n])
-                    off += n
-            if r.read(1):
-                raise StreamError(f"{what}: the zstd frame holds more than the {b.raw} bytes "
-                                  f"the manifest says")
+            yield r
     except StreamError:
         raise
     except Exception as e:  # noqa: BLE001 - zstandard.ZstdError
         raise StreamError(f"{what}: not a zstd frame ({e})") from None
+
+
+def _short_frame(b: BucketEntry, what: str) -> StreamError:
+    return StreamError(f"{what}: the zstd frame ends before the {b.raw} bytes the manifest says")
+
+
+def _frame_ends(r: Any, b: BucketEntry, what: str) -> None:
+    """The frame holds no more than the bucket's bytes (all of which were read)."""
+    if r.read(1):
+        raise StreamError(f"{what}: the zstd frame holds more than the {b.raw} bytes "
+                          f"the manifest says")
 
 
 def _decode_bucket(wire: Any, b: BucketEntry, j: int, man: Manifest, base: BaseReader | None,
@@ -255,36 +270,28 @@ def _nonzero_xor(wire: Any, b: BucketEntry, man: Manifest, dctx: Any, bufs: _Dec
     found_p: list[np.ndarray] = []
     found_v: list[np.ndarray] = []
     count = got = 0
-    try:
-        with dctx.stream_reader(wire) as r:
-            while got < b.raw:
-                n = 0
-                want = min(len(chunk) - 8, b.raw - got)
-                while n < want:  # fill the chunk: positions are counted from its start
-                    k = r.readinto(mv[n:want])
-                    if not k:
-                        raise StreamError(f"{what}: the zstd frame ends before the {b.raw} bytes "
-                                          f"the manifest says")
-                    n += k
-                padded = -(-n // 8) * 8
-                chunk[n:padded] = 0
-                words = np.flatnonzero(chunk[:padded].view(np.uint64))
-                if len(words):
-                    cand = (words[:, None] * 8 + np.arange(8)).ravel()
-                    cand = cand[chunk[cand] != 0]
-                    count += len(cand)
-                    if count > cap:
-                        return None
-                    found_p.append(cand + got)
-                    found_v.append(chunk[cand])
-                got += n
-            if r.read(1):
-                raise StreamError(f"{what}: the zstd frame holds more than the {b.raw} bytes "
-                                  f"the manifest says")
-    except StreamError:
-        raise
-    except Exception as e:  # noqa: BLE001 - zstandard.ZstdError
-        raise StreamError(f"{what}: not a zstd frame ({e})") from None
+    with _zstd_frame(wire, dctx, what) as r:
+        while got < b.raw:
+            n = 0
+            want = min(len(chunk) - 8, b.raw - got)
+            while n < want:  # fill the chunk: positions are counted from its start
+                k = r.readinto(mv[n:want])
+                if not k:
+                    raise _short_frame(b, what)
+                n += k
+            padded = -(-n // 8) * 8
+            chunk[n:padded] = 0
+            words = np.flatnonzero(chunk[:padded].view(np.uint64))
+            if len(words):
+                cand = (words[:, None] * 8 + np.arange(8)).ravel()
+                cand = cand[chunk[cand] != 0]
+                count += len(cand)
+                if count > cap:
+                    return None
+                found_p.append(cand + got)
+                found_v.append(chunk[cand])
+            got += n
+        _frame_ends(r, b, what)
     if not found_p:
         return np.empty(0, np.int64), np.empty(0, np.uint8)
     return np.concatenate(found_p), np.concatenate(found_v)
