@@ -23,10 +23,12 @@ LAYERS = [
     {"rollart.messages"},  # the wire contract
     {"rollart.envs"},
     {"rollart.config"},
+    {"rollart.sandbox"},  # isolated workspaces for model-written code: config only
     {"rollart.bus"},  # connections read the nats section of a config
     {"rollart.telemetry"},  # instrumentation
     {"rollart.engines"},
     {"rollart.agents"},  # the agents' endpoint and protocols: nothing of the actors
+    {"rollart.code"},  # tasks that run code (envs, scorers, agents) over rollart.sandbox
     {"rollart.actors.kernel"},  # how any actor runs
     {"rollart.actors.groups"},  # what scheduler and trainer share
     {"rollart.actors"},  # the roles (apart from each other: test_roles_stay_apart)

@@ -26,6 +26,7 @@ from rollart.config.pipeline import (
     RolloutConfig,
 )
 from rollart.config.placement import PoolConfig, RouteRule, check_placement
+from rollart.config.sandbox import SandboxConfig
 from rollart.config.tracing import TelemetryConfig, TracingConfig
 from rollart.config.trainer import TrainerConfig
 from rollart.config.urls import check_nats_url
@@ -33,7 +34,7 @@ from rollart.config.urls import check_nats_url
 __all__ = [
     "ActorConfig", "EnvConfig", "HandlerConfig", "ModelConfig", "NatsConfig", "NatsTlsConfig",
     "NodeConfig", "PoolConfig", "ProxyConfig", "RewardConfig", "RolloutConfig", "RouteRule",
-    "RunConfig", "TelemetryConfig", "TracingConfig", "TrainerConfig", "check_nats_url", "nats_settings",
+    "RunConfig", "SandboxConfig", "TelemetryConfig", "TracingConfig", "TrainerConfig", "check_nats_url", "nats_settings",
     "trainer_buffer",
 ]
 
@@ -78,6 +79,8 @@ class RunConfig(Base):
     """Generation replicas."""
     reward: RewardConfig = RewardConfig()
     """Reward service."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Sandboxes for model-written code on env hosts (and execution-based scorers)."""
     trainer: TrainerConfig = TrainerConfig()
     """Training."""
     pools: dict[str, PoolConfig] = {}

@@ -1,0 +1,1 @@
+"""Tasks whose outcome is code that runs: envs, scorers and agents over :mod:`rollart.sandbox`."""
