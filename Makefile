@@ -53,21 +53,21 @@ define install_torch
 	fi
 endef
 
-.PHONY: run test test-fast test-scale bench-smoke setup test-vllm setup-vllm test-verifiers setup-verifiers docs docs-serve docs-check setup-docs setup-chromium test-openenv setup-openenv
+.PHONY: run test test-fast test-scale bench-smoke setup setup-bwrap test-vllm setup-vllm test-verifiers setup-verifiers docs docs-serve docs-check setup-docs setup-chromium test-openenv setup-openenv
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) setup-bwrap
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) setup-bwrap
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not scale" $(ARGS)
 
-test-scale: $(STAMP)
+test-scale: $(STAMP) setup-bwrap
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m scale $(ARGS)
 
-bench-smoke: $(STAMP)
+bench-smoke: $(STAMP) setup-bwrap
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m bench $(ARGS)
 
 setup: $(STAMP)
@@ -169,11 +169,20 @@ docs-check: docs setup-chromium
 setup-docs: $(STAMP_DOCS)
 
 # Debian's chromium for the browser test, installed when missing and we are root
+# bubblewrap: the sandboxes for model-written code (rollart.sandbox); its tests skip, saying
+# so, where it is missing and this is not root with apt-get
+setup-bwrap:
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing bubblewrap (apt-get)"; \
+	  apt-get install -y -q -o DPkg::Lock::Timeout=600 bubblewrap >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q -o DPkg::Lock::Timeout=600 bubblewrap >/dev/null; }; \
+	else echo "no bubblewrap, and not root with apt-get to install it: the sandbox tests will skip (apt-get install bubblewrap)"; fi
+
 setup-chromium:
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing chromium (apt-get)"; \
-	  apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; \
+	  apt-get install -y -q -o DPkg::Lock::Timeout=600 chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q -o DPkg::Lock::Timeout=600 chromium >/dev/null; }; \
 	else echo "no chromium, and not root with apt-get to install it: the browser test will skip (apt-get install chromium)"; fi
 
 $(STAMP_DOCS): pyproject.toml

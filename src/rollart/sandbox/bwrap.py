@@ -58,7 +58,8 @@ def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
     prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
     args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
-            "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+            "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--disable-userns"]
     if not cfg.network:
         args.append("--unshare-net")
     args += ["--ro-bind", "/usr", "/usr"]

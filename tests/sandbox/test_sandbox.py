@@ -1,0 +1,147 @@
+"""One sandbox's contract: commands, files, limits, output caps, and which failures are
+infrastructure (:class:`SandboxError`) and which are the caller's (:class:`SandboxRequestError`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from rollart import sandbox
+from rollart.config.sandbox import SandboxConfig
+from rollart.sandbox import Limits, Sandbox, SandboxError, SandboxPool, SandboxRequestError
+from tests.sandbox.conftest import SMALL, needs_bwrap
+from tests.waiting import until, until_sync
+
+
+def test_run_write_read_and_state_across_commands(sb):
+    sb.write("src/main.py", "import sys\nprint(sys.stdin.read()[::-1])\n")
+    r = sb.run(["python3", "src/main.py"], stdin="abc")
+    assert (r.exit_code, r.stdout, r.limit, r.timed_out) == (0, b"cba\n", None, False)
+    assert r.wall_s > 0 and r.cpu_s > 0
+    assert sb.run("echo more >> src/log; echo again >> src/log").ok
+    assert sb.read("src/log") == b"more\nagain\n"
+    assert sb.read("src/main.py", max_bytes=6) == b"import"
+    r = sb.run("exit 3")
+    assert r.exit_code == 3 and not r.ok
+
+
+def test_output_is_capped_and_the_cut_is_said(sb):
+    r = sb.run("head -c 100000 /dev/zero | tr '\\0' x; echo err >&2")
+    assert len(r.stdout) == SMALL.max_output_bytes
+    assert r.stdout_truncated == 100000 - SMALL.max_output_bytes
+    assert r.text().endswith(f"[... {r.stdout_truncated} more bytes truncated]")
+    assert r.stderr == b"err\n" and r.stderr_truncated == 0
+
+
+def test_a_command_may_lower_a_limit_never_raise_it(sb):
+    r = sb.run(["python3", "-c", "import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])"],
+               limits=Limits(processes=10_000))
+    assert int(r.stdout) == SMALL.processes
+    r = sb.run(["python3", "-c", "import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])"],
+               limits=Limits(processes=5))
+    assert int(r.stdout) == 5
+    t0 = time.monotonic()
+    r = sb.run("sleep 5", limits=Limits(timeout_s=0.5))
+    assert r.timed_out and r.limit == "timeout" and time.monotonic() - t0 < 4
+
+
+def test_paths_outside_the_workspace_are_the_callers_mistake(sb):
+    for bad in ("/etc/passwd", "../x", "a/../../x", ""):
+        with pytest.raises(SandboxRequestError):
+            sb.read(bad)
+        with pytest.raises(SandboxRequestError):
+            sb.write(bad, b"x")
+    # a link the code made to outside the workspace is refused inside too
+    assert sb.run("ln -s /usr/bin/env link && ln -s /tmp tlink").ok
+    with pytest.raises(SandboxRequestError, match="outside the workspace"):
+        sb.read("link")
+    with pytest.raises(SandboxRequestError, match="outside the workspace"):
+        sb.write("tlink/x", b"x")
+    with pytest.raises(SandboxRequestError, match="No such file"):
+        sb.read("missing")
+    assert sb.run("true").ok  # the sandbox is fine after refusals
+
+
+def test_a_dead_supervisor_is_an_infrastructure_failure(sb):
+    os.kill(sb.pid, 9)
+    with pytest.raises(SandboxError, match="exited|gone|stopped"):
+        sb.run("true")
+    assert not sb.alive
+    with pytest.raises(SandboxError, match="gone"):
+        sb.run("true")
+
+
+@needs_bwrap
+def test_a_supervisor_that_speaks_garbage_is_refused_typed_and_bounded():
+    # a real process on the other end that answers with a frame claiming 1 GiB
+    box = Sandbox(argv=[sys.executable, "-c", "import sys; sys.stdin.buffer.readline(); "
+                        "sys.stdout.buffer.write(b'\\x40\\x00\\x00\\x00'); sys.stdout.flush(); "
+                        "import time; time.sleep(60)"], limits=Limits(), start_timeout_s=10)
+    with pytest.raises(SandboxError, match="claims 1073741824 bytes"):
+        box.start()
+    assert not box.alive
+    box = Sandbox(argv=[sys.executable, "-c", "import sys; sys.stdin.buffer.readline(); "
+                        "sys.stdout.buffer.write(b'\\x00\\x00\\x00\\x05{\"ok\"'); sys.stdout.flush()"],
+                  limits=Limits(), start_timeout_s=10)
+    with pytest.raises(SandboxError, match="malformed|exited"):
+        box.start()
+
+
+@needs_bwrap
+def test_a_sandbox_that_cannot_start_says_why():
+    cfg = SandboxConfig(python="/usr/bin/no-such-python", warm=0)
+    with pytest.raises(SandboxError) as e:
+        sandbox.start(cfg)
+    assert "no-such-python" in str(e.value)
+
+
+@needs_bwrap
+def test_the_pool_hands_out_warm_sandboxes_and_never_reuses_one():
+    pool = SandboxPool(SMALL, warm=2)
+    try:
+        assert pool.wait_ready(2, timeout=30)
+        a = pool.acquire()
+        a.write("mine", "episode 1")
+        pool.release(a)
+        until_sync(lambda: not a.alive, deadline=10, what="the released sandbox is killed")
+        b = pool.acquire()
+        assert b is not a and b.alive
+        assert b.run("ls").stdout == b""  # a fresh workspace
+        snap = pool.snapshot()
+        assert snap["warm_hits"] == 2 and snap["cold_starts"] == 0
+        assert snap["start_p50_s"] is not None and snap["lent"] == 1
+        assert pool.wait_ready(2, timeout=30)  # refilled
+        os.kill(pool._ready[0].pid, 9)  # one dies while idle: skipped, counted
+        until_sync(lambda: not pool._ready[0].alive, deadline=10, what="the idle sandbox died")
+        c = pool.acquire()
+        assert c.alive and c.run("true").ok
+        assert pool.snapshot()["died_idle"] == 1
+    finally:
+        pool.close()
+    assert not b.alive and not c.alive  # close kills lent ones too
+
+
+@needs_bwrap
+async def test_the_async_face_runs_off_the_event_loop():
+    pool = SandboxPool(SMALL, warm=1)
+    try:
+        async with pool.session() as box:
+            await box.awrite("x.py", "print(6 * 7)")
+            r = await box.arun(["python3", "x.py"])
+            assert r.stdout == b"42\n"
+            assert await box.aread("x.py") == b"print(6 * 7)"
+        await until(lambda: not box.alive, deadline=10, what="the session's sandbox is killed")
+    finally:
+        pool.close()
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="sandbox.image is required"):
+        SandboxConfig(backend="podman")
+    with pytest.raises(ValueError, match="sandbox.processes"):
+        SandboxConfig(processes=0)
+    with pytest.raises(ValueError, match="sandbox.binds"):
+        SandboxConfig(binds=["relative/dir"])
