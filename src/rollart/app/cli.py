@@ -25,6 +25,7 @@ from rollart.app.report import report
 from rollart.app.rollout import rollout_main
 from rollart.app.run import run_main
 from rollart.app.secure import register as register_secure
+from rollart.app.sandbox_cmd import register as register_sandbox
 from rollart.app.sft import register as register_sft
 from rollart.app.tap import register as register_tap
 from rollart.bus.connect import bus_from_config
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_tap(sub)
     register_demos(sub)
     register_sft(sub)
+    register_sandbox(sub)
     return p
 
 

@@ -71,12 +71,12 @@ def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
             args += ["--ro-bind", target, target]
     if not prefix.startswith("/usr/") and prefix != "/usr":
         args += ["--ro-bind", prefix, prefix]
-    for b in cfg.binds:
-        args += ["--ro-bind", b, b]
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(cfg.workspace_bytes), "--tmpfs", "/workspace",
              "--size", str(max(cfg.workspace_bytes // 4, 1 << 20)), "--tmpfs", "/tmp",
              "--dir", "/etc"]
+    for b in cfg.binds:  # after the tmpfs mounts, which would hide a folder under /tmp
+        args += ["--ro-bind", b, b]
     for name in _ETC:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     args += ["--chdir", "/workspace", "--clearenv", "--setenv", "HOME", "/workspace",
