@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -88,6 +89,20 @@ def test_a_supervisor_that_speaks_garbage_is_refused_typed_and_bounded():
                   limits=Limits(), start_timeout_s=10)
     with pytest.raises(SandboxError, match="malformed|exited"):
         box.start()
+
+
+@needs_bwrap
+def test_a_sandbox_outlives_the_thread_that_started_it():
+    # --die-with-parent is per thread: an env runner's thread that ends must not take its
+    # sandbox along (every sandbox is spawned from one long-lived thread)
+    box: list[Sandbox] = []
+    t = threading.Thread(target=lambda: box.append(sandbox.start(SMALL)))
+    t.start()
+    t.join()
+    try:
+        assert box[0].run("echo still here").stdout == b"still here\n"
+    finally:
+        box[0].close()
 
 
 @needs_bwrap

@@ -40,6 +40,10 @@ BOOT = ("import sys;b=sys.stdin.buffer;"
         "exec(compile(b.read(int(b.readline())),'rollart-sandbox-supervisor','exec'))")
 """The supervisor's command line: it reads its own source from stdin (length line, source)."""
 _executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollart-sandbox")
+_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-sandbox-spawn")
+"""Every sandbox process is started from this one long-lived thread: ``--die-with-parent``
+(PR_SET_PDEATHSIG) fires when the *thread* that forked it ends, so a sandbox started from an
+env's runner thread would die with that thread."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,9 @@ class Sandbox:
     def start(self) -> "Sandbox":
         t0 = time.monotonic()
         try:
-            self._proc = subprocess.Popen(list(self.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, bufsize=0, **self.popen_kwargs)
+            self._proc = _spawner.submit(
+                subprocess.Popen, list(self.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, bufsize=0, **self.popen_kwargs).result()
         except OSError as e:
             raise SandboxError(f"{self.backend} sandbox could not be started: {e}") from e
         try:
