@@ -10,6 +10,8 @@
 #   make test-verifiers  the verifiers adapter's tests in their own venv, $(VENV_VF)
 #   make test-openenv    the OpenEnv adapter against servers built with openenv-core, in
 #                        their own venv, $(VENV_OE)
+#   make setup-sandbox  bubblewrap, podman and runc for the sandbox tests (apt-get, as root;
+#                    make test and the other test targets run it first)
 #   make bench-smoke every benchmark's --quick mode (tests/benchmarks: it runs, prints its
 #                    JSON, writes nothing), left out of `make test`; CI runs it
 # Set-up is redone only when pyproject.toml changes (a stamp file in the venv), so the
@@ -53,21 +55,21 @@ define install_torch
 	fi
 endef
 
-.PHONY: run test test-fast test-scale bench-smoke setup setup-bwrap test-vllm setup-vllm test-verifiers setup-verifiers docs docs-serve docs-check setup-docs setup-chromium test-openenv setup-openenv
+.PHONY: run test test-fast test-scale bench-smoke setup setup-sandbox test-vllm setup-vllm test-verifiers setup-verifiers docs docs-serve docs-check setup-docs setup-chromium test-openenv setup-openenv
 
 run: $(STAMP)
 	$(VENV)/bin/rollart run $(CONFIG) $(ARGS)
 
-test: $(STAMP) setup-bwrap
+test: $(STAMP) setup-sandbox
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
-test-fast: $(STAMP) setup-bwrap
+test-fast: $(STAMP) setup-sandbox
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not scale" $(ARGS)
 
-test-scale: $(STAMP) setup-bwrap
+test-scale: $(STAMP) setup-sandbox
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m scale $(ARGS)
 
-bench-smoke: $(STAMP) setup-bwrap
+bench-smoke: $(STAMP) setup-sandbox
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m bench $(ARGS)
 
 setup: $(STAMP)
@@ -169,14 +171,16 @@ docs-check: docs setup-chromium
 setup-docs: $(STAMP_DOCS)
 
 # Debian's chromium for the browser test, installed when missing and we are root
-# bubblewrap: the sandboxes for model-written code (rollart.sandbox); its tests skip, saying
-# so, where it is missing and this is not root with apt-get
-setup-bwrap:
-	@if command -v bwrap >/dev/null 2>&1; then :; \
+# the sandboxes for model-written code (rollart.sandbox): bubblewrap (the default backend),
+# podman and runc (the container backend's tests); their tests skip, saying so, where they are
+# missing and this is not root with apt-get
+SANDBOX_PKGS := bubblewrap podman runc
+setup-sandbox:
+	@if command -v bwrap >/dev/null 2>&1 && command -v podman >/dev/null 2>&1 && command -v runc >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  echo "installing bubblewrap (apt-get)"; \
-	  apt-get install -y -q -o DPkg::Lock::Timeout=600 bubblewrap >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q -o DPkg::Lock::Timeout=600 bubblewrap >/dev/null; }; \
-	else echo "no bubblewrap, and not root with apt-get to install it: the sandbox tests will skip (apt-get install bubblewrap)"; fi
+	  echo "installing $(SANDBOX_PKGS) (apt-get)"; \
+	  apt-get install -y -q -o DPkg::Lock::Timeout=600 $(SANDBOX_PKGS) >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q -o DPkg::Lock::Timeout=600 $(SANDBOX_PKGS) >/dev/null; }; \
+	else echo "no bubblewrap/podman, and not root with apt-get to install them: the sandbox tests will skip (apt-get install $(SANDBOX_PKGS))"; fi
 
 setup-chromium:
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \

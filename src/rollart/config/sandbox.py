@@ -17,6 +17,9 @@ class SandboxConfig(Base):
     ``/usr`` read-only, a tmpfs workspace) or a container engine running ``image``."""
     image: str | None = None
     """The container image (``podman``/``docker`` backends); it must have ``python3``."""
+    engine_args: list[str] = []
+    """Extra arguments of ``podman run`` / ``docker run`` (e.g. ``[--runtime, runc]`` on a
+    host whose default runtime cannot run there)."""
     warm: int = 2
     """Sandboxes started ahead of demand on each env host; a used one is replaced, never reused."""
     python: str | None = None

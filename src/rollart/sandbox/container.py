@@ -6,14 +6,18 @@ read-only root, tmpfs ``/workspace`` and ``/tmp`` with size caps, every capabili
 ``no-new-privileges``, an unprivileged user, and the engine's memory and pids limits (cgroup
 limits, which the bubblewrap backend leaves to rlimits); the supervisor adds the same
 per-command rlimits and deadline. ``--rm`` and the engine's own cleanup remove it when its
-supervisor ends, which killing the client process does (``-i``: its stdin closes).
+supervisor ends, which killing the client process does (``-i``: its stdin closes); the client
+gets SIGKILL when rollart dies. Tested with podman 4 (``tests/sandbox/test_container.py``,
+on an image made from the host's python by ``tests/sandbox/make_image.sh``).
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 
 from rollart.config.sandbox import SandboxConfig
+from rollart.procs import die_with_parent
 from rollart.sandbox.core import BOOT
 from rollart.sandbox.errors import SandboxUnavailable
 
@@ -25,14 +29,19 @@ def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
     tmp = max(cfg.workspace_bytes // 4, 1 << 20)
     args = [engine, "run", "--rm", "-i", "--read-only", "--cap-drop", "ALL",
             "--security-opt", "no-new-privileges", "--user", "1000:1000",
-            "--tmpfs", f"/workspace:rw,exec,size={cfg.workspace_bytes},uid=1000,gid=1000,mode=0755",
+            "--tmpfs", f"/workspace:rw,exec,size={cfg.workspace_bytes},mode=1777",
             "--tmpfs", f"/tmp:rw,size={tmp},mode=1777",
             "--workdir", "/workspace", "--env", "HOME=/workspace",
             "--pids-limit", str(cfg.processes + 8),
-            "--memory", str(max(cfg.memory_bytes, cfg.workspace_bytes + tmp + (64 << 20)))]
+            "--ulimit", f"nproc={cfg.processes + 8}:{cfg.processes + 8}",
+            "--ulimit", f"nofile={cfg.open_files}:{cfg.open_files}",
+            "--memory", str(max(cfg.memory_bytes, cfg.workspace_bytes + tmp + (64 << 20))),
+            *cfg.engine_args]
     if not cfg.network:
         args += ["--network", "none"]
     for b in cfg.binds:
         args += ["--volume", f"{b}:{b}:ro"]
     args += [str(cfg.image), "python3", "-I", "-S", "-u", "-c", BOOT]
-    return args, {}
+    # the engine's client dies with rollart (it has no --die-with-parent of its own): its
+    # attached stdin closes, the supervisor reads EOF and exits, --rm removes the container
+    return args, {"preexec_fn": die_with_parent(signal.SIGKILL)}

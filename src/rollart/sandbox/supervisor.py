@@ -16,7 +16,6 @@ outlives it.
 """
 
 import base64
-import ctypes
 import json
 import os
 import resource
@@ -35,9 +34,12 @@ LIMITS = {"cpu_s": resource.RLIMIT_CPU, "memory_bytes": resource.RLIMIT_AS,
 
 def _nondumpable():
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except (OSError, AttributeError):
-        pass
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+    except (ImportError, OSError, AttributeError) as e:  # an image without ctypes: say so
+        os.write(2, f"rollart sandbox: the supervisor stays dumpable ({e})\n".encode())
 
 
 def _read_exact(fd, n):
