@@ -16,7 +16,7 @@ DOCS = ROOT / "docs"
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 NAV_PAGE = re.compile(r"^\s*-\s*[^:]+:\s*(\S+\.md)\s*$", re.M)
 PAGES = sorted(p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.md"))
-TUTORIALS = ["quickstart.md", "your-env.md", "your-agent.md", "warm-start.md", "many-hosts.md",
+TUTORIALS = ["quickstart.md", "your-env.md", "your-agent.md", "code.md", "warm-start.md", "many-hosts.md",
              "security.md", "gpus-and-engines.md", "watching.md", "asynchrony.md",
              "failures.md", "tests.md", "benchmarks.md"]
 """The pages in the order a user meets them (issue 44)."""
