@@ -92,6 +92,29 @@ def test_a_supervisor_that_speaks_garbage_is_refused_typed_and_bounded():
 
 
 @needs_bwrap
+def test_a_process_with_thousands_of_descriptors_drives_sandboxes():
+    # an env host with many connections: its pipes to a sandbox get numbers past select's 1024
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2100:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 2100")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2100), hard))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        box = sandbox.start(SMALL)
+        try:
+            assert box._proc.stdout.fileno() > 1024
+            assert box.run("echo far").stdout == b"far\n"
+        finally:
+            box.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@needs_bwrap
 def test_a_sandbox_outlives_the_thread_that_started_it():
     # --die-with-parent is per thread: an env runner's thread that ends must not take its
     # sandbox along (every sandbox is spawned from one long-lived thread)

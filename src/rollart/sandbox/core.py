@@ -310,8 +310,7 @@ class Sandbox:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail(f"no answer to {what} in time")
-            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            if not ready:
+            if not _readable(fd, min(left, 1.0)):
                 continue
             chunk = os.read(fd, n - len(buf))
             if not chunk:
@@ -336,7 +335,7 @@ class Sandbox:
                 proc.kill()
             try:
                 proc.wait(timeout=10)
-                if proc.stderr is not None and select.select([proc.stderr], [], [], 1.0)[0]:
+                if proc.stderr is not None and _readable(proc.stderr.fileno(), 1.0):
                     err = os.read(proc.stderr.fileno(), 4000)
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 pass
@@ -344,6 +343,13 @@ class Sandbox:
         self._dead = f"{self.backend} sandbox failed: {why}"
         tail = err.decode("utf-8", "replace").strip()
         raise SandboxError(self._dead + (f"; it said: {tail[-500:]}" if tail else ""))
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """poll(2), not select(2): a host with many connections has descriptors past 1024."""
+    p = select.poll()
+    p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(timeout_s * 1000))
 
 
 def _check_path(path: str) -> None:
