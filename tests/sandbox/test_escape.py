@@ -152,6 +152,25 @@ def test_a_memory_bomb_stops_at_the_address_space_limit(sb):
     assert sb.run("true").ok
 
 
+def test_a_memory_bomb_of_many_processes_stops_at_the_sandboxs_memory(sb):
+    # each process stays under its RLIMIT_AS (512 MiB); together they are 3x the sandbox's
+    if sb.cgroups is None:
+        pytest.skip("this host offers rollart no cgroups (not root, no delegated subtree): "
+                    "only per-process rlimits bound a sandbox")
+    code = ("import os, time\n"
+            "for _ in range(6):\n"
+            "    if os.fork() == 0:\n"
+            "        b = bytearray(300 << 20)\n"  # written: resident, not just reserved
+            "        time.sleep(3)\n"
+            "        os._exit(0)\n"
+            "for _ in range(6):\n"
+            "    print(os.wait())\n")
+    r = _py(sb, code)
+    assert r.limit == "memory" and not r.timed_out, r
+    assert r.stdout.count(b", 9)") >= 3  # os.wait(): most were killed by SIGKILL
+    assert sb.run("echo alive").stdout == b"alive\n"  # the supervisor was not the one killed
+
+
 def test_filling_the_disk_stops_at_the_caps(sb):
     r = sb.run("dd if=/dev/zero of=big bs=1M count=64")
     assert r.exit_code != 0 and r.limit == "file_size"

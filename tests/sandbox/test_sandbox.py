@@ -152,11 +152,14 @@ def test_the_pool_hands_out_warm_sandboxes_and_never_reuses_one():
         assert snap["warm_hits"] == 2 and snap["cold_starts"] == 0
         assert snap["start_p50_s"] is not None and snap["lent"] == 1
         assert pool.wait_ready(2, timeout=30)  # refilled
-        os.kill(pool._ready[0].pid, 9)  # one dies while idle: skipped, counted
-        until_sync(lambda: not pool._ready[0].alive, deadline=10, what="the idle sandbox died")
+        dead = pool._ready[0]
+        os.kill(dead.pid, 9)  # one dies while idle: skipped, counted, cleaned up
+        until_sync(lambda: not dead.alive, deadline=10, what="the idle sandbox died")
         c = pool.acquire()
         assert c.alive and c.run("true").ok
         assert pool.snapshot()["died_idle"] == 1
+        until_sync(lambda: dead._dead == "closed" and dead.cgroups is None, deadline=10,
+                   what="the dead sandbox's pipes and cgroups released")
     finally:
         pool.close()
     assert not b.alive and not c.alive  # close kills lent ones too

@@ -15,7 +15,9 @@ What the sandboxed code sees and may do:
   permissions; otherwise as rollart's own user.
 
 Per command, the supervisor adds rlimits (CPU seconds, address space, processes, file
-size, open files) and a wall-clock deadline.
+size, open files) and a wall-clock deadline. Where the host offers cgroups
+(:mod:`rollart.sandbox.cgroups`), the whole sandbox is also bounded in memory (its processes
+and its tmpfs together) and in processes, whatever its processes do.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ def interpreter(cfg: SandboxConfig) -> str:
 
 
 def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
-    """The command and the ``subprocess.Popen`` extras that start one sandbox."""
+    """The command that starts one sandbox, and the :class:`~rollart.sandbox.core.Sandbox`
+    fields it needs: the user to drop to (rollart as root) and its cgroup limits, the memory
+    of its processes and tmpfs folders together (``memory_bytes`` + the tmpfs sizes + 64 MiB
+    for the supervisor) and ``processes`` + 8."""
     bwrap = find_bwrap()
     python = interpreter(cfg)
     prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
@@ -83,7 +88,8 @@ def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
              "--setenv", "PATH", f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin",
              "--setenv", "LANG", "C.UTF-8",
              "--", python, "-I", "-S", "-u", "-c", BOOT]
-    kwargs: dict = {}
+    tmpfs = cfg.workspace_bytes + max(cfg.workspace_bytes // 4, 1 << 20)
+    extra: dict = {"cgroup_limits": (cfg.memory_bytes + tmpfs + (64 << 20), cfg.processes + 8)}
     if os.geteuid() == 0:
-        kwargs.update(user=cfg.uid, group=cfg.uid, extra_groups=[])
-    return args, kwargs
+        extra["run_as"] = cfg.uid
+    return args, extra

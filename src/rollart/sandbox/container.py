@@ -44,4 +44,4 @@ def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
     args += [str(cfg.image), "python3", "-I", "-S", "-u", "-c", BOOT]
     # the engine's client dies with rollart (it has no --die-with-parent of its own): its
     # attached stdin closes, the supervisor reads EOF and exits, --rm removes the container
-    return args, {"preexec_fn": die_with_parent(signal.SIGKILL)}
+    return args, {"preexec": die_with_parent(signal.SIGKILL)}

@@ -23,10 +23,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 import msgspec
 
+from rollart.sandbox.cgroups import Cgroups, make as make_cgroups
 from rollart.sandbox.errors import SandboxError, SandboxRequestError
 
 log = logging.getLogger(__name__)
@@ -128,10 +129,17 @@ class Sandbox:
     limits: Limits
     backend: str = "bwrap"
     start_timeout_s: float = 20.0
-    popen_kwargs: dict[str, Any] = field(default_factory=dict)
+    run_as: int | None = None
+    """Host uid (and gid) the backend process drops to between fork and exec (rollart as root)."""
+    cgroup_limits: tuple[int, int] | None = None
+    """(memory bytes, processes) of the cgroups the backend process enters before it runs,
+    where the host offers them (:mod:`rollart.sandbox.cgroups`)."""
+    preexec: Callable[[], None] | None = None
+    """Anything else the backend process must do between fork and exec."""
     started_s: float = 0.0
     """Seconds from spawn to the supervisor's first answer."""
     commands: int = 0
+    cgroups: "Cgroups | None" = field(default=None, repr=False)
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _dead: str | None = field(default=None, repr=False)
@@ -139,11 +147,14 @@ class Sandbox:
     # -- life -----------------------------------------------------------------------------
     def start(self) -> "Sandbox":
         t0 = time.monotonic()
+        if self.cgroup_limits is not None:
+            self.cgroups = make_cgroups(*self.cgroup_limits)
         try:
             self._proc = _spawner.submit(
                 subprocess.Popen, list(self.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, bufsize=0, **self.popen_kwargs).result()
-        except OSError as e:
+                stderr=subprocess.PIPE, bufsize=0, preexec_fn=self._child_setup()).result()
+        except (OSError, subprocess.SubprocessError) as e:
+            self._remove_cgroups()
             raise SandboxError(f"{self.backend} sandbox could not be started: {e}") from e
         try:
             src = SUPERVISOR.read_bytes()
@@ -165,6 +176,34 @@ class Sandbox:
             raise SandboxError(f"{self.backend} sandbox answered its start with {hello.error!r}")
         self.started_s = time.monotonic() - t0
         return self
+
+    def _child_setup(self) -> Callable[[], None] | None:
+        """What the backend process does between fork and exec: enter the cgroups (still as
+        rollart's user, who may write them), then drop to ``run_as``."""
+        cg, uid, extra = self.cgroups, self.run_as, self.preexec
+        if cg is None and uid is None and extra is None:
+            return None
+
+        def setup() -> None:
+            if cg is not None:
+                cg.enter()
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            if extra is not None:
+                extra()
+
+        return setup
+
+    def _remove_cgroups(self) -> None:
+        cg, self.cgroups = self.cgroups, None
+        if cg is None:
+            return
+        deadline = time.monotonic() + 10
+        while cg.busy() and time.monotonic() < deadline:  # the kernel reaps the namespace
+            time.sleep(0.02)
+        cg.remove()
 
     @property
     def alive(self) -> bool:
@@ -189,6 +228,7 @@ class Sandbox:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             log.warning("sandbox %s did not exit 10 s after SIGKILL", proc.pid)
+        self._remove_cgroups()
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None:
                 try:
@@ -223,11 +263,14 @@ class Sandbox:
                           "processes": lim.processes, "file_bytes": lim.file_bytes,
                           "open_files": lim.open_files}}
         # the supervisor enforces the deadline; past it plus a grace, it is the sandbox that hangs
+        ooms = self.cgroups.oom_kills() if self.cgroups is not None else 0
         r = self._request(req, wall + 10.0, max_frame=2 * 4 * (lim.max_output_bytes or 0) // 3 + _FRAME_SLACK)
         self.commands += 1
         if r.exit_code is None:
             raise SandboxError(f"sandbox run: malformed reply {r!r:.200}")
         limit = "timeout" if r.timed_out else {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "file_size"}.get(r.signal)
+        if limit is None and self.cgroups is not None and self.cgroups.oom_kills() > ooms:
+            limit = "memory"  # the kernel killed a process of it at the sandbox's memory limit
         if limit is None and r.exit_code != 0:
             tail = r.stderr[-2000:]
             limit = ("memory" if any(x in tail for x in _OOM) else

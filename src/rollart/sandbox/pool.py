@@ -39,9 +39,9 @@ def new_sandbox(cfg: SandboxConfig) -> Sandbox:
         from rollart.sandbox.bwrap import argv as backend_argv
     else:
         from rollart.sandbox.container import argv as backend_argv
-    argv, kwargs = backend_argv(cfg)
+    argv, extra = backend_argv(cfg)
     return Sandbox(argv=argv, limits=limits_of(cfg), backend=cfg.backend,
-                   start_timeout_s=cfg.start_timeout_s, popen_kwargs=kwargs)
+                   start_timeout_s=cfg.start_timeout_s, **extra)
 
 
 def start(cfg: SandboxConfig | None = None) -> Sandbox:
@@ -77,6 +77,7 @@ class SandboxPool:
             while sb is not None and not sb.alive:  # died while waiting: infrastructure
                 self.stats.died_idle += 1
                 log.warning("a warm sandbox died while idle (%s); starting another", sb._why_dead())
+                _executor.submit(sb.close)  # its pipes and cgroups
                 sb = self._ready.popleft() if self._ready else None
             self._cv.notify_all()  # the refill thread tops up
         if sb is None:
