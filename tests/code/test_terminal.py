@@ -143,6 +143,31 @@ async def test_the_agent_runs_bash_in_one_sandbox_across_turns(memory_bus_only, 
 
 
 @needs_bwrap
+async def test_the_packaged_agent_with_free_replies_and_with_its_menu(memory_bus_only, tiny_model):
+    """``agent:rollart.code.terminal:terminal`` as configured: free replies (the random model
+    writes no command: a wrong answer, reward 0) and the menu (every reply one of the task's
+    commands or answers: a tool call runs, each trajectory ends with an answer)."""
+    from tests.agents.test_agent_endpoint import make_cfg
+    from tests.e2e.test_rollout import run_groups
+
+    free = make_cfg(tiny_model, {"type": "agent:rollart.code.terminal:terminal",
+                                 "args": {"max_turns": 2, "max_tokens": 16}, "max_turns": 2})
+    sched, _ = await run_groups(memory_bus_only, free, groups=1)
+    assert len(sched.results) == 2
+    assert all(d.reward == 0.0 and d.stop_reason == "terminated" for d in sched.results)
+    menu_cfg = make_cfg(tiny_model, {"type": "agent:rollart.code.terminal:terminal",
+                                     "args": {"menu": True, "max_turns": 4, "max_tokens": 96,
+                                              "kinds": ["fix"]},
+                                     "max_turns": 4, "max_context_tokens": 1900,
+                                     "sampling": {"max_new_tokens": 96}}, group_size=8)
+    sched, _ = await run_groups(memory_bus_only, menu_cfg, groups=1)
+    results = sched.results
+    assert len(results) == 8 and all(d.stop_reason == "terminated" for d in results)
+    assert any(len(d.turns) > 1 for d in results), "some reply was a tool call"
+    assert all(d.turns[-1].action.startswith("<answer>done") for d in results)
+
+
+@needs_bwrap
 async def test_a_dead_sandbox_is_the_host_s_failure_and_retried(memory_bus_only, tiny_model):
     from tests.agents.test_agent_endpoint import make_cfg
     from tests.code import terminal_agents as ta

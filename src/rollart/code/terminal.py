@@ -147,3 +147,8 @@ async def terminal(base_url: str, task: dict) -> dict:
         out = await run_episode(openai_client(base_url), sb, t, task,
                                 choices=menu if task.get("menu") else None)
     return {"reward": out["reward"], "success": out["success"]}
+
+
+terminal.uses_sandbox = True  # type: ignore[attr-defined]
+"""Asks the env host for warm sandboxes (the EnvManager keeps ``sandbox.warm`` of them started
+for a run whose agent declares it)."""
