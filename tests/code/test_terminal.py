@@ -73,12 +73,13 @@ async def test_the_checkers_accept_a_solution_run_in_the_sandbox_and_reject_othe
     """For each kind and level: the task's own helpful command, run in a real sandbox, gives
     the answer the checker accepts; a wrong answer fails; for ``fix`` exactly one menu
     command makes the check pass, and editing check.py does not."""
-    seen = set()
-    for seed in range(60):
+    seen, faults = set(), set()
+    for seed in range(120):
         t = make_task(seed, levels=LEVELS)
-        if (t.kind, t.level) in seen:
-            continue
+        if (t.kind, t.level) in seen and (t.kind != "fix" or repr(t.files) in faults):
+            continue  # one of each kind and level, and every fault (there are 8)
         seen.add((t.kind, t.level))
+        faults.add(repr(t.files))
         if t.kind != "fix":
             with sandbox.start() as sb:
                 await setup(t, sb)
@@ -108,6 +109,7 @@ async def test_the_checkers_accept_a_solution_run_in_the_sandbox_and_reject_othe
             assert (await sb.arun("python3 check.py")).exit_code == 0
             assert not await score(t, sb, "done"), "the checker is the task's, not the workspace's"
     assert len(seen) == len(KINDS) * len(LEVELS)
+    assert len({f for f in faults if "check.py" in f}) == 8
 
 
 def test_the_menu_is_tool_calls_then_answers_only():

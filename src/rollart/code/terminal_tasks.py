@@ -155,7 +155,7 @@ def _fix(rng: random.Random, seed: int, level: int) -> TerminalTask:
             files={"config.ini": text, "check.py": _CONFIG_CHECK}, answer=None,
             check=_CONFIG_CHECK,
             commands=("python3 check.py", "cat config.ini", *fixes), answers=("done",))
-    wrong = rng.choice(("-", "*"))
+    wrong = rng.choice(("-", "%"))  # not "*": a sed pattern would read it as a repeat
     text = f"def total(a, b):\n    return a {wrong} b\n"
     fixes = [f"sed -i 's/a {wrong} b/a + b/' app.py", f"sed -i 's/a {wrong} b/b - a/' app.py"]
     rng.shuffle(fixes)
