@@ -63,6 +63,10 @@ def test_paths_outside_the_workspace_are_the_callers_mistake(sb):
         sb.write("tlink/x", b"x")
     with pytest.raises(SandboxRequestError, match="No such file"):
         sb.read("missing")
+    with pytest.raises(SandboxRequestError, match="pass data as stdin"):
+        sb.run(["echo", "x" * (2 << 20)])
+    with pytest.raises(SandboxRequestError, match="NUL"):
+        sb.run(["echo", "a\0b"])
     assert sb.run("true").ok  # the sandbox is fine after refusals
 
 

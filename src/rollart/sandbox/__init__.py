@@ -16,8 +16,9 @@
 :mod:`~rollart.sandbox.bwrap` and :mod:`~rollart.sandbox.container` (the backends),
 :mod:`~rollart.sandbox.pool` (warm pools and the process's pool),
 :mod:`~rollart.sandbox.supervisor` (what runs inside), :mod:`~rollart.sandbox.errors`
-(infrastructure failures against the caller's mistakes). ``docs/design.md`` ("Sandboxes")
-says what a sandbox can reach and which failures are whose.
+(infrastructure failures against the caller's mistakes). ``docs/design.md`` (§6, "Model-written
+code") says what a sandbox can reach and which failures are whose; ``docs/code.md`` is the
+user's guide.
 """
 
 from rollart.sandbox.core import Limits, Result, Sandbox

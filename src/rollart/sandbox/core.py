@@ -33,7 +33,9 @@ from rollart.sandbox.errors import SandboxError, SandboxRequestError
 log = logging.getLogger(__name__)
 
 MAX_FILE = 32 << 20
-"""Bytes a single ``write`` or ``read`` carries at most."""
+"""Bytes a single ``write`` or ``read`` (or a command's stdin) carries at most."""
+MAX_COMMAND = 1 << 20
+"""Bytes of a command line and its environment at most (Linux takes ~2 MiB in all)."""
 
 _FRAME_SLACK = 1 << 20
 SUPERVISOR = Path(__file__).with_name("supervisor.py")
@@ -256,6 +258,11 @@ class Sandbox:
         data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
         if len(data) > MAX_FILE:
             raise SandboxRequestError(f"run: stdin is {len(data)} bytes (max {MAX_FILE})")
+        size = sum(len(a.encode()) for a in argv) + sum(len(k) + len(v) for k, v in (env or {}).items())
+        if size > MAX_COMMAND or any("\0" in a for a in argv):
+            raise SandboxRequestError(f"run: the command is {size} bytes or holds a NUL byte "
+                                      f"(at most {MAX_COMMAND} bytes, no NUL): pass data as stdin "
+                                      f"or a file")
         wall = float(lim.timeout_s or 10.0)
         req = {"op": "run", "argv": argv, "stdin": base64.b64encode(data).decode(),
                "timeout": wall, "max_output": int(lim.max_output_bytes or 0), "env": env or {},
