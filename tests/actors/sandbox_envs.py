@@ -3,9 +3,11 @@ sandboxes die under them: killed by the host mid-episode, or never starting at a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
+import time
 
 from rollart import sandbox
 from rollart.config import SandboxConfig
@@ -13,6 +15,16 @@ from rollart.config import SandboxConfig
 _lock = threading.Lock()
 _killed: dict[str, int] = {}
 """Episodes whose sandbox was killed so far, by the env's ``key`` (shared by its instances)."""
+
+
+def kill(sb: sandbox.Sandbox) -> None:
+    """SIGKILL a sandbox from outside, as the host would, and wait (with a deadline) until
+    its process is gone: the supervisor dies with it, but not at the same instant."""
+    os.kill(sb.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while sb.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sb.alive, f"sandbox {sb.pid} survived SIGKILL"
 
 
 def kill_once_more(key: str, times: int) -> bool:
@@ -43,7 +55,7 @@ class DyingSandboxEnv:
 
     def step(self, action):
         if kill_once_more(self.key, self.dies):
-            os.kill(self.sb.pid, signal.SIGKILL)
+            kill(self.sb)
         r = self.sb.run(["/bin/sh", "-c", "echo ran"], timeout=10)  # SandboxError when killed
         return r.stdout.decode().strip(), 1.0, True, False, {"success": True}
 
@@ -71,7 +83,7 @@ class NoSandboxStarts:
 async def agent_whose_sandbox_dies(base_url: str, task: dict) -> float:
     """An agent whose sandbox is killed under its first command."""
     async with sandbox.pool().session() as sb:
-        os.kill(sb.pid, signal.SIGKILL)
+        await asyncio.to_thread(kill, sb)
         await sb.arun("echo hello")  # SandboxError
     return 1.0
 
