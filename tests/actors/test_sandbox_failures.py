@@ -15,7 +15,7 @@ import pytest
 from rollart import messages as m
 from rollart import sandbox
 from rollart.actors.env.manager import EnvManager
-from rollart.actors.env.sandboxes import declares_sandbox, env_types_use_sandbox, sandbox_failure
+from rollart.actors.kernel.sandboxes import declares_sandbox, env_types_use_sandbox, sandbox_failure
 from rollart.actors.generate.proxy import LLMProxy
 from rollart.config import ActorConfig, HandlerConfig, RunConfig, convert
 from rollart.envs.errors import EnvError, WorkerError
@@ -127,4 +127,30 @@ async def test_sandboxes_that_keep_failing_are_dead_lettered_as_unavailable(nats
         assert d.num_delivered == 2 and "SandboxError" in d.reason, (name, d.reason)
     assert env.stats.get("sandbox_failures") == 6
     assert not env.stats.get("reset_failures"), "a sandbox's failure was blamed on the env's reset"
+    assert not sandbox_pids()
+
+
+def _scorer_whose_sandbox_fails(response: str, answer: str, metadata: dict) -> float:
+    raise sandbox.SandboxError("its supervisor stopped answering")
+
+
+_scorer_whose_sandbox_fails.uses_sandbox = True
+
+
+async def test_a_scorers_sandbox_failure_sends_the_request_elsewhere(monkeypatch, tiny_model):
+    from rollart.actors.kernel.service import ServiceUnavailable
+    from rollart.actors.reward import actor as reward
+
+    monkeypatch.setitem(reward.RULES, "runs_code", _scorer_whose_sandbox_fails)
+    cfg = make_cfg(tiny_model, {"code": {"type": "frozenlake", "scorer": "runs_code"}})
+    svc = reward.RewardService.from_config(cfg, ActorConfig(), pool="default")
+    assert svc.scorers == ("runs_code",)
+    await svc.setup()
+    try:
+        with pytest.raises(ServiceUnavailable, match="a sandbox failed under scorer 'runs_code'"):
+            await svc._score(m.RewardRequest(traj_id="t", scorer="runs_code", response="x", answer="y"))
+        assert svc.sandbox_failures == 1
+        assert svc.node_stats()[f"{svc.name}.sandbox_failures"] == 1.0
+    finally:
+        await svc.teardown()
     assert not sandbox_pids()

@@ -26,7 +26,7 @@ Failures, as for env trajectories:
   the request is redelivered;
 - a sandbox fails under it (a :class:`~rollart.sandbox.SandboxError`, even wrapped in
   another exception): the host's failure, counted and retried, ``sandbox_unavailable:``
-  at last (:mod:`rollart.actors.env.sandboxes`); an agent must let it propagate, not tell
+  at last (:mod:`rollart.actors.kernel.sandboxes`); an agent must let it propagate, not tell
   the model about it;
 - it raises anything else: *permanent*, dead-lettered at once as ``agent_error:``;
 - it sends a request that breaks the endpoint's contract, returns something that is not a
@@ -53,7 +53,7 @@ import msgspec
 from rollart import messages as m
 from rollart.actors.kernel.base import Reject
 from rollart.actors.env.host import TrajectoryHost
-from rollart.actors.env.sandboxes import sandbox_failure
+from rollart.actors.kernel.sandboxes import sandbox_failure
 from rollart.actors.env.trajectory import Cancelled, Trace, unless_cancelled
 from rollart.agents.conversation import CHARS_PER_TOKEN, ContractError, Conversation, text_size
 from rollart.agents.endpoint import MODEL_NAME

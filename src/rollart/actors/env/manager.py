@@ -16,7 +16,7 @@ or garbage), ``config:``. Missing or lost generate/reward replicas are waited fo
 is the host's failure, never the policy's nor the env's: counted (``sandbox_failures``),
 never scored, the trajectory delivered again after a backoff (a fresh sandbox, maybe on
 another host), and ``sandbox_unavailable:`` once the handler's ``max_deliver`` deliveries
-all failed so (:mod:`rollart.actors.env.sandboxes`).
+all failed so (:mod:`rollart.actors.kernel.sandboxes`).
 
 Sandboxes: the EnvManager holds its process's sandbox pool (``sandbox:``) from ``setup`` to
 ``teardown`` and keeps it warm when one of its envs declares ``uses_sandbox = True``.
@@ -53,7 +53,7 @@ from rollart.actors.kernel.service_client import ServiceClient
 from rollart.actors.env.trajectory import (Cancelled, Deliveries, RunningTrajectories, Trace,
                                        reset_runner, reward_request, unless_cancelled)
 from rollart.actors.env.agent_loop import run_agent_trajectory
-from rollart.actors.env.sandboxes import env_types_use_sandbox, retry_delay, sandbox_failure
+from rollart.actors.kernel.sandboxes import env_types_use_sandbox, retry_delay, sandbox_failure
 from rollart.agents.threads import AgentThreads
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError

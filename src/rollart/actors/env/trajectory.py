@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.env.sandboxes import sandbox_failure
+from rollart.actors.kernel.sandboxes import sandbox_failure
 from rollart.actors.kernel.base import Reject
 from rollart.aio import first_of, retry, settle
 from rollart.envs import EnvError, EnvRunner, parse_action
