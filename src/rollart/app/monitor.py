@@ -209,6 +209,41 @@ class RunMonitor:
         gone = sorted({p for hb in self.nodes.values() for p in node_pools(hb)} - served)
         return [f"pool {p}: no live node (its nodes went silent)" for p in gone]
 
+    def sandboxes(self, now: float | None = None) -> str:
+        """The env hosts' sandbox pools (``sandbox.*`` of live heartbeats; latencies are the
+        worst host's): warm and cold acquires with their p50/p99, start p50/p99, start
+        failures, sandboxes ready and lent, and the sandbox failures the EnvManagers and
+        reward replicas counted. Empty when no host used a sandbox."""
+        tot: dict[str, float] = defaultdict(float)
+        worst: dict[str, float] = {}
+        failures = 0.0
+        for hb in self.live_nodes(now):
+            for k, v in hb.stats.items():
+                if k.endswith(".sandbox_failures"):
+                    failures += v
+                elif k.startswith("sandbox.") and k.endswith("_s"):
+                    worst[k[8:]] = max(worst.get(k[8:], 0.0), v)
+                elif k.startswith("sandbox.") and k != "sandbox.warm_target":
+                    tot[k[8:]] += v
+        if not (tot.get("warm_hits") or tot.get("cold_starts") or tot.get("ready")
+                or tot.get("start_failures") or failures):
+            return ""
+
+        def ms(key: str) -> str:
+            return f"{1e3 * worst[key]:.0f}" if key in worst else "-"
+
+        return (f"{tot['warm_hits']:.0f} warm / {tot['cold_starts']:.0f} cold acquires "
+                f"(p50 {ms('acquire_p50_s')} ms, p99 {ms('acquire_p99_s')} ms), start p50 "
+                f"{ms('start_p50_s')} ms p99 {ms('start_p99_s')} ms, {tot['start_failures']:.0f} "
+                f"start failures, {tot['ready']:.0f} ready, {tot['lent']:.0f} lent, "
+                f"{failures:.0f} sandbox failures")
+
+    def env_init_share(self) -> float | None:
+        """Env init's share of the trajectory time seen (its ``reset`` timing: building the env
+        and its sandbox, and the reset); None before a completion came."""
+        total = sum(self.stage_s.values())
+        return self.stage_s.get("reset", 0.0) / total if total > 0 else None
+
     def render(self):
         """A rich renderable of the current state."""
         now = time.monotonic()
@@ -240,8 +275,12 @@ class RunMonitor:
                         "recent reward / success",
                         f"{sum(self.rewards) / n:.3f} / {sum(self.successes) / n:.2f}")
         summary.add_row("trajectory time", split or "-", "undecodable", str(self.undecodable))
+        share = self.env_init_share()
         summary.add_row("stop reasons", ", ".join(f"{k} {v}" for k, v in sorted(self.stops.items()))
-                        or "-", "", "")
+                        or "-", "env init", "-" if share is None else
+                        f"{100 * share:.1f}% of trajectory time (paper: 15% of a healthy step)")
+        if sandboxes := self.sandboxes(now):
+            summary.add_row("sandboxes", escape(sandboxes), "", "")
         if self.ledger is not None:
             lg = self.ledger
             summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",

@@ -252,7 +252,8 @@ def report(run_path: str | Path, out_dir: str | Path | None = None, *,
     traces = tr.load(run_path)
     trajs = tr.trajectory_rows(traces) if traces is not None else []
     steps = tr.step_rows(traces) if traces is not None else []
-    numbers = tr.summarize(traces, rows, trajs=trajs, steps=steps)
+    numbers = {**tr.summarize(traces, rows, trajs=trajs, steps=steps),
+               "env_init_share": env_init_share(rows)}
     name = run_path.resolve().name
     if trajs:
         files["gantt.png"] = tr.plot_gantt(trajs, steps, out / "gantt.png", title=name,
@@ -263,6 +264,21 @@ def report(run_path: str | Path, out_dir: str | Path | None = None, *,
     md = markdown(name, summary, text, numbers, files, traced=traces is not None)
     files["report.md"] = _write_text(out / "report.md", md)
     return text, files
+
+
+TRAJ_STAGES = ("generate", "step", "reset", "reward", "wait")
+"""The stages of ``RolloutCompleted.timings``, as ``traj_<stage>_s`` in ``metrics.jsonl``."""
+PAPER_ENV_INIT = 0.15
+"""The paper's env init share of a healthy step (15%; 78% of a step with env failures)."""
+
+
+def env_init_share(rows: list[dict]) -> float | None:
+    """Env init's share of trajectory time over the run (``traj_reset_s`` against the sum of
+    the ``traj_*_s`` stages, every step weighted alike): building the env, the sandbox it
+    takes, and its reset. None when no step recorded trajectory timings."""
+    reset = sum(float(r.get("traj_reset_s", 0.0)) for r in rows)
+    total = sum(float(r.get(f"traj_{k}_s", 0.0)) for r in rows for k in TRAJ_STAGES)
+    return reset / total if total > 0 else None
 
 
 def _cell(v) -> str:
@@ -282,6 +298,10 @@ def markdown(name: str, summary: dict, text: str, numbers: dict, files: dict[str
         md += [f"| {k} | {_cell(v)} |" for k, v in scalars.items()] + [""]
     md += ["## Learning", "", "```", text, "```", "", "![reward and success](report.png)", ""]
     md += ["## Where trajectory time went", ""]
+    if numbers.get("env_init_share") is not None:
+        md += [(f"Env init (building the env and the sandbox it takes, and its reset): "
+                f"{100 * numbers['env_init_share']:.1f}% of trajectory time, from `metrics.jsonl` "
+                f"(the paper: {100 * PAPER_ENV_INIT:.0f}% of a healthy step)."), ""]
     if not traced:
         md += [NO_TRACES, ""]
     else:
