@@ -154,3 +154,16 @@ async def test_a_scorers_sandbox_failure_sends_the_request_elsewhere(monkeypatch
     finally:
         await svc.teardown()
     assert not sandbox_pids()
+
+
+def test_the_pool_lives_until_its_last_holder_lets_go():
+    from rollart.config import SandboxConfig
+
+    sandbox.shutdown()
+    cfg = SandboxConfig(warm=0)
+    env_side, reward_side = sandbox.hold(cfg, warm=False), sandbox.hold(cfg, warm=False)
+    assert env_side is reward_side is sandbox.pool()
+    sandbox.let_go()
+    assert sandbox.pool() is env_side and not env_side._closed, "closed under its other holder"
+    sandbox.let_go()
+    assert env_side._closed and sandbox.stats() == {}

@@ -8,7 +8,9 @@ refill thread starts its replacement. Start failures are counted, logged with th
 and retried with backoff; the pool never hands out a sandbox that did not answer.
 
 :func:`pool` is this process's pool, configured from the run's ``sandbox:`` section by the
-EnvManager (:func:`configure`) so that envs and agents on an env host share it.
+EnvManager and the RewardService (:func:`hold` at their setup, :func:`let_go` at their
+teardown: the last one closes it) so that envs, agents and scorers on a host share it;
+:func:`stats` is what the node's heartbeat carries of it.
 """
 
 from __future__ import annotations

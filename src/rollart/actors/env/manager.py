@@ -27,7 +27,7 @@ env's loop (:mod:`rollart.actors.env.agent_loop`) uses only the public methods o
 :class:`~rollart.actors.env.host.TrajectoryHost`, which the EnvManager implements
 (``generate``, ``score``, ``count``, ``agent_endpoint``).
 
-Kept whole (~500 lines): the turn loop, its request handler and the two service calls of a
+Kept whole (~560 lines): the turn loop, its request handler and the two service calls of a
 turn share the actor's state; what needs none of it is already in :mod:`.trajectory`.
 """
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
+from rollart import sandbox
 from rollart.actors.kernel.base import Actor, Reject, Retry, consume, replica_suffix
 from rollart.actors.kernel.cancelled import CancelledGroups
 from rollart.actors.env.chat import ChatFormat
@@ -53,11 +54,11 @@ from rollart.actors.kernel.service_client import ServiceClient
 from rollart.actors.env.trajectory import (Cancelled, Deliveries, RunningTrajectories, Trace,
                                        reset_runner, reward_request, unless_cancelled)
 from rollart.actors.env.agent_loop import run_agent_trajectory
-from rollart.actors.kernel.sandboxes import env_types_use_sandbox, retry_delay, sandbox_failure
+from rollart.actors.kernel.sandboxes import (after_sandbox_failure, env_types_use_sandbox,
+                                             sandbox_failure)
 from rollart.agents.threads import AgentThreads
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
-from rollart import sandbox
 from rollart.config import ActorConfig, RolloutConfig, RunConfig, SandboxConfig
 from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvTimeout, parse_action
@@ -360,20 +361,11 @@ class EnvManager(Actor):
                 deadline=OUTCOME_PUBLISH_S, headers=heads, **self._large())
 
     def _sandbox_failed(self, req: m.RolloutRequested, delivery, why: str) -> Exception:
-        """A sandbox failed under ``req``'s env or agent: counted; the request is delivered
-        again after a backoff, or dead-lettered as ``sandbox_unavailable:`` when this was
-        its last delivery."""
+        """A sandbox failed under ``req``'s env or agent: counted, and what to raise."""
         self.count("sandbox_failures")
-        n, most = delivery.num_delivered, self.settings_of("on_request").max_deliver
-        if most > 0 and n >= most:
-            log.error("%s: %s failed on sandboxes on all %d deliveries; last: %s", self.name,
-                      req.traj_id, n, why)
-            return Reject(f"sandbox_unavailable: {n} deliveries failed on sandboxes; last: "
-                          f"{why}"[:1000])
-        delay = retry_delay(n)
-        log.warning("%s: a sandbox failed under %s (delivery %d of %d; again in %.1f s): %s",
-                    self.name, req.traj_id, n, most, delay, why)
-        return Retry(delay, f"sandbox failure: {why}"[:1000])
+        return after_sandbox_failure(why, delivery.num_delivered,
+                                     self.settings_of("on_request").max_deliver,
+                                     what=f"{self.name}: {req.traj_id}")
 
     def _large(self) -> dict[str, Any]:
         """How a completion too large for one message is published: through the run's

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from rollart.actors.kernel.base import Reject, Retry
 from rollart.envs.agent_type import is_agent, resolve_agent
 from rollart.envs.errors import WorkerError
 from rollart.envs.registry import resolve_env_class
@@ -86,3 +87,18 @@ def sandbox_failure(e: BaseException | None) -> str | None:
 def retry_delay(delivery: int) -> float:
     """Seconds before the ``delivery``-th failed delivery is tried again: 0.5, 1, 2... 10."""
     return min(10.0, 0.5 * 2 ** max(0, delivery - 1))
+
+
+def after_sandbox_failure(why: str, delivery: int, max_deliver: int, *, what: str) -> Exception:
+    """What a handler raises when a sandbox failed under its ``delivery``-th delivery (of
+    ``max_deliver``; ``what`` names it in the log): :class:`Retry` after
+    :func:`retry_delay`, or, on the last delivery, :class:`Reject` as
+    ``sandbox_unavailable:``."""
+    if max_deliver > 0 and delivery >= max_deliver:
+        log.error("%s failed on sandboxes on all %d deliveries; last: %s", what, delivery, why)
+        return Reject(f"sandbox_unavailable: {delivery} deliveries failed on sandboxes; last: "
+                      f"{why}"[:1000])
+    delay = retry_delay(delivery)
+    log.warning("%s: a sandbox failed (delivery %d of %d; again in %.1f s): %s", what, delivery,
+                max_deliver, delay, why)
+    return Retry(delay, f"sandbox failure: {why}"[:1000])

@@ -118,6 +118,7 @@ class RewardService(Actor):
     """The sandboxes of execution-based scorers (the run's ``sandbox:``)."""
     scorers: tuple[str, ...] = ()
     """The scorers the run's envs name: the pool is kept warm when one declares sandboxes."""
+    _holds_sandboxes: bool = field(default=False, init=False, repr=False)
 
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
@@ -147,7 +148,7 @@ class RewardService(Actor):
     async def teardown(self) -> None:
         self._rules.shutdown(wait=False, cancel_futures=True)
         otel_metrics.drop_busy(self.name)
-        if getattr(self, "_holds_sandboxes", False):  # its requests are answered: kill them
+        if self._holds_sandboxes:  # its requests are answered: kill them
             self._holds_sandboxes = False
             await asyncio.to_thread(sandbox.let_go)
 
