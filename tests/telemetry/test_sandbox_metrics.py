@@ -62,6 +62,7 @@ def test_the_report_gives_the_env_init_share_beside_the_papers(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert abs(env_init_share(rows) - 0.2) < 1e-9
     assert env_init_share([{"step": 1}]) is None
-    _, files = report(run, tmp_path / "out")
+    text, files = report(run, tmp_path / "out")
+    assert "env init (the env, its sandbox, the reset): 20.0% of trajectory time" in text
     md = files["report.md"].read_text()
     assert "20.0% of trajectory time, from `metrics.jsonl` (the paper: 15% of a healthy step)" in md

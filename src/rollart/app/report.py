@@ -208,6 +208,10 @@ def table(run_path: str | Path, every: int | None = None, *, summary: dict | Non
                       f"{r.get('wall_s', 0.0):>7.1f}  {', '.join(notes.get(r['step'], []))}").rstrip())
     shown = "every step" if n == 1 else f"first, best, last and every {n}th"
     lines.append(f"({len(rows)} steps; {shown}; all of them: --every 1)")
+    share = env_init_share(rows)
+    if share is not None:
+        lines.append(f"env init (the env, its sandbox, the reset): {100 * share:.1f}% of trajectory "
+                     f"time (the paper: {100 * PAPER_ENV_INIT:.0f}% of a healthy step)")
     g = _greedy(summary)
     if g:
         extra = f" over {summary['trajectories']} trajectories" if summary.get("trajectories") else ""
