@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
-from rollart.actors.kernel.sandboxes import sandbox_failure
 from rollart.actors.kernel.base import Reject
+from rollart.actors.kernel.sandboxes import sandbox_failure
 from rollart.aio import first_of, retry, settle
 from rollart.envs import EnvError, EnvRunner, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
@@ -211,8 +211,8 @@ async def reset_runner(req: m.RolloutRequested, cfg: Any, tr: Trace, *, name: st
     """A fresh runner reset with the request's seed: ``(runner, obs, info)``, retried on
     fresh envs ``cfg.reset_retries`` times; a permanent env error is raised at once, a
     sandbox's failure as :class:`SandboxFailed` at once, and once every attempt failed
-    :class:`Reject` (``env_reset_failed:``). ``name`` is the
-    EnvManager's (for the log), ``count(key)`` one of its counters."""
+    :class:`Reject` (``env_reset_failed:``). ``name`` is the EnvManager's (for the log),
+    ``count(key)`` one of its counters."""
     async def attempt():
         runner = EnvRunner(cfg.type, cfg.args, executor=cfg.executor, timeout=cfg.step_timeout,
                            max_abandoned_threads=cfg.max_abandoned_threads)

@@ -25,9 +25,9 @@ import msgspec
 
 from rollart import messages as m
 from rollart import sandbox
-from rollart.actors.kernel.sandboxes import declares_sandbox, sandbox_failure
 from rollart.actors.kernel.base import Actor, serve
 from rollart.actors.kernel.batching import Batcher
+from rollart.actors.kernel.sandboxes import declares_sandbox, sandbox_failure
 from rollart.actors.kernel.service import ServiceUnavailable
 from rollart.actors.kernel.progress import ProgressReporter
 from rollart.config import ActorConfig, RunConfig, SandboxConfig
