@@ -89,6 +89,7 @@ async def test_a_sandbox_killed_mid_episode_is_retried_on_a_fresh_one(nats_bus, 
     cfg = make_cfg(tiny_model, {"dies": {"type": f"{ENVS}:DyingSandboxEnv", "max_turns": 2,
                                          "args": {"key": key, "dies": 1}}})
     env = build(cfg, "env")
+    before = sandbox_pids()  # another test's, if any
     async with Node(nats_bus, [env, build(cfg, "generate")], heartbeat_every=0, grace=1):
         assert sandbox.pool().warm == 1
         ids = await submit(nats_bus, cfg.run, ["dies"])
@@ -96,7 +97,7 @@ async def test_a_sandbox_killed_mid_episode_is_retried_on_a_fresh_one(nats_bus, 
         dead = await all_stored(nats_bus, cfg.run, "dead")
         stats = env.node_stats()
         snap = sandbox.pool().snapshot()
-        assert sandbox_pids(), "the pool keeps a warm sandbox while the EnvManager runs"
+        assert sandbox_pids() - before, "the pool keeps a warm sandbox while the EnvManager runs"
     assert not dead, [d.reason for d in dead]
     assert [d.traj_id for d in done] == ids
     assert done[0].attempt == 2, "the killed episode was not scored: it ran again"
@@ -105,7 +106,7 @@ async def test_a_sandbox_killed_mid_episode_is_retried_on_a_fresh_one(nats_bus, 
     assert stats[f"{env.name}.sandbox_failures"] == 1.0
     assert snap["warm_hits"] + snap["cold_starts"] == 2 and snap["start_failures"] == 0
     assert stats["sandbox.acquire_p50_s"] >= 0 and stats["sandbox.start_p99_s"] > 0
-    assert not sandbox_pids(), "the EnvManager's teardown left sandboxes running"
+    assert not sandbox_pids() - before, "the EnvManager's teardown left sandboxes running"
 
 
 @needs_bwrap
@@ -115,6 +116,7 @@ async def test_sandboxes_that_keep_failing_are_dead_lettered_as_unavailable(nats
         "never": {"type": f"{ENVS}:NoSandboxStarts", "reset_retries": 3},
         "agent": {"type": f"agent:{ENVS}:agent_whose_sandbox_dies", "max_turns": 2}})
     env = build(cfg, "env", max_deliver=2)
+    before = sandbox_pids()
     async with Node(nats_bus, [env, build(cfg, "generate")], heartbeat_every=0, grace=1):
         await submit(nats_bus, cfg.run, ["dies", "never", "agent"])
         dead = await collect(nats_bus, cfg.run, "dead", 3, deadline=60)
@@ -127,7 +129,7 @@ async def test_sandboxes_that_keep_failing_are_dead_lettered_as_unavailable(nats
         assert d.num_delivered == 2 and "SandboxError" in d.reason, (name, d.reason)
     assert env.stats.get("sandbox_failures") == 6
     assert not env.stats.get("reset_failures"), "a sandbox's failure was blamed on the env's reset"
-    assert not sandbox_pids()
+    assert not sandbox_pids() - before
 
 
 def _scorer_whose_sandbox_fails(response: str, answer: str, metadata: dict) -> float:
@@ -144,6 +146,7 @@ async def test_a_scorers_sandbox_failure_sends_the_request_elsewhere(monkeypatch
     monkeypatch.setitem(reward.RULES, "runs_code", _scorer_whose_sandbox_fails)
     cfg = make_cfg(tiny_model, {"code": {"type": "frozenlake", "scorer": "runs_code"}})
     svc = reward.RewardService.from_config(cfg, ActorConfig(), pool="default")
+    before = sandbox_pids()
     assert svc.scorers == ("runs_code",)
     await svc.setup()
     try:
@@ -153,7 +156,7 @@ async def test_a_scorers_sandbox_failure_sends_the_request_elsewhere(monkeypatch
         assert svc.node_stats()[f"{svc.name}.sandbox_failures"] == 1.0
     finally:
         await svc.teardown()
-    assert not sandbox_pids()
+    assert not sandbox_pids() - before
 
 
 def test_the_pool_lives_until_its_last_holder_lets_go():
