@@ -14,6 +14,7 @@ from rollart.app.monitor import RunMonitor
 from rollart.app.queues import snapshot
 from rollart.app.report import env_init_share, report
 from rollart.bus.codec import encode
+from rollart.telemetry.sandboxes import summary
 
 
 def heartbeat(node: str, stats: dict[str, float]) -> bytes:
@@ -59,10 +60,18 @@ def test_the_report_gives_the_env_init_share_beside_the_papers(tmp_path):
     run.mkdir()
     rows = [{"step": s, "reward": 0.5, "success": 0.5, "wall_s": float(s), "traj_generate_s": 0.6,
              "traj_step_s": 0.2, "traj_reset_s": 0.2} for s in range(1, 4)]
+    rows[1].update(summary([{"sandbox.warm_hits": 30, "sandbox.cold_starts": 2,
+                             "sandbox.start_p50_s": 0.04, "sandbox.start_p99_s": 0.05,
+                             "sandbox.acquire_p50_s": 0.0001, "sandbox.acquire_p99_s": 0.045,
+                             "env-x.sandbox_failures": 1}]))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert abs(env_init_share(rows) - 0.2) < 1e-9
     assert env_init_share([{"step": 1}]) is None
     text, files = report(run, tmp_path / "out")
     assert "env init (the env, its sandbox, the reset): 20.0% of trajectory time" in text
+    assert ("sandboxes (env hosts, at step 2): 30 warm / 2 cold acquires (p50 0 ms, p99 45 ms), "
+            "start p50 40 ms p99 50 ms, 0 start failures, 0 ready, 0 lent, 1 sandbox failures") in text
     md = files["report.md"].read_text()
     assert "20.0% of trajectory time, from `metrics.jsonl` (the paper: 15% of a healthy step)" in md
+    assert "Sandboxes (env hosts, at step 2): 30 warm / 2 cold" in md
+    assert summary([{"sandbox.warm_target": 2, "env-x.sandbox_failures": 0}]) == {}  # none used

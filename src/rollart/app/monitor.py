@@ -29,6 +29,7 @@ from rollart.app.queues import poll_jetstream, renderables
 from rollart.bus import BusError
 from rollart.bus.codec import DecodeError, decode
 from rollart.telemetry.hardware import describe_hardware, describe_versions
+from rollart.telemetry import sandboxes as sandbox_stats
 from rollart.telemetry.progress import fmt_duration
 
 
@@ -210,33 +211,10 @@ class RunMonitor:
         return [f"pool {p}: no live node (its nodes went silent)" for p in gone]
 
     def sandboxes(self, now: float | None = None) -> str:
-        """The env hosts' sandbox pools (``sandbox.*`` of live heartbeats; latencies are the
-        worst host's): warm and cold acquires with their p50/p99, start p50/p99, start
-        failures, sandboxes ready and lent, and the sandbox failures the EnvManagers and
-        reward replicas counted. Empty when no host used a sandbox."""
-        tot: dict[str, float] = defaultdict(float)
-        worst: dict[str, float] = {}
-        failures = 0.0
-        for hb in self.live_nodes(now):
-            for k, v in hb.stats.items():
-                if k.endswith(".sandbox_failures"):
-                    failures += v
-                elif k.startswith("sandbox.") and k.endswith("_s"):
-                    worst[k[8:]] = max(worst.get(k[8:], 0.0), v)
-                elif k.startswith("sandbox.") and k != "sandbox.warm_target":
-                    tot[k[8:]] += v
-        if not (tot.get("warm_hits") or tot.get("cold_starts") or tot.get("ready")
-                or tot.get("start_failures") or failures):
-            return ""
-
-        def ms(key: str) -> str:
-            return f"{1e3 * worst[key]:.0f}" if key in worst else "-"
-
-        return (f"{tot['warm_hits']:.0f} warm / {tot['cold_starts']:.0f} cold acquires "
-                f"(p50 {ms('acquire_p50_s')} ms, p99 {ms('acquire_p99_s')} ms), start p50 "
-                f"{ms('start_p50_s')} ms p99 {ms('start_p99_s')} ms, {tot['start_failures']:.0f} "
-                f"start failures, {tot['ready']:.0f} ready, {tot['lent']:.0f} lent, "
-                f"{failures:.0f} sandbox failures")
+        """The env hosts' sandbox pools from the live heartbeats (:mod:`rollart.telemetry.
+        sandboxes`): warm and cold acquires with their p50/p99, start p50/p99, start failures,
+        sandboxes ready and lent, sandbox failures; empty when no host used a sandbox."""
+        return sandbox_stats.describe(sandbox_stats.summary(hb.stats for hb in self.live_nodes(now)))
 
     def env_init_share(self) -> float | None:
         """Env init's share of the trajectory time seen (its ``reset`` timing: building the env

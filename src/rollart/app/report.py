@@ -19,6 +19,7 @@ from pathlib import Path
 from rollart.actors.trainer.files import read_evals
 from rollart.app import trace_report as tr
 from rollart.app.trace_report import LABELS, STEP_PARTS, save_png
+from rollart.telemetry import sandboxes as sandbox_stats
 
 
 def read_summary(run_path: str | Path) -> dict:
@@ -212,6 +213,8 @@ def table(run_path: str | Path, every: int | None = None, *, summary: dict | Non
     if share is not None:
         lines.append(f"env init (the env, its sandbox, the reset): {100 * share:.1f}% of trajectory "
                      f"time (the paper: {100 * PAPER_ENV_INIT:.0f}% of a healthy step)")
+    if boxes := sandboxes_line(rows):
+        lines.append(boxes)
     g = _greedy(summary)
     if g:
         extra = f" over {summary['trajectories']} trajectories" if summary.get("trajectories") else ""
@@ -257,7 +260,7 @@ def report(run_path: str | Path, out_dir: str | Path | None = None, *,
     trajs = tr.trajectory_rows(traces) if traces is not None else []
     steps = tr.step_rows(traces) if traces is not None else []
     numbers = {**tr.summarize(traces, rows, trajs=trajs, steps=steps),
-               "env_init_share": env_init_share(rows)}
+               "env_init_share": env_init_share(rows), "sandboxes": sandboxes_line(rows)}
     name = run_path.resolve().name
     if trajs:
         files["gantt.png"] = tr.plot_gantt(trajs, steps, out / "gantt.png", title=name,
@@ -285,6 +288,16 @@ def env_init_share(rows: list[dict]) -> float | None:
     return reset / total if total > 0 else None
 
 
+def sandboxes_line(rows: list[dict]) -> str:
+    """The env hosts' sandbox pools as the last step that saw them recorded them (counts
+    since each host's process started), or ``""`` in a run without sandboxes."""
+    last = next((r for r in reversed(rows) if any(k.startswith("sandbox_") for k in r)), None)
+    if last is None:
+        return ""
+    return (f"sandboxes (env hosts, at step {last['step']}): "
+            + sandbox_stats.describe({k: v for k, v in last.items() if k.startswith("sandbox_")}))
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -306,6 +319,8 @@ def markdown(name: str, summary: dict, text: str, numbers: dict, files: dict[str
         md += [(f"Env init (building the env and the sandbox it takes, and its reset): "
                 f"{100 * numbers['env_init_share']:.1f}% of trajectory time, from `metrics.jsonl` "
                 f"(the paper: {100 * PAPER_ENV_INIT:.0f}% of a healthy step)."), ""]
+    if numbers.get("sandboxes"):
+        md += [f"{numbers['sandboxes'][0].upper()}{numbers['sandboxes'][1:]}.", ""]
     if not traced:
         md += [NO_TRACES, ""]
     else:
