@@ -61,6 +61,7 @@ SECTIONS: list[tuple[str, Callable]] = [
     ("beyond_demo", _section("beyond_demo", "readme_section", "beyond_demo_sokoban")),
     ("emulate", _emulate),
     ("emulate_scale", _section("emulate_scale", "section", "emulate_scale")),
+    ("sandbox", _section("sandbox", "readme_section", "sandbox")),
 ]
 """(README section, what renders it from results/), in the README's order."""
 

@@ -29,6 +29,7 @@ from rollart.app.queues import poll_jetstream, renderables
 from rollart.bus import BusError
 from rollart.bus.codec import DecodeError, decode
 from rollart.telemetry.hardware import describe_hardware, describe_versions
+from rollart.telemetry import sandboxes as sandbox_stats
 from rollart.telemetry.progress import fmt_duration
 
 
@@ -209,6 +210,18 @@ class RunMonitor:
         gone = sorted({p for hb in self.nodes.values() for p in node_pools(hb)} - served)
         return [f"pool {p}: no live node (its nodes went silent)" for p in gone]
 
+    def sandboxes(self, now: float | None = None) -> str:
+        """The env hosts' sandbox pools from the live heartbeats (:mod:`rollart.telemetry.
+        sandboxes`): warm and cold acquires with their p50/p99, start p50/p99, start failures,
+        sandboxes ready and lent, sandbox failures; empty when no host used a sandbox."""
+        return sandbox_stats.describe(sandbox_stats.summary(hb.stats for hb in self.live_nodes(now)))
+
+    def env_init_share(self) -> float | None:
+        """Env init's share of the trajectory time seen (its ``reset`` timing: building the env
+        and its sandbox, and the reset); None before a completion came."""
+        total = sum(self.stage_s.values())
+        return self.stage_s.get("reset", 0.0) / total if total > 0 else None
+
     def render(self):
         """A rich renderable of the current state."""
         now = time.monotonic()
@@ -240,8 +253,12 @@ class RunMonitor:
                         "recent reward / success",
                         f"{sum(self.rewards) / n:.3f} / {sum(self.successes) / n:.2f}")
         summary.add_row("trajectory time", split or "-", "undecodable", str(self.undecodable))
+        share = self.env_init_share()
         summary.add_row("stop reasons", ", ".join(f"{k} {v}" for k, v in sorted(self.stops.items()))
-                        or "-", "", "")
+                        or "-", "env init", "-" if share is None else
+                        f"{100 * share:.1f}% of trajectory time (paper: 15% of a healthy step)")
+        if sandboxes := self.sandboxes(now):
+            summary.add_row("sandboxes", escape(sandboxes), "", "")
         if self.ledger is not None:
             lg = self.ledger
             summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",

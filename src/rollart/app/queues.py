@@ -174,6 +174,8 @@ def snapshot(mon: RunMonitor, now: float | None = None) -> dict:
                      for name, st in sorted(mon.subjects.items())},
         "outcomes": dict(sorted(mon.outcomes.items())),
         "stop_reasons": dict(sorted(mon.stops.items())),
+        "env_init_share": mon.env_init_share(),
+        "sandboxes": mon.sandboxes(now),
         "undecodable": mon.undecodable,
         "errors": [e for e in (mon.js_error, mon.bus_error) if e],
     }

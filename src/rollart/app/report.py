@@ -19,6 +19,7 @@ from pathlib import Path
 from rollart.actors.trainer.files import read_evals
 from rollart.app import trace_report as tr
 from rollart.app.trace_report import LABELS, STEP_PARTS, save_png
+from rollart.telemetry import sandboxes as sandbox_stats
 
 
 def read_summary(run_path: str | Path) -> dict:
@@ -208,6 +209,12 @@ def table(run_path: str | Path, every: int | None = None, *, summary: dict | Non
                       f"{r.get('wall_s', 0.0):>7.1f}  {', '.join(notes.get(r['step'], []))}").rstrip())
     shown = "every step" if n == 1 else f"first, best, last and every {n}th"
     lines.append(f"({len(rows)} steps; {shown}; all of them: --every 1)")
+    share = env_init_share(rows)
+    if share is not None:
+        lines.append(f"env init (the env, its sandbox, the reset): {100 * share:.1f}% of trajectory "
+                     f"time (the paper: {100 * PAPER_ENV_INIT:.0f}% of a healthy step)")
+    if boxes := sandboxes_line(rows):
+        lines.append(boxes)
     g = _greedy(summary)
     if g:
         extra = f" over {summary['trajectories']} trajectories" if summary.get("trajectories") else ""
@@ -252,7 +259,8 @@ def report(run_path: str | Path, out_dir: str | Path | None = None, *,
     traces = tr.load(run_path)
     trajs = tr.trajectory_rows(traces) if traces is not None else []
     steps = tr.step_rows(traces) if traces is not None else []
-    numbers = tr.summarize(traces, rows, trajs=trajs, steps=steps)
+    numbers = {**tr.summarize(traces, rows, trajs=trajs, steps=steps),
+               "env_init_share": env_init_share(rows), "sandboxes": sandboxes_line(rows)}
     name = run_path.resolve().name
     if trajs:
         files["gantt.png"] = tr.plot_gantt(trajs, steps, out / "gantt.png", title=name,
@@ -263,6 +271,31 @@ def report(run_path: str | Path, out_dir: str | Path | None = None, *,
     md = markdown(name, summary, text, numbers, files, traced=traces is not None)
     files["report.md"] = _write_text(out / "report.md", md)
     return text, files
+
+
+TRAJ_STAGES = ("generate", "step", "reset", "reward", "wait")
+"""The stages of ``RolloutCompleted.timings``, as ``traj_<stage>_s`` in ``metrics.jsonl``."""
+PAPER_ENV_INIT = 0.15
+"""The paper's env init share of a healthy step (15%; 78% of a step with env failures)."""
+
+
+def env_init_share(rows: list[dict]) -> float | None:
+    """Env init's share of trajectory time over the run (``traj_reset_s`` against the sum of
+    the ``traj_*_s`` stages, every step weighted alike): building the env, the sandbox it
+    takes, and its reset. None when no step recorded trajectory timings."""
+    reset = sum(float(r.get("traj_reset_s", 0.0)) for r in rows)
+    total = sum(float(r.get(f"traj_{k}_s", 0.0)) for r in rows for k in TRAJ_STAGES)
+    return reset / total if total > 0 else None
+
+
+def sandboxes_line(rows: list[dict]) -> str:
+    """The env hosts' sandbox pools as the last step that saw them recorded them (counts
+    since each host's process started), or ``""`` in a run without sandboxes."""
+    last = next((r for r in reversed(rows) if any(k.startswith("sandbox_") for k in r)), None)
+    if last is None:
+        return ""
+    return (f"sandboxes (env hosts, at step {last['step']}): "
+            + sandbox_stats.describe({k: v for k, v in last.items() if k.startswith("sandbox_")}))
 
 
 def _cell(v) -> str:
@@ -282,6 +315,12 @@ def markdown(name: str, summary: dict, text: str, numbers: dict, files: dict[str
         md += [f"| {k} | {_cell(v)} |" for k, v in scalars.items()] + [""]
     md += ["## Learning", "", "```", text, "```", "", "![reward and success](report.png)", ""]
     md += ["## Where trajectory time went", ""]
+    if numbers.get("env_init_share") is not None:
+        md += [(f"Env init (building the env and the sandbox it takes, and its reset): "
+                f"{100 * numbers['env_init_share']:.1f}% of trajectory time, from `metrics.jsonl` "
+                f"(the paper: {100 * PAPER_ENV_INIT:.0f}% of a healthy step)."), ""]
+    if numbers.get("sandboxes"):
+        md += [f"{numbers['sandboxes'][0].upper()}{numbers['sandboxes'][1:]}.", ""]
     if not traced:
         md += [NO_TRACES, ""]
     else:

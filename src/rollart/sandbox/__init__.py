@@ -23,7 +23,7 @@ user's guide.
 
 from rollart.sandbox.core import Limits, Result, Sandbox
 from rollart.sandbox.errors import SandboxError, SandboxRequestError, SandboxUnavailable
-from rollart.sandbox.pool import SandboxPool, configure, pool, shutdown, start
+from rollart.sandbox.pool import SandboxPool, configure, hold, let_go, pool, shutdown, start, stats
 
 __all__ = ["Limits", "Result", "Sandbox", "SandboxError", "SandboxPool", "SandboxRequestError",
-           "SandboxUnavailable", "configure", "pool", "shutdown", "start"]
+           "SandboxUnavailable", "configure", "hold", "let_go", "pool", "shutdown", "start", "stats"]

@@ -8,7 +8,9 @@ refill thread starts its replacement. Start failures are counted, logged with th
 and retried with backoff; the pool never hands out a sandbox that did not answer.
 
 :func:`pool` is this process's pool, configured from the run's ``sandbox:`` section by the
-EnvManager (:func:`configure`) so that envs and agents on an env host share it.
+EnvManager and the RewardService (:func:`hold` at their setup, :func:`let_go` at their
+teardown: the last one closes it) so that envs, agents and scorers on a host share it;
+:func:`stats` is what the node's heartbeat carries of it.
 """
 
 from __future__ import annotations
@@ -243,6 +245,8 @@ class PoolStats:
 
 _POOL: SandboxPool | None = None
 _POOL_LOCK = threading.Lock()
+_HOLDERS = 0
+"""Actors of this process holding its pool (:func:`hold`): the last one to let go closes it."""
 
 
 def configure(cfg: SandboxConfig) -> SandboxPool:
@@ -268,8 +272,43 @@ def pool() -> SandboxPool:
 
 def shutdown() -> None:
     """Close this process's pool (every sandbox killed)."""
-    global _POOL
+    global _POOL, _HOLDERS
     with _POOL_LOCK:
-        old, _POOL = _POOL, None
+        old, _POOL, _HOLDERS = _POOL, None, 0
     if old is not None:
         old.close()
+
+
+def hold(cfg: SandboxConfig, *, warm: bool) -> SandboxPool:
+    """:func:`configure` for an actor that owns per-process resources (the EnvManager, the
+    RewardService, several of them in one process): the pool stays until the last holder
+    calls :func:`let_go`. ``warm``: this holder's run declares sandboxes, so start keeping
+    ``cfg.warm`` of them ready now (a run without code tasks starts none)."""
+    global _HOLDERS
+    p = configure(cfg)
+    with _POOL_LOCK:
+        _HOLDERS += 1
+    if warm:
+        p.start_warming()
+    return p
+
+
+def let_go() -> None:
+    """One holder is done (after its consumers drained): the last one closes the pool,
+    killing every sandbox of this process."""
+    global _HOLDERS
+    with _POOL_LOCK:
+        _HOLDERS = max(0, _HOLDERS - 1)
+        last = _HOLDERS == 0
+    if last:
+        shutdown()
+
+
+def stats() -> dict[str, float]:
+    """This process's pool statistics, numbers only (``{}`` when no pool was made): for a
+    node's heartbeat (``sandbox.<stat>``)."""
+    with _POOL_LOCK:
+        p = _POOL
+    if p is None:
+        return {}
+    return {k: float(v) for k, v in p.snapshot().items() if isinstance(v, (int, float))}

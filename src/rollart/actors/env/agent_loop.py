@@ -24,6 +24,10 @@ Failures, as for env trajectories:
 
 - the agent raises ``ConnectionError``/``TimeoutError`` (its tools' network): *transient*,
   the request is redelivered;
+- a sandbox fails under it (a :class:`~rollart.sandbox.SandboxError`, even wrapped in
+  another exception): the host's failure, counted and retried, ``sandbox_unavailable:``
+  at last (:mod:`rollart.actors.kernel.sandboxes`); an agent must let it propagate, not tell
+  the model about it;
 - it raises anything else: *permanent*, dead-lettered at once as ``agent_error:``;
 - it sends a request that breaks the endpoint's contract, returns something that is not a
   reward, or asks nothing: ``agent_contract:``;
@@ -49,6 +53,7 @@ import msgspec
 from rollart import messages as m
 from rollart.actors.kernel.base import Reject
 from rollart.actors.env.host import TrajectoryHost
+from rollart.actors.kernel.sandboxes import sandbox_failure
 from rollart.actors.env.trajectory import Cancelled, Trace, unless_cancelled
 from rollart.agents.conversation import CHARS_PER_TOKEN, ContractError, Conversation, text_size
 from rollart.agents.endpoint import MODEL_NAME
@@ -236,6 +241,8 @@ async def run_agent_trajectory(mgr: TrajectoryHost, req: m.RolloutRequested, cfg
         if agent.cancelled():
             raise Cancelled()
         exc = agent.exception()
+        if sandbox_failure(exc) is not None:  # the host's: the EnvManager counts it, retries
+            raise exc
         if isinstance(exc, (ConnectionError, TimeoutError)):
             log.warning("%s: agent of %s failed (transient, retried): %r", mgr.name, req.traj_id, exc)
             raise exc

@@ -11,7 +11,15 @@ that starts with a stable kind token: ``env_setup:`` (the env cannot be built),
 reset attempt raised), ``service_error:`` / ``decode:`` (generate or reward answered errors
 or garbage), ``config:``. Missing or lost generate/reward replicas are waited for (see
 :mod:`rollart.actors.kernel.service_client`) up to ``rollout.service_wait``, then
-``service_unavailable:``.
+``service_unavailable:``. A sandbox that fails under an env's reset or step or an agent
+(:class:`~rollart.sandbox.SandboxError`: it could not start, it died, it stopped answering)
+is the host's failure, never the policy's nor the env's: counted (``sandbox_failures``),
+never scored, the trajectory delivered again after a backoff (a fresh sandbox, maybe on
+another host), and ``sandbox_unavailable:`` once the handler's ``max_deliver`` deliveries
+all failed so (:mod:`rollart.actors.kernel.sandboxes`).
+
+Sandboxes: the EnvManager holds its process's sandbox pool (``sandbox:``) from ``setup`` to
+``teardown`` and keeps it warm when one of its envs declares ``uses_sandbox = True``.
 
 The turn loop is here; what it works on (the token-level :class:`Trace`, the running
 trajectories, the reset with retries) is in :mod:`rollart.actors.env.trajectory`. An agent
@@ -19,7 +27,7 @@ env's loop (:mod:`rollart.actors.env.agent_loop`) uses only the public methods o
 :class:`~rollart.actors.env.host.TrajectoryHost`, which the EnvManager implements
 (``generate``, ``score``, ``count``, ``agent_endpoint``).
 
-Kept whole (~500 lines): the turn loop, its request handler and the two service calls of a
+Kept whole (~560 lines): the turn loop, its request handler and the two service calls of a
 turn share the actor's state; what needs none of it is already in :mod:`.trajectory`.
 """
 
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart import messages as m
+from rollart import sandbox
 from rollart.actors.kernel.base import Actor, Reject, Retry, consume, replica_suffix
 from rollart.actors.kernel.cancelled import CancelledGroups
 from rollart.actors.env.chat import ChatFormat
@@ -45,10 +54,12 @@ from rollart.actors.kernel.service_client import ServiceClient
 from rollart.actors.env.trajectory import (Cancelled, Deliveries, RunningTrajectories, Trace,
                                        reset_runner, reward_request, unless_cancelled)
 from rollart.actors.env.agent_loop import run_agent_trajectory
+from rollart.actors.kernel.sandboxes import (after_sandbox_failure, env_types_use_sandbox,
+                                             sandbox_failure)
 from rollart.agents.threads import AgentThreads
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
-from rollart.config import ActorConfig, RolloutConfig, RunConfig
+from rollart.config import ActorConfig, RolloutConfig, RunConfig, SandboxConfig
 from rollart.config.placement import Router, mapped_pools
 from rollart.envs import EnvTimeout, parse_action
 from rollart.envs.agent_type import is_agent
@@ -86,6 +97,8 @@ class EnvManager(Actor):
     message (``node.events_max_age``: as long as the events stream keeps its reference)."""
     store_max_bytes: int = TRAJ_STORE_MAX_BYTES
     """Bytes that store may hold (``node.traj_store_max_bytes``)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """The sandboxes of this host's envs and agents (the run's ``sandbox:``)."""
 
     # -- state made by setup() (and by the handlers) ---------------------------------
     chat: ChatFormat = field(default=None, init=False, repr=False)
@@ -114,6 +127,7 @@ class EnvManager(Actor):
         default_factory=dict, init=False, repr=False)
     """Token ids of each set of legal actions seen (:meth:`_encode_actions`)."""
     _cancel_sub: Subscription | None = field(default=None, init=False, repr=False)
+    _holds_sandboxes: bool = field(default=False, init=False, repr=False)
     _agents: Any = field(default=None, init=False, repr=False)
     """The OpenAI-compatible endpoint of agent envs (:mod:`rollart.agents`), started when
     the first agent trajectory runs here."""
@@ -148,7 +162,8 @@ class EnvManager(Actor):
                         "name": f"env-{pool}-{replica_suffix()}-{index}",
                         "envs": dict(run_cfg.envs), "rollout": r, "model_dir": str(folder),
                         "store_ttl": run_cfg.node.events_max_age,
-                        "store_max_bytes": run_cfg.node.traj_store_max_bytes, **placed},
+                        "store_max_bytes": run_cfg.node.traj_store_max_bytes,
+                        "sandbox": run_cfg.sandbox, **placed},
             handlers={"on_request": {"max_inflight": r.concurrency, "ack_wait": r.ack_wait}})
 
     async def setup(self) -> None:
@@ -167,6 +182,17 @@ class EnvManager(Actor):
                                       local=r.local_calls)
         await self.services.start()
         self._cancel_sub = await self.bus.subscribe(self.subject("rollout.cancel"), self._on_cancel)
+        # the process's sandbox pool, warm when an env declares sandboxes (importing the env
+        # types to ask them, and a pool of another config closed, block: off the loop)
+        await asyncio.to_thread(self._hold_sandboxes)
+
+    def _hold_sandboxes(self) -> None:
+        declared = env_types_use_sandbox(sorted({c.type for c in self.envs.values()}))
+        sandbox.hold(self.sandbox, warm=bool(declared))
+        self._holds_sandboxes = True
+        if declared:
+            log.info("%s: keeping %d sandboxes warm (%s backend) for %s", self.name,
+                     self.sandbox.warm, self.sandbox.backend, ", ".join(declared))
 
     async def teardown(self) -> None:
         await self._cancel_sub.unsubscribe()
@@ -175,6 +201,17 @@ class EnvManager(Actor):
         self.agent_threads.close()  # agents stuck in user code are daemons: not waited for
         self.prompt_threads.close()
         await self.services.stop()
+        if self._holds_sandboxes:  # the consumers drained: the last holder kills them all
+            self._holds_sandboxes = False
+            await asyncio.to_thread(sandbox.let_go)
+
+    def node_stats(self) -> dict[str, float]:
+        """For the node's heartbeat: this process's sandbox pool (``sandbox.<stat>``: start
+        and acquire p50/p99 seconds, warm hits, cold starts, start failures, ready, lent)
+        and this EnvManager's ``<name>.sandbox_failures``."""
+        out = {f"sandbox.{k}": v for k, v in sandbox.stats().items()}
+        out[f"{self.name}.sandbox_failures"] = float(self.stats.get("sandbox_failures", 0))
+        return out
 
     async def agent_endpoint(self) -> Any:
         """The agents' endpoint (:class:`rollart.agents.endpoint.AgentEndpoint`), started on
@@ -291,6 +328,11 @@ class EnvManager(Actor):
                 traj_id=req.traj_id, group_id=req.group_id, group_index=req.group_index),
                 msg_id=f"out:{req.traj_id}", deadline=OUTCOME_PUBLISH_S)
             return
+        except Exception as e:  # a sandbox's failure is the host's: again later
+            why = sandbox_failure(e)
+            if why is None:
+                raise
+            raise self._sandbox_failed(req, delivery, why) from e
         finally:
             otel_metrics.trajectory(outcome, req.env)
             heads = self._trace_heads.pop(req.traj_id, None)
@@ -317,6 +359,13 @@ class EnvManager(Actor):
             await self.publish_patiently(
                 "rollout.completed", out, msg_id=f"out:{req.traj_id}:{uuid.uuid4().hex[:12]}",
                 deadline=OUTCOME_PUBLISH_S, headers=heads, **self._large())
+
+    def _sandbox_failed(self, req: m.RolloutRequested, delivery, why: str) -> Exception:
+        """A sandbox failed under ``req``'s env or agent: counted, and what to raise."""
+        self.count("sandbox_failures")
+        return after_sandbox_failure(why, delivery.num_delivered,
+                                     self.settings_of("on_request").max_deliver,
+                                     what=f"{self.name}: {req.traj_id}")
 
     def _large(self) -> dict[str, Any]:
         """How a completion too large for one message is published: through the run's

@@ -26,6 +26,7 @@ from typing import Any
 
 from rollart import messages as m
 from rollart.actors.kernel.base import Reject
+from rollart.actors.kernel.sandboxes import sandbox_failure
 from rollart.aio import first_of, retry, settle
 from rollart.envs import EnvError, EnvRunner, parse_action
 from rollart.envs.runner import EnvContractError, EnvSetupError
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 
 class Cancelled(Exception):
     """The trajectory's group no longer needs it."""
+
+
+class SandboxFailed(Exception):
+    """A reset failed because a sandbox did (its cause): not an env failure, not retried
+    on a fresh env here; the EnvManager counts it and has the request delivered again."""
 
 
 @dataclass
@@ -203,9 +209,10 @@ async def unless_cancelled(coro: Any, cancel: asyncio.Event) -> Any:
 async def reset_runner(req: m.RolloutRequested, cfg: Any, tr: Trace, *, name: str,
                        count: Callable[[str], None]):
     """A fresh runner reset with the request's seed: ``(runner, obs, info)``, retried on
-    fresh envs ``cfg.reset_retries`` times; a permanent env error is raised at once, and
-    once every attempt failed :class:`Reject` (``env_reset_failed:``). ``name`` is the
-    EnvManager's (for the log), ``count(key)`` one of its counters."""
+    fresh envs ``cfg.reset_retries`` times; a permanent env error is raised at once, a
+    sandbox's failure as :class:`SandboxFailed` at once, and once every attempt failed
+    :class:`Reject` (``env_reset_failed:``). ``name`` is the EnvManager's (for the log),
+    ``count(key)`` one of its counters."""
     async def attempt():
         runner = EnvRunner(cfg.type, cfg.args, executor=cfg.executor, timeout=cfg.step_timeout,
                            max_abandoned_threads=cfg.max_abandoned_threads)
@@ -215,10 +222,12 @@ async def reset_runner(req: m.RolloutRequested, cfg: Any, tr: Trace, *, name: st
         except (EnvSetupError, EnvContractError):  # permanent: a fresh env fails the same way
             await runner.close()
             raise
-        except EnvError:
+        except EnvError as e:
             tr.timings["reset"] += time.perf_counter() - t0
-            count("reset_failures")
             await runner.close()
+            if sandbox_failure(e) is not None:  # the host's, not the env's: not retried here,
+                raise SandboxFailed(str(e)) from e  # the EnvManager has it delivered again
+            count("reset_failures")
             raise
         tr.timings["reset"] += time.perf_counter() - t0
         return runner, obs, info

@@ -3,6 +3,13 @@
 Any number of replicas may join or leave at any time (reward as a service). Rule
 scorers answer at once; the ``model_logprob`` scorer gathers concurrent requests from
 many trajectories into one forward pass of a local causal LM.
+
+A scorer that runs the candidate's code (execution-based: it declares ``uses_sandbox =
+True``, see :mod:`rollart.actors.kernel.sandboxes`) takes sandboxes from the process's pool,
+which the service holds from ``setup`` to ``teardown``, warm when one of the run's envs
+names such a scorer. A sandbox failing under a scorer is this replica's failure, never the
+candidate's score: it answers ``unavailable`` (counted in ``sandbox_failures``) and the
+requester asks another replica.
 """
 
 from __future__ import annotations
@@ -11,17 +18,19 @@ import asyncio
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
 
 from rollart import messages as m
+from rollart import sandbox
 from rollart.actors.kernel.base import Actor, serve
 from rollart.actors.kernel.batching import Batcher
+from rollart.actors.kernel.sandboxes import declares_sandbox, sandbox_failure
 from rollart.actors.kernel.service import ServiceUnavailable
 from rollart.actors.kernel.progress import ProgressReporter
-from rollart.config import ActorConfig, RunConfig
+from rollart.config import ActorConfig, RunConfig, SandboxConfig
 from rollart.envs.reasoning import ReasoningGymEnv
 from rollart.telemetry import otel_metrics
 
@@ -105,6 +114,11 @@ class RewardService(Actor):
     threads: int | None = 1
     progress_every: float = 1.0
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """The sandboxes of execution-based scorers (the run's ``sandbox:``)."""
+    scorers: tuple[str, ...] = ()
+    """The scorers the run's envs name: the pool is kept warm when one declares sandboxes."""
+    _holds_sandboxes: bool = field(default=False, init=False, repr=False)
 
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
@@ -112,7 +126,8 @@ class RewardService(Actor):
         rc = run_cfg.reward
         return cls.configured(actor_cfg, dict(
             run=run_cfg.run, pool=pool, name=f"reward-{pool}-{index}", model_path=rc.model_path,
-            gather_ms=rc.gather_ms, threads=run_cfg.model.threads))
+            gather_ms=rc.gather_ms, threads=run_cfg.model.threads, sandbox=run_cfg.sandbox,
+            scorers=tuple(sorted({e.scorer for e in run_cfg.envs.values() if e.scorer}))))
 
     async def setup(self) -> None:
         self._model = None
@@ -125,10 +140,23 @@ class RewardService(Actor):
         # time (their caches are not thread-safe)
         self._rules = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-rules")
         self.busy = otel_metrics.busy(self.name)  # rollart.reward.busy_fraction (metrics on)
+        self.sandbox_failures = 0
+        warm = any(declares_sandbox(RULES.get(s)) for s in self.scorers)
+        await asyncio.to_thread(sandbox.hold, self.sandbox, warm=warm)  # may close another pool
+        self._holds_sandboxes = True
 
     async def teardown(self) -> None:
         self._rules.shutdown(wait=False, cancel_futures=True)
         otel_metrics.drop_busy(self.name)
+        if self._holds_sandboxes:  # its requests are answered: kill them
+            self._holds_sandboxes = False
+            await asyncio.to_thread(sandbox.let_go)
+
+    def node_stats(self) -> dict[str, float]:
+        """For the node's heartbeat: the process's sandbox pool and ``<name>.sandbox_failures``."""
+        out = {f"sandbox.{k}": v for k, v in sandbox.stats().items()}
+        out[f"{self.name}.sandbox_failures"] = float(self.sandbox_failures)
+        return out
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -144,8 +172,16 @@ class RewardService(Actor):
     async def _score(self, req: m.RewardRequest) -> m.RewardResult:
         if req.scorer in RULES:
             fn = RULES[req.scorer]
-            score = await asyncio.get_running_loop().run_in_executor(
-                self._rules, fn, req.response, req.answer, dict(req.metadata))
+            try:
+                score = await asyncio.get_running_loop().run_in_executor(
+                    self._rules, fn, req.response, req.answer, dict(req.metadata))
+            except Exception as e:
+                why = sandbox_failure(e)
+                if why is None:
+                    raise
+                self.sandbox_failures += 1  # the host's, not the candidate's: ask another replica
+                raise ServiceUnavailable(f"{self.name}: a sandbox failed under scorer "
+                                         f"{req.scorer!r}: {why}"[:1000]) from e
             return m.RewardResult(score=score, replica=self.name)
         if req.scorer == "model_logprob":
             score = await self.batcher.submit_or_unavailable(

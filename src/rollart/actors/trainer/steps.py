@@ -27,6 +27,7 @@ from rollart.config import RunConfig
 from rollart.config.placement import mapped_pools
 from rollart.errors import TrainStepFailed
 from rollart.telemetry import otel_metrics, tracing
+from rollart.telemetry import sandboxes as sandbox_stats
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +234,7 @@ class StepLoop:
             parts.append(f"work queue holds {info.get('messages', '?')} requests")
         except Exception as e:  # noqa: BLE001 - a report must not stop training
             parts.append(f"work queue unknown ({type(e).__name__})")
-        horizon = 3 * max(1.0, self.cfg.node.heartbeat_every)
-        alive = [hb for hb in self.nodes.values() if time.time() - hb.ts < horizon]
+        alive = self._live_nodes()
         missing = [role for role in ("env", "generate") if not any(role in hb.roles for hb in alive)]
         if self.nodes:
             parts.append("live nodes: " + (", ".join(
@@ -244,6 +244,11 @@ class StepLoop:
         self.waiting = "; ".join(parts)
         log.warning("%s", self.waiting)
         await self._publish_ledger(waiting=self.waiting)
+
+    def _live_nodes(self) -> list[m.NodeHeartbeat]:
+        """The last heartbeat of each node heard within three heartbeat intervals."""
+        horizon = 3 * max(1.0, self.cfg.node.heartbeat_every)
+        return [hb for hb in self.nodes.values() if time.time() - hb.ts < horizon]
 
     async def _publish_ledger(self, **extra: Any) -> None:
         """The ledger summary in KV (admission frees lost groups' headroom from it), with the
@@ -346,7 +351,9 @@ class StepLoop:
                # a full checkpoint finished in the background since the previous row
                **self.ckpt.take_done(),
                # how the version this step trained from reached the generators
-               **self.weights.sync_row(v)}
+               **self.weights.sync_row(v),
+               # the env hosts' sandbox pools as top shows them (none in a run without)
+               **sandbox_stats.summary(hb.stats for hb in self._live_nodes())}
         t1 = time.perf_counter()
         out["wall_s"] = t1 - t_start
         self.history.append(out)
