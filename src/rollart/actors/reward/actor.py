@@ -21,6 +21,7 @@ from rollart.actors.kernel.base import Actor, serve
 from rollart.actors.kernel.batching import Batcher
 from rollart.actors.kernel.service import ServiceUnavailable
 from rollart.actors.kernel.progress import ProgressReporter
+from rollart.code.scorer import code_tests
 from rollart.config import ActorConfig, RunConfig
 from rollart.envs.reasoning import ReasoningGymEnv
 from rollart.telemetry import otel_metrics
@@ -92,7 +93,9 @@ def _rg_args(key: str) -> _RGArgs:
 
 _rg_envs: dict[str, Any] = {}
 
-RULES = {"answer_match": answer_match, "reasoning_gym": reasoning_gym_score}
+RULES = {"answer_match": answer_match, "reasoning_gym": reasoning_gym_score, "code_tests": code_tests}
+"""Scorer name -> ``fn(response, answer, metadata) -> score`` (``code_tests``: the response
+runs against a code task's tests in this host's sandboxes, :mod:`rollart.code.scorer`)."""
 
 
 @dataclass(kw_only=True, eq=False)
