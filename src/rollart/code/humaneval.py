@@ -92,7 +92,7 @@ class HumanEvalEnv:
 
     Args:
         heldout_share: the share of problems held out of training (default 0.2, by a hash of
-            the task id: 33 of 164). A task seed in the held-out window
+            the task id: 28 of 164). A task seed in the held-out window
             (:func:`~rollart.envs.base.is_heldout_seed`) serves the ``(seed - offset) % n``-th
             held-out problem, any other seed the ``seed % m``-th training problem. 1.0 holds
             every problem out (an evaluation config: ``rollart rollout --groups 164`` runs
