@@ -96,6 +96,9 @@ _rg_envs: dict[str, Any] = {}
 RULES = {"answer_match": answer_match, "reasoning_gym": reasoning_gym_score, "code_tests": code_tests}
 """Scorer name -> ``fn(response, answer, metadata) -> score`` (``code_tests``: the response
 runs against a code task's tests in this host's sandboxes, :mod:`rollart.code.scorer`)."""
+SANDBOXED = {"code_tests"}
+"""Rule scorers that wait on sandboxes and keep no unguarded state: ``code_threads`` of them
+run at once (a sandboxed run is ~20-50 ms of waiting on a subprocess)."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -106,6 +109,8 @@ class RewardService(Actor):
     gather_ms: float = 2.0
     max_batch: int = 64
     threads: int | None = 1
+    code_threads: int = 4
+    """Requests of the :data:`SANDBOXED` scorers scored at once (the other rules: one at a time)."""
     progress_every: float = 1.0
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
 
@@ -127,10 +132,13 @@ class RewardService(Actor):
         # rule scorers may build datasets or run user code: off the event loop, one at a
         # time (their caches are not thread-safe)
         self._rules = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-rules")
+        self._sandboxed = ThreadPoolExecutor(max_workers=max(1, self.code_threads),
+                                             thread_name_prefix=f"{self.name}-code")
         self.busy = otel_metrics.busy(self.name)  # rollart.reward.busy_fraction (metrics on)
 
     async def teardown(self) -> None:
         self._rules.shutdown(wait=False, cancel_futures=True)
+        self._sandboxed.shutdown(wait=False, cancel_futures=True)
         otel_metrics.drop_busy(self.name)
 
     async def main(self) -> None:
@@ -148,7 +156,8 @@ class RewardService(Actor):
         if req.scorer in RULES:
             fn = RULES[req.scorer]
             score = await asyncio.get_running_loop().run_in_executor(
-                self._rules, fn, req.response, req.answer, dict(req.metadata))
+                self._sandboxed if req.scorer in SANDBOXED else self._rules, fn, req.response,
+                req.answer, dict(req.metadata))
             return m.RewardResult(score=score, replica=self.name)
         if req.scorer == "model_logprob":
             score = await self.batcher.submit_or_unavailable(
