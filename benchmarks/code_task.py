@@ -3,7 +3,7 @@
 ::
 
     python benchmarks/code_task.py --seeds 3 --parallel 3 --write   # the README's rows
-    python benchmarks/code_task.py --seeds 3 --parallel 3 --words --write   # the 17 word tasks
+    python benchmarks/code_task.py --seeds 3 --parallel 3 --words --write   # the 16 word tasks
     python benchmarks/code_task.py --quick                            # a smoke run (~40 s)
 
 ``configs/code-expr-warm.yaml`` (:mod:`rollart.code.pyexpr`: a Python expression in ``x``

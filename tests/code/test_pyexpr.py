@@ -64,7 +64,7 @@ def test_invalid_answers_are_not_run_and_bad_args_are_named():
     env.reset(1)
     assert env.step("x + 3")[1] == 1.0
     words = PyExprEnv(tasks=pyexpr.WORD_TASKS)
-    assert len(pyexpr.WORD_TASKS) == 17 and all(
+    assert len(pyexpr.WORD_TASKS) == 16 and all(
         words.reset(s)[1]["task"] in pyexpr.WORD_TASKS and words.reset(s)[0].startswith("f('")
         for s in range(50))
     with pytest.raises(ValueError, match="unknown task ids"):

@@ -71,7 +71,7 @@ def _tasks() -> dict[str, tuple[str, str, Callable[[Any], Any]]]:
 TASKS = _tasks()
 """Task id (``"add:3"``) -> (input type, canonical expression, the function)."""
 WORD_TASKS = [t for t, (kind, _, _) in TASKS.items() if kind == "str"]
-"""The 17 tasks on words (``x[::-1]``, ``x[:k]``, ``len(x)``...): the part of the family the
+"""The 16 tasks on words (``x[::-1]``, ``x[:k]``, ``len(x)``...): the part of the family the
 tiny model reads best from examples (after SFT, 0.65 greedy on held-out prompts of the
 slices against 0.06-0.24 for ``x % k``, ``x - k``, ``x + k``)."""
 HIDDEN: dict[str, list[Any]] = {
