@@ -6,7 +6,7 @@ from rollart.envs.sokoban import SokobanEnv
 
 
 def test_builtins():
-    assert set(BUILTIN_ENVS) == {"frozenlake", "sokoban", "reasoning_gym"}
+    assert set(BUILTIN_ENVS) == {"frozenlake", "sokoban", "reasoning_gym", "humaneval", "pyexpr"}
     env = make_env("frozenlake", {"size": 4, "slippery": False})
     assert isinstance(env, FrozenLakeEnv) and isinstance(env, Env)
     assert isinstance(make_env("sokoban", None), SokobanEnv)

@@ -79,7 +79,7 @@ class EnvConfig(Base):
     """One environment kind that trajectories run in."""
 
     type: str = "frozenlake"
-    """Built-in name (frozenlake, sokoban, reasoning_gym), ``gym:<id>`` (any registered
+    """Built-in name (frozenlake, sokoban, reasoning_gym, humaneval, pyexpr), ``gym:<id>`` (any registered
     gymnasium environment), ``openenv:<url>`` (a running OpenEnv server, e.g.
     ``openenv:http://127.0.0.1:8000``; :mod:`rollart.envs.openenv`), ``pkg.module:Class``, or ``agent:pkg.module:function``: a user's
     agent that plays the trajectory through an OpenAI-compatible endpoint

@@ -16,6 +16,8 @@ BUILTIN_ENVS: dict[str, str] = {
     "frozenlake": "rollart.envs.frozenlake:FrozenLakeEnv",
     "sokoban": "rollart.envs.sokoban:SokobanEnv",
     "reasoning_gym": "rollart.envs.reasoning:ReasoningGymEnv",
+    "humaneval": "rollart.code.humaneval:HumanEvalEnv",
+    "pyexpr": "rollart.code.pyexpr:PyExprEnv",
 }
 """Short name -> import path. Modules are imported only when their env is made."""
 
@@ -71,7 +73,8 @@ def make_env(type: str, args: dict[str, Any] | None = None) -> Env:
     """Construct an environment.
 
     Args:
-        type: ``"frozenlake"``, ``"sokoban"``, ``"reasoning_gym"``, ``"gym:<gymnasium id>"``,
+        type: ``"frozenlake"``, ``"sokoban"``, ``"reasoning_gym"``, ``"humaneval"``,
+            ``"pyexpr"``, ``"gym:<gymnasium id>"``,
             ``"openenv:<server url>"`` or ``"pkg.module:ClassName"``.
         args: keyword arguments for the env class (from config).
 

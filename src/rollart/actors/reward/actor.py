@@ -30,6 +30,7 @@ from rollart.actors.kernel.batching import Batcher
 from rollart.actors.kernel.sandboxes import declares_sandbox, sandbox_failure
 from rollart.actors.kernel.service import ServiceUnavailable
 from rollart.actors.kernel.progress import ProgressReporter
+from rollart.code.scorer import code_tests
 from rollart.config import ActorConfig, RunConfig, SandboxConfig
 from rollart.envs.reasoning import ReasoningGymEnv
 from rollart.telemetry import otel_metrics
@@ -101,7 +102,12 @@ def _rg_args(key: str) -> _RGArgs:
 
 _rg_envs: dict[str, Any] = {}
 
-RULES = {"answer_match": answer_match, "reasoning_gym": reasoning_gym_score}
+RULES = {"answer_match": answer_match, "reasoning_gym": reasoning_gym_score, "code_tests": code_tests}
+"""Scorer name -> ``fn(response, answer, metadata) -> score`` (``code_tests``: the response
+runs against a code task's tests in this host's sandboxes, :mod:`rollart.code.scorer`)."""
+SANDBOXED = {"code_tests"}
+"""Rule scorers that wait on sandboxes and keep no unguarded state: ``code_threads`` of them
+run at once (a sandboxed run is ~20-50 ms of waiting on a subprocess)."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -112,6 +118,8 @@ class RewardService(Actor):
     gather_ms: float = 2.0
     max_batch: int = 64
     threads: int | None = 1
+    code_threads: int = 4
+    """Requests of the :data:`SANDBOXED` scorers scored at once (the other rules: one at a time)."""
     progress_every: float = 1.0
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
@@ -139,6 +147,8 @@ class RewardService(Actor):
         # rule scorers may build datasets or run user code: off the event loop, one at a
         # time (their caches are not thread-safe)
         self._rules = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-rules")
+        self._sandboxed = ThreadPoolExecutor(max_workers=max(1, self.code_threads),
+                                             thread_name_prefix=f"{self.name}-code")
         self.busy = otel_metrics.busy(self.name)  # rollart.reward.busy_fraction (metrics on)
         self.sandbox_failures = 0
         warm = any(declares_sandbox(RULES.get(s)) for s in self.scorers)
@@ -147,6 +157,7 @@ class RewardService(Actor):
 
     async def teardown(self) -> None:
         self._rules.shutdown(wait=False, cancel_futures=True)
+        self._sandboxed.shutdown(wait=False, cancel_futures=True)
         otel_metrics.drop_busy(self.name)
         if self._holds_sandboxes:  # its requests are answered: kill them
             self._holds_sandboxes = False
@@ -174,7 +185,8 @@ class RewardService(Actor):
             fn = RULES[req.scorer]
             try:
                 score = await asyncio.get_running_loop().run_in_executor(
-                    self._rules, fn, req.response, req.answer, dict(req.metadata))
+                    self._sandboxed if req.scorer in SANDBOXED else self._rules, fn, req.response,
+                    req.answer, dict(req.metadata))
             except Exception as e:
                 why = sandbox_failure(e)
                 if why is None:
