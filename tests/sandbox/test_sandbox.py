@@ -4,8 +4,11 @@ infrastructure (:class:`SandboxError`) and which are the caller's (:class:`Sandb
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import threading
+from pathlib import Path
 import time
 
 import pytest
@@ -138,6 +141,17 @@ def test_a_sandbox_that_cannot_start_says_why():
     with pytest.raises(SandboxError) as e:
         sandbox.start(cfg)
     assert "no-such-python" in str(e.value)
+    with pytest.raises(SandboxError, match="no such interpreter"):
+        sandbox.start(SandboxConfig(python="/nonexistent/python3", warm=0))
+    # an interpreter at /tmp/x/python3 has the prefix /tmp: binding it would show the sandbox
+    # every other process's temporary files
+    folder = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        (folder / "python3").write_bytes(b"")
+        with pytest.raises(SandboxError, match="too much of the host"):
+            sandbox.start(SandboxConfig(python=str(folder / "python3"), warm=0))
+    finally:
+        shutil.rmtree(folder)
 
 
 @needs_bwrap

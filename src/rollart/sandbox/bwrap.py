@@ -60,7 +60,16 @@ def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
     for the supervisor) and ``processes`` + 8."""
     bwrap = find_bwrap()
     python = interpreter(cfg)
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    real = os.path.realpath(python)
+    prefix = os.path.dirname(os.path.dirname(real))
+    if not os.path.isabs(python) or not os.path.isfile(real):
+        raise SandboxUnavailable(f"sandbox.python {python!r}: no such interpreter (give an absolute "
+                                 f"path to a python3 readable by the sandbox's user)")
+    if prefix in ("/", "") or os.path.dirname(prefix) == "/" and prefix != "/usr" \
+            and os.path.basename(prefix) in {"etc", "home", "root", "var", "proc", "sys", "run", "tmp", "srv"}:
+        raise SandboxUnavailable(f"sandbox.python {python!r}: its prefix {prefix or '/'} would bind "
+                                 f"too much of the host into the sandbox; install it under its own "
+                                 f"folder (/usr, /opt/python3.11, ~/.pyenv/versions/3.11.7)")
     args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
             "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",

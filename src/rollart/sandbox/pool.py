@@ -82,12 +82,11 @@ class SandboxPool:
                 _executor.submit(sb.close)  # its pipes and cgroups
                 sb = self._ready.popleft() if self._ready else None
             self._cv.notify_all()  # the refill thread tops up
+        warm = sb is not None
         if sb is None:
             sb = self._start_one()
-            self.stats.note_acquire(time.monotonic() - t0, warm=False)
-        else:
-            self.stats.note_acquire(time.monotonic() - t0, warm=True)
-        with self._cv:
+        with self._cv:  # the counters and the lent set change under the one lock
+            self.stats.note_acquire(time.monotonic() - t0, warm=warm)
             self._lent.add(sb)
         return sb
 
@@ -130,9 +129,11 @@ class SandboxPool:
         except SandboxUnavailable:
             raise
         except SandboxError:
-            self.stats.start_failures += 1
+            with self._cv:
+                self.stats.start_failures += 1
             raise
-        self.stats.note_start(sb.started_s)
+        with self._cv:
+            self.stats.note_start(sb.started_s)
         return sb
 
     def _ensure_thread(self) -> None:

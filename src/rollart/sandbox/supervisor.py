@@ -126,6 +126,10 @@ def _run(req):
                 os._exit(127)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
+    try:  # readable when the command exits: no polling (Linux 5.3+)
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = -1
     outs = {out_r: bytearray(), err_r: bytearray()}
     dropped = {out_r: 0, err_r: 0}
     open_fds = {out_r, err_r}
@@ -154,8 +158,13 @@ def _run(req):
         if status is not None and (timed_out or not open_fds or now >= after_exit):
             break
         wfds = [in_w] if in_w >= 0 and pending_in else []
-        r, w, _ = select.select(list(open_fds), wfds, [], 0.02)
+        rfds = list(open_fds) + ([pidfd] if pidfd >= 0 and status is None else [])
+        wake = min(deadline, after_exit) if after_exit is not None else deadline
+        wait = max(0.0, min(wake - now, 1.0)) if pidfd >= 0 else 0.02
+        r, w, _ = select.select(rfds, wfds, [], wait)
         for fd in r:
+            if fd == pidfd:
+                continue  # waitpid at the top of the loop
             chunk = os.read(fd, 65536)
             if not chunk:
                 open_fds.discard(fd)
@@ -173,6 +182,8 @@ def _run(req):
                 os.close(in_w)
                 in_w = -1
     wall = time.monotonic() - t0
+    if pidfd >= 0:
+        os.close(pidfd)
     _reap_all()
     for fd in (out_r, err_r):
         os.close(fd)
