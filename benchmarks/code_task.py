@@ -15,7 +15,12 @@ held-out evaluations. There is no RL-alone arm: from a random start a passing ex
 too rare to learn from (``configs/code-expr.yaml``). The demonstrator is the oracle (1.0),
 so the bar is the SFT start, not the demonstrator. Every other flag is ``beyond_demo.py``'s
 and overrides these defaults; ``--write`` stores ``results/beyond_demo_code-expr.json``
-and its rows in the README's ``beyond_demo`` table.
+(``--words``: ``..._code-expr-words.json``, the config restricted to
+:data:`~rollart.code.pyexpr.WORD_TASKS`) and its rows in the README's ``beyond_demo`` table.
+
+Measured 2026-12-07 (2 cores, three seeds at once, 100 RL steps, 128 held-out prompts):
+on all 61 tasks SFT 0.297 held-out greedy (median), RL 0.297, no gain; on the 16 word
+tasks SFT 0.820, RL 0.867, above its SFT start on every seed.
 """
 
 from __future__ import annotations

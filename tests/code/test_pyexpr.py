@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,10 +22,11 @@ from rollart.envs.base import HELDOUT_SEED_OFFSET
 
 def test_canonical_answers_pass_and_wrong_ones_fail():
     code_tests = RULES["code_tests"]
-    for task, (kind, expr, _) in TASKS.items():
-        assert code_tests(expr, "", {"suite": "pyexpr", "task": task}) == 1.0, task
-        wrong = "x" if task != "first:4" else "x[:3]"  # no task is the identity
-        assert code_tests(wrong, "", {"suite": "pyexpr", "task": task}) == 0.0, task
+    # no task is the identity: "x" is wrong for each
+    pairs = [(t, e, 1.0) for t, (_, e, _) in TASKS.items()] + [(t, "x", 0.0) for t in TASKS]
+    with ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda p: code_tests(p[1], "", {"suite": "pyexpr", "task": p[0]}), pairs))
+    assert [p for p, g in zip(pairs, got) if g != p[2]] == []
     # an equivalent expression passes; the right value of the wrong type does not
     assert pyexpr.passes("mul:2", "x+x") and pyexpr.passes("rev", "''.join(reversed(x))")
     assert not pyexpr.passes("len", "str(len(x))")

@@ -20,6 +20,7 @@ never the candidate's, and must never become a reward of 0.
 from __future__ import annotations
 
 import collections
+import hashlib
 import secrets
 import threading
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ class Outcome:
     wall_s: float = 0.0
 
 
-_cache: collections.OrderedDict[tuple[str, float], Outcome] = collections.OrderedDict()
+_cache: collections.OrderedDict[tuple[bytes, float], Outcome] = collections.OrderedDict()
+"""(digest of the program, timeout) -> its outcome: the text itself is not kept."""
 _cache_lock = threading.Lock()
 
 
@@ -68,7 +70,8 @@ def run_program(program: str, *, timeout: float = 5.0, cache: bool = True) -> Ou
         raise ValueError(f"run_program: the program is {len(program)} characters (max {MAX_PROGRAM})")
     if not timeout > 0:
         raise ValueError(f"run_program: timeout must be > 0, got {timeout!r}")
-    key = (program, float(timeout))
+    data = program.encode("utf-8", "replace")  # a lone surrogate is the candidate's error, run as "?"
+    key = (hashlib.blake2b(data, digest_size=16).digest(), float(timeout))
     if cache:
         with _cache_lock:
             hit = _cache.get(key)
@@ -77,7 +80,7 @@ def run_program(program: str, *, timeout: float = 5.0, cache: bool = True) -> Ou
                 return hit
     token = secrets.token_hex(16)
     with sandbox.pool().session() as sb:
-        sb.write(PROGRAM, program)
+        sb.write(PROGRAM, data)
         r = sb.run(["python3", "-I", "-c", HARNESS], stdin=token + "\n", timeout=timeout)
     passed = r.exit_code == 0 and not r.timed_out and r.stdout.rstrip().endswith(token.encode())
     out = Outcome(passed=passed, exit_code=r.exit_code, limit=r.limit,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import random
+import warnings
 from typing import Any, Callable
 
 from rollart.code.execute import run_program
@@ -120,7 +121,9 @@ def check_expression(expr: str) -> str | None:
     if len(expr) > MAX_EXPRESSION:
         return f"{len(expr)} characters (max {MAX_EXPRESSION})"
     try:
-        ast.parse(expr.strip(), mode="eval")
+        with warnings.catch_warnings():  # "1x" warns (invalid decimal literal): it is just wrong
+            warnings.simplefilter("ignore", SyntaxWarning)
+            ast.parse(expr.strip(), mode="eval")
     except (SyntaxError, ValueError) as e:
         return f"not a Python expression ({e.__class__.__name__})"
     return None
