@@ -110,6 +110,10 @@ class HumanEvalEnv:
     propagates.
     """
 
+    uses_sandbox = True
+    """Its tests run in the env host's sandboxes (:mod:`rollart.actors.kernel.sandboxes`: the
+    host keeps ``sandbox.warm`` of them started)."""
+
     suite = "humaneval"
 
     def __init__(self, *, heldout_share: float = 0.2, timeout_s: float = 5.0, execute: bool = True,

@@ -168,6 +168,10 @@ class PyExprEnv:
     :class:`~rollart.sandbox.SandboxError` propagates (the host's failure, not the answer's).
     """
 
+    uses_sandbox = True
+    """Its tests run in the env host's sandboxes (:mod:`rollart.actors.kernel.sandboxes`: the
+    host keeps ``sandbox.warm`` of them started)."""
+
     suite = "pyexpr"
 
     def __init__(self, *, tasks: list[str] | None = None, heldout_share: float = 0.1,

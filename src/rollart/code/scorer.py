@@ -66,3 +66,6 @@ def code_tests(response: str, answer: str, metadata: dict[str, str]) -> float:
     if prog is None:
         return 0.0
     return float(run_program(prog, timeout=TIMEOUT_S).passed)
+
+
+code_tests.uses_sandbox = True  # type: ignore[attr-defined]  # the reward host keeps sandboxes warm
