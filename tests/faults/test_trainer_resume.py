@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,9 +189,18 @@ def test_kill9_and_resume_three_times(tmp_path, tiny_model):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "one record per step"
     ids = [t for r in rows for t in r["traj_ids"]]
-    assert len(ids) == len(set(ids)) == steps * 2 * 4, (  # and no group member lost
-        "no trajectory trained twice", {k: v for k, v in rows[-1].items()
-                                        if k.startswith("count_") or k == "groups_lost"})
+    assert len(ids) == len(set(ids)), "no trajectory trained twice"
+    # No group member is lost, but for one case (CI, ci49): a kill between an env node's
+    # publish of an outcome and its ack. The redelivered request runs again and its other
+    # completion conflicts with the stored one: neither is trained (the trainer logs which),
+    # so only a group with such a conflict may come up short, and by no more than its size.
+    conflicted = set(re.findall(r"two different completions of trajectory (\S+) ", log.read_text()))
+    assert not conflicted & set(ids), "a conflicting trajectory was trained"
+    groups_hit = {t.rsplit("-", 1)[0] for t in conflicted}
+    short = steps * 2 * 4 - len(ids)
+    assert 0 <= short <= 4 * len(groups_hit), (
+        "group members lost", short, sorted(conflicted),
+        {k: v for k, v in rows[-1].items() if k.startswith("count_") or k == "groups_lost"})
     names = set(_weights(run_dir))
     assert {f"v{v:06d}.safetensors" for v in range(1, steps + 1)} <= names
     for r in rows:  # the α rule on recorded data: step v+1 uses min_version >= v - alpha
