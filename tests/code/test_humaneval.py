@@ -36,9 +36,10 @@ def test_every_canonical_solution_passes_through_the_scorer():
 
 def test_broken_solutions_and_early_exits_pass_none():
     ps = list(problems())
-    # each problem gets one broken body (all three kinds over the set), and a sample of
-    # problems a completion that ends the process early with status 0
-    pairs = [(t, BROKEN[i % 3]) for i, t in enumerate(ps)]
+    # every third problem gets a broken body (the three kinds in turn: each kind meets about
+    # 18 problems), and a sample of problems a completion that ends the process early with
+    # status 0 (the canonical test runs all 164: the harness's cost is per program)
+    pairs = [(t, BROKEN[i % 3]) for i, t in enumerate(ps[::3])]
     pairs += [(t, "    import os\n    os._exit(0)\n") for t in ps[::16]]
     pairs += [(t, "    import sys\n    sys.exit(0)\n") for t in ps[1::16]]
     scores = score_all(pairs)
