@@ -24,6 +24,7 @@ import hashlib
 import secrets
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from rollart import sandbox
 
@@ -91,3 +92,16 @@ def run_program(program: str, *, timeout: float = 5.0, cache: bool = True) -> Ou
             while len(_cache) > CACHE_SIZE:
                 _cache.popitem(last=False)
     return out
+
+
+def tested_step(info: dict[str, Any], execute: bool, make_program: Callable[[], str],
+                timeout: float) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    """The last ``step`` of a single-turn code env, once its action was found valid: the
+    program run (``execute``) and scored 1.0 or 0.0, or reward 0 for the reward service's
+    ``code_tests`` to score (``execute: false``). The episode ends either way."""
+    info["valid_action"] = True
+    if not execute:
+        return "", 0.0, True, False, info
+    out = run_program(make_program(), timeout=timeout)
+    info.update(success=out.passed, limit=out.limit or "")
+    return "", float(out.passed), True, False, info

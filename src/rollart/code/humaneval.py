@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from rollart.code.execute import run_program
+from rollart.code.execute import run_program, tested_step
 from rollart.envs.base import HELDOUT_SEED_OFFSET, is_heldout_seed
 
 MAX_COMPLETION = 64 << 10
@@ -149,12 +149,7 @@ class HumanEvalEnv:
         info: dict[str, Any] = {"suite": self.suite, "task": task, "success": False}
         if not isinstance(action, str) or not action.strip() or len(action) > MAX_COMPLETION:
             return "", 0.0, True, False, {**info, "valid_action": False}
-        info["valid_action"] = True
-        if not self.execute:
-            return "", 0.0, True, False, info
-        out = run_program(program(task, action), timeout=self.timeout_s)
-        info.update(success=out.passed, limit=out.limit or "")
-        return "", float(out.passed), True, False, info
+        return tested_step(info, self.execute, lambda: program(task, action), self.timeout_s)
 
     def legal_actions(self) -> None:
         """Free text."""

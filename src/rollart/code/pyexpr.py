@@ -28,7 +28,7 @@ import random
 import warnings
 from typing import Any, Callable
 
-from rollart.code.execute import run_program
+from rollart.code.execute import run_program, tested_step
 from rollart.envs.base import HELDOUT_SEED_OFFSET, is_heldout_seed
 from rollart.envs.demonstrators import register
 
@@ -226,12 +226,7 @@ class PyExprEnv:
         why = check_expression(action)
         if why is not None:
             return "", 0.0, True, False, {**info, "valid_action": False, "error": why}
-        info["valid_action"] = True
-        if not self.execute:
-            return "", 0.0, True, False, info
-        out = run_program(program(task, action), timeout=self.timeout_s)
-        info.update(success=out.passed, limit=out.limit or "")
-        return "", float(out.passed), True, False, info
+        return tested_step(info, self.execute, lambda: program(task, action), self.timeout_s)
 
     def legal_actions(self) -> None:
         """Free text."""
