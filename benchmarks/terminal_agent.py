@@ -90,10 +90,15 @@ def run_one(config: Path, seed: int, over: dict, *, nats: str | None, work: Path
     out = {"seed": seed, "rc": rc, "process_s": round(time.perf_counter() - t0, 1)}
     folder = work / "runs" / name
     try:
-        summary = json.loads((folder / "summary.json").read_text())
         rows = read_jsonl(folder / "metrics.jsonl")
-    except (OSError, ValueError) as e:
-        return out | {"error": f"{e}; stderr: {err[-400:]}"}
+    except (OSError, ValueError):
+        rows = []
+    if not rows:
+        return out | {"error": f"no metrics; stderr: {err[-400:]}"}
+    try:  # a run stopped early has its steps' metrics but no summary
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {"steps": len(rows), "wall_s": out["process_s"]}
     sampled = [float(x.get("success", 0.0)) for x in rows]
     turns = [float(x.get("turns", 0.0)) for x in rows]
     return out | {
