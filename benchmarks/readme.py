@@ -59,6 +59,7 @@ SECTIONS: list[tuple[str, Callable]] = [
     ("quickstart_seeds", _section("quickstart_seeds", "readme_section", "quickstart_seeds")),
     ("collapse_recovery", _section("collapse_recovery", "readme_section", "collapse_recovery")),
     ("beyond_demo", _section("beyond_demo", "readme_section", "beyond_demo_sokoban")),
+    ("terminal_agent", _section("terminal_agent", "readme_section", "terminal_agent")),
     ("emulate", _emulate),
     ("emulate_scale", _section("emulate_scale", "section", "emulate_scale")),
     ("sandbox", _section("sandbox", "readme_section", "sandbox")),
