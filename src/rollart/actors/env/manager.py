@@ -55,7 +55,7 @@ from rollart.actors.env.trajectory import (Cancelled, Deliveries, RunningTraject
                                        reset_runner, reward_request, unless_cancelled)
 from rollart.actors.env.agent_loop import run_agent_trajectory
 from rollart.actors.kernel.sandboxes import (after_sandbox_failure, env_types_use_sandbox,
-                                             sandbox_failure)
+                                             heartbeat_stats, sandbox_failure)
 from rollart.agents.threads import AgentThreads
 from rollart.bus import BusError, DuplicateConflict, Subscription
 from rollart.bus.codec import DecodeError
@@ -206,12 +206,8 @@ class EnvManager(Actor):
             await asyncio.to_thread(sandbox.let_go)
 
     def node_stats(self) -> dict[str, float]:
-        """For the node's heartbeat: this process's sandbox pool (``sandbox.<stat>``: start
-        and acquire p50/p99 seconds, warm hits, cold starts, start failures, ready, lent)
-        and this EnvManager's ``<name>.sandbox_failures``."""
-        out = {f"sandbox.{k}": v for k, v in sandbox.stats().items()}
-        out[f"{self.name}.sandbox_failures"] = float(self.stats.get("sandbox_failures", 0))
-        return out
+        """For the node's heartbeat: the sandbox pool and this EnvManager's failures."""
+        return heartbeat_stats(self.name, self.stats.get("sandbox_failures", 0))
 
     async def agent_endpoint(self) -> Any:
         """The agents' endpoint (:class:`rollart.agents.endpoint.AgentEndpoint`), started on

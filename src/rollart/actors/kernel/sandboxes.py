@@ -34,6 +34,7 @@ from rollart.envs.agent_type import is_agent, resolve_agent
 from rollart.envs.errors import WorkerError
 from rollart.envs.registry import resolve_env_class
 from rollart.sandbox import SandboxError
+from rollart.sandbox import stats as sandbox_pool_stats
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,16 @@ def sandbox_failure(e: BaseException | None) -> str | None:
             return str(e)
         e = e.__cause__ or e.__context__
     return None
+
+
+def heartbeat_stats(name: str, failures: int) -> dict[str, float]:
+    """What an actor holding the pool adds to its node's heartbeat: this process's pool
+    (``sandbox.<stat>``: start and acquire p50/p99 seconds, warm hits, cold starts, start
+    failures, ready, lent) and its own ``<name>.sandbox_failures``
+    (:mod:`rollart.telemetry.sandboxes` sums them)."""
+    out = {f"sandbox.{k}": v for k, v in sandbox_pool_stats().items()}
+    out[f"{name}.sandbox_failures"] = float(failures)
+    return out
 
 
 def retry_delay(delivery: int) -> float:

@@ -27,7 +27,7 @@ from rollart import messages as m
 from rollart import sandbox
 from rollart.actors.kernel.base import Actor, serve
 from rollart.actors.kernel.batching import Batcher
-from rollart.actors.kernel.sandboxes import declares_sandbox, sandbox_failure
+from rollart.actors.kernel.sandboxes import declares_sandbox, heartbeat_stats, sandbox_failure
 from rollart.actors.kernel.service import ServiceUnavailable
 from rollart.actors.kernel.progress import ProgressReporter
 from rollart.code.scorer import code_tests
@@ -165,9 +165,7 @@ class RewardService(Actor):
 
     def node_stats(self) -> dict[str, float]:
         """For the node's heartbeat: the process's sandbox pool and ``<name>.sandbox_failures``."""
-        out = {f"sandbox.{k}": v for k, v in sandbox.stats().items()}
-        out[f"{self.name}.sandbox_failures"] = float(self.sandbox_failures)
-        return out
+        return heartbeat_stats(self.name, self.sandbox_failures)
 
     async def main(self) -> None:
         async with asyncio.TaskGroup() as tg:
