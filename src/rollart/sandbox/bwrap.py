@@ -65,8 +65,8 @@ def argv(cfg: SandboxConfig) -> tuple[list[str], dict]:
     if not os.path.isabs(python) or not os.path.isfile(real):
         raise SandboxUnavailable(f"sandbox.python {python!r}: no such interpreter (give an absolute "
                                  f"path to a python3 readable by the sandbox's user)")
-    if prefix in ("/", "") or os.path.dirname(prefix) == "/" and prefix != "/usr" \
-            and os.path.basename(prefix) in {"etc", "home", "root", "var", "proc", "sys", "run", "tmp", "srv"}:
+    if prefix in ("/", "") or os.path.dirname(prefix) == "/" and os.path.basename(prefix) in {
+            "etc", "home", "root", "var", "proc", "sys", "run", "tmp", "srv"}:
         raise SandboxUnavailable(f"sandbox.python {python!r}: its prefix {prefix or '/'} would bind "
                                  f"too much of the host into the sandbox; install it under its own "
                                  f"folder (/usr, /opt/python3.11, ~/.pyenv/versions/3.11.7)")

@@ -11,6 +11,7 @@ commands.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
@@ -305,18 +306,12 @@ class Sandbox:
         return r.data[:max_bytes]
 
     async def arun(self, cmd: str | Sequence[str], **kw: Any) -> Result:
-        import asyncio
-
         return await asyncio.get_running_loop().run_in_executor(_executor, lambda: self.run(cmd, **kw))
 
     async def awrite(self, path: str, data: bytes | str, **kw: Any) -> None:
-        import asyncio
-
         await asyncio.get_running_loop().run_in_executor(_executor, lambda: self.write(path, data, **kw))
 
     async def aread(self, path: str, **kw: Any) -> bytes:
-        import asyncio
-
         return await asyncio.get_running_loop().run_in_executor(_executor, lambda: self.read(path, **kw))
 
     # -- the wire -------------------------------------------------------------------------
