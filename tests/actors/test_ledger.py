@@ -410,3 +410,51 @@ def test_skim_does_not_wait_for_the_groups_ahead():
     _fill(narrow, 0, [0.0])
     _fill(narrow, 1, [0.0, 0.0])
     assert narrow.skim(0, skip=4) == [], "group 0 may fill the batch: group 1 is then not this step's"
+
+
+def test_a_rerun_after_a_kill_leaves_the_stored_copy_to_be_trained():
+    """An env node killed between publishing an outcome and acking its request: the request
+    comes again (attempt 2), the trajectory runs again with other tokens, and that copy comes
+    under a fresh msg id. The first copy stands and is trained; the rerun is acked and
+    counted. A copy with a *lower* attempt after a later one is still a conflict (a forger
+    cannot push a held copy out by claiming an earlier attempt), as is another copy of the
+    same attempt."""
+    led = ledger()
+    first = completed(0, 0, 0)
+    rerun = m.RolloutCompleted(**{**{f: getattr(first, f) for f in first.__struct_fields__},
+                                  "reward": 1.0, "attempt": 2})
+    a, b = LOOP.create_future(), LOOP.create_future()
+    assert led.add_completed(first, a) is None
+    assert led.add_completed(rerun, b) == "reruns"
+    assert led.counts["reruns"] == 1 and led.counts["conflicts"] == 0
+    assert [t for t, _ in led.open[0].members] == [first] and not led.verdicts
+    # the other way round: the held copy is attempt 2; an "attempt 1" after it conflicts
+    led2 = ledger()
+    assert led2.add_completed(rerun, LOOP.create_future()) is None
+    assert led2.add_completed(first, LOOP.create_future()) is None
+    assert led2.counts["conflicts"] == 2 and not led2.open[0].members
+    # two different copies of one attempt: a conflict, as before
+    led3 = ledger()
+    twin = m.RolloutCompleted(**{**{f: getattr(rerun, f) for f in rerun.__struct_fields__},
+                                 "reward": 0.5})
+    assert led3.add_completed(rerun, LOOP.create_future()) is None
+    assert led3.add_completed(twin, LOOP.create_future()) is None
+    assert led3.counts["conflicts"] == 2
+
+
+def test_a_rerun_after_its_group_was_trained_is_acked_not_reported_as_forged():
+    """The rerun's copy may come after the first copy's group was trained: acked and
+    counted as a rerun; a different copy claiming the same attempt is still a conflict."""
+    led = ledger(group_size=1, batch_groups=1)
+    first = completed(0, 0, 0)
+    assert led.add_completed(first, LOOP.create_future()) is None
+    sel = led.select(0)
+    assert [g.index for g in sel.batch] == [0]
+    led.close(sel.batch[0], "trained")
+    rerun = m.RolloutCompleted(**{**{f: getattr(first, f) for f in first.__struct_fields__},
+                                  "reward": 1.0, "attempt": 2})
+    assert led.add_completed(rerun, LOOP.create_future()) == "reruns"
+    forged = m.RolloutCompleted(**{**{f: getattr(first, f) for f in first.__struct_fields__},
+                                   "reward": 1.0})
+    assert led.add_completed(forged, LOOP.create_future()) == "conflicts"
+    assert led.add_completed(first, LOOP.create_future()) == "late"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -190,16 +189,12 @@ def test_kill9_and_resume_three_times(tmp_path, tiny_model):
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "one record per step"
     ids = [t for r in rows for t in r["traj_ids"]]
     assert len(ids) == len(set(ids)), "no trajectory trained twice"
-    # No group member is lost, but for one case (CI, ci49): a kill between an env node's
-    # publish of an outcome and its ack. The redelivered request runs again and its other
-    # completion conflicts with the stored one: neither is trained (the trainer logs which),
-    # so only a group with such a conflict may come up short, and by no more than its size.
-    conflicted = set(re.findall(r"two different completions of trajectory (\S+) ", log.read_text()))
-    assert not conflicted & set(ids), "a conflicting trajectory was trained"
-    groups_hit = {t.rsplit("-", 1)[0] for t in conflicted}
-    short = steps * 2 * 4 - len(ids)
-    assert 0 <= short <= 4 * len(groups_hit), (
-        "group members lost", short, sorted(conflicted),
+    # No group member is lost. A kill between an env node's publish of an outcome and its ack
+    # (CI, ci49) runs the redelivered request again: the stored first copy is trained and the
+    # rerun's other copy is acked as a rerun, never a conflict that trains neither.
+    assert "two different completions" not in log.read_text(), log.read_text()[-4000:]
+    assert len(ids) == steps * 2 * 4, (
+        "group members lost", steps * 2 * 4 - len(ids),
         {k: v for k, v in rows[-1].items() if k.startswith("count_") or k == "groups_lost"})
     names = set(_weights(run_dir))
     assert {f"v{v:06d}.safetensors" for v in range(1, steps + 1)} <= names

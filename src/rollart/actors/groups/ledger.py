@@ -163,15 +163,15 @@ class GroupLedger:
         """Dead letters by reason kind, over the run."""
         self.counts = dict.fromkeys(("groups_failed", "stale_dropped", "stale_restarted",
                                      "uniform_skipped", "extra", "late", "duplicates",
-                                     "conflicts", "not_admitted"), 0)
+                                     "conflicts", "reruns", "not_admitted"), 0)
         self.verdicts: dict[asyncio.Future, str] = {}
         """Held deliveries to dead-letter (not ack) once a checkpoint covers their group:
         both copies of a conflict. The handler pops its future's verdict when it resolves."""
         self.restarted: dict[int, tuple[str, int]] = {}
         """Group index -> ``(group id, seed)`` of the groups the trainer re-admitted."""
-        self.trained_fp: OrderedDict[str, bytes] = OrderedDict()
-        """Fingerprints of the latest trained trajectories (a later different copy is a
-        conflict to report)."""
+        self.trained_fp: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+        """Fingerprint and attempt of the latest trained trajectories (a later different copy
+        is a conflict to report, or a rerun when its attempt is later)."""
 
     # -- outcomes ----------------------------------------------------------------
     def _group(self, index: int) -> HeldGroup | None:
@@ -185,7 +185,8 @@ class GroupLedger:
 
     def add_completed(self, msg: m.RolloutCompleted, fut: asyncio.Future) -> str | None:
         """Record a completion; returns None if held, else why it is not (a count key:
-        ``late``, ``duplicates``, ``extra``, or ``conflicts``, a copy that differs from one
+        ``late``, ``duplicates``, ``extra``, ``reruns`` (a later attempt's different copy of
+        a held one), or ``conflicts``, a copy that differs from one
         already trained or from the outcome already recorded for its trajectory).
 
         A completion whose trajectory already has a *different* completion held in its
@@ -197,13 +198,20 @@ class GroupLedger:
         g = self._group(msg.group_index)
         key = None
         if g is None:
-            fp = self.trained_fp.get(msg.traj_id)
-            key = "late" if fp is None or fp == fingerprint(msg) else "conflicts"
+            fp, attempt = self.trained_fp.get(msg.traj_id, (None, 0))
+            key = ("late" if fp is None or fp == fingerprint(msg)
+                   else "reruns" if msg.attempt > attempt else "conflicts")
         else:
             same = next(((t, f) for t, f in g.members if t.traj_id == msg.traj_id), None)
             conflicted = next((r for t, r in g.dead
                                if t == msg.traj_id and r.startswith("conflict:")), None)
-            if same is not None and same[0] != msg:
+            if same is not None and same[0] != msg and msg.attempt > same[0].attempt:
+                # A later delivery's run of a trajectory whose first copy is held: its env
+                # node was killed between publishing that copy and acking the request. The
+                # held copy stands; this one is acked (a forger gains nothing by claiming a
+                # later attempt, and a claimed earlier one is a conflict below).
+                key = "reruns"
+            elif same is not None and same[0] != msg:
                 reason = (f"conflict: two different completions of trajectory {msg.traj_id} "
                           f"(group {g.index}); neither is trained")
                 g.members.remove(same)
@@ -213,12 +221,12 @@ class GroupLedger:
                     self.verdicts[f] = reason
                 self.counts["conflicts"] += 2
                 return None
-            if conflicted is not None:  # a third copy: dead-lettered with the others
+            elif conflicted is not None:  # a third copy: dead-lettered with the others
                 g.held.append(fut)
                 self.verdicts[fut] = conflicted
                 self.counts["conflicts"] += 1
                 return None
-            if same is not None:
+            elif same is not None:
                 key = "duplicates"
             elif g.seen(msg.traj_id):
                 key = "conflicts"  # completed after it was reported dead or cancelled
@@ -367,7 +375,7 @@ class GroupLedger:
         if state == "trained":
             self.trained += 1
             for t, _ in g.members:
-                self.trained_fp[t.traj_id] = fingerprint(t)
+                self.trained_fp[t.traj_id] = (fingerprint(t), t.attempt)
             while len(self.trained_fp) > CONFLICTS_REMEMBERED:
                 self.trained_fp.popitem(last=False)
         elif state == "failed":
