@@ -83,7 +83,10 @@ def test_a_rank_killed_mid_step_fails_the_step_naming_it(model_dir, tmp_path):
         t0 = time.monotonic()
         th = threading.Thread(target=step, daemon=True)
         th.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 10  # kill it once rank 0 is inside the step
+        while not b._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b._lock.locked() and th.is_alive(), out
         os.kill(r1.pid, signal.SIGKILL)
         th.join(15)
         took = time.monotonic() - t0
