@@ -204,3 +204,46 @@ def test_config_errors_name_the_key():
         SandboxConfig(processes=0)
     with pytest.raises(ValueError, match="sandbox.binds"):
         SandboxConfig(binds=["relative/dir"])
+
+
+def test_empty_cgroups_of_a_killed_process_are_swept_and_no_other():
+    """A process killed with SIGKILL leaves its sandboxes' empty cgroup folders; the next
+    process's first sandbox removes them. Kept: a live process's folder, a folder that still
+    holds a process, and anything not named as rollart's. Removed: a dead maker's, and one
+    whose pid now belongs to another process (another start time)."""
+    import subprocess
+
+    from rollart.sandbox import cgroups
+
+    cg = cgroups.make(64 << 20, 16)
+    if cg is None:
+        pytest.skip("this host offers rollart no cgroups (not root, no delegated subtree)")
+    parents = [d.parent for d in cg.folders]
+    cg.remove()
+    dead_pid = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_pid.wait()
+    names = {"dead": f"rollart-sandbox-{dead_pid.pid}-12345-{'a' * 12}",
+             "reused": f"rollart-sandbox-{os.getpid()}-1-{'b' * 12}",
+             "live": f"rollart-sandbox-{cgroups._own_tag()}-{'c' * 12}",
+             "busy": f"rollart-sandbox-{dead_pid.pid}-12345-{'d' * 12}",
+             "other": "rollart-sandbox-not-ours"}
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for parent in parents:
+            for name in names.values():
+                (parent / name).mkdir()
+            (parent / names["busy"] / "cgroup.procs").write_text(str(sleeper.pid))
+        assert cgroups.sweep(parents) == 2 * len(parents)
+        for parent in parents:
+            left = {k for k, n in names.items() if (parent / n).exists()}
+            assert left == {"live", "busy", "other"}, (parent, left)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for parent in parents:
+            for name in names.values():
+                d = parent / name
+                if d.exists():
+                    until_sync(lambda d=d: not (d / "cgroup.procs").read_text().strip(),
+                               deadline=10, what=f"{d} empty")
+                    d.rmdir()

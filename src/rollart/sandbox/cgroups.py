@@ -18,12 +18,20 @@ Making cgroups needs write access to rollart's cgroup (root, or a delegated subt
 there is none, :func:`make` returns None once, logs why, and the sandbox relies on its
 rlimits. The process enters the cgroups between fork and exec (``enter``: before it drops
 to the sandbox's user, so nothing it starts is ever outside them).
+
+A folder's name says which process made it (``rollart-sandbox-<pid>-<start time>-<hex>``):
+a process killed with SIGKILL cannot remove its sandboxes' folders, so the first
+:func:`make` of every process removes the empty ones whose maker is gone
+(:func:`sweep`). A folder of a live process, or one that still holds a process, is never
+touched.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +40,61 @@ log = logging.getLogger(__name__)
 
 ROOT = Path("/sys/fs/cgroup")
 _warned = False
+_swept = False
+PREFIX = "rollart-sandbox-"
+_NAME = re.compile(r"rollart-sandbox-(?:(\d+)-(\d+)-)?[0-9a-f]{12}")
+LEGACY_STALE_S = 600.0
+"""A folder named before names said their maker (``rollart-sandbox-<hex>``) is stale once
+empty for this long (no sandbox's cgroup stays empty that long: its process enters it
+right after the folder is made)."""
+
+
+def _start_time(pid: int) -> str | None:
+    """``pid``'s start time in clock ticks since boot (``/proc/<pid>/stat``), None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+def _own_tag() -> str:
+    pid = os.getpid()
+    return f"{pid}-{_start_time(pid) or 0}"
+
+
+def sweep(folders: list[Path]) -> int:
+    """Remove the empty sandbox cgroups under ``folders`` whose maker is gone; returns how
+    many were removed. rmdir refuses a cgroup that holds a process, so a sandbox still
+    running (its maker killed, itself not yet) is left alone."""
+    removed = 0
+    for own in folders:
+        try:
+            children = [d for d in own.iterdir() if d.name.startswith(PREFIX)]
+        except OSError:
+            continue
+        for d in children:
+            m = _NAME.fullmatch(d.name)
+            if m is None:
+                continue
+            if m.group(1) is not None:
+                if _start_time(int(m.group(1))) == m.group(2):
+                    continue  # its maker lives
+            else:
+                try:
+                    if time.time() - d.stat().st_mtime < LEGACY_STALE_S:
+                        continue
+                except OSError:
+                    continue
+            try:
+                d.rmdir()
+                removed += 1
+            except OSError:
+                continue  # busy (a process is still in it), or gone already
+    if removed:
+        log.info("removed %d empty sandbox cgroup folder(s) left by processes that are gone",
+                 removed)
+    return removed
 
 
 @dataclass
@@ -107,8 +170,8 @@ def _own(controller: str | None) -> Path | None:
 
 def make(memory_bytes: int, pids: int) -> Cgroups | None:
     """cgroups for one sandbox with these limits, or None where the host offers none."""
-    global _warned
-    name = f"rollart-sandbox-{uuid.uuid4().hex[:12]}"
+    global _warned, _swept
+    name = f"{PREFIX}{_own_tag()}-{uuid.uuid4().hex[:12]}"
     cg = Cgroups()
     try:
         if (ROOT / "cgroup.controllers").exists():  # v2 (unified)
@@ -139,6 +202,9 @@ def make(memory_bytes: int, pids: int) -> Cgroups | None:
                     (d / f).write_text(str(v))
                 cg.procs.append(d / "cgroup.procs")
             cg.events = cg.folders[0] / "memory.oom_control"
+        if not _swept:
+            _swept = True
+            sweep([d.parent for d in cg.folders])
         return cg
     except OSError as e:
         cg.remove()
