@@ -125,3 +125,27 @@ async def test_steps_that_ran_to_the_last_version_leave_it_to_the_final_evaluati
     await trainer.step_to(6)  # before the evaluator's wait is woken
     await asyncio.wait_for(task, 10)
     assert not (tmp_path / EVAL_FILE).exists(), (tmp_path / EVAL_FILE).read_text()
+
+
+@pytest.mark.parametrize("live", [None, 4])
+async def test_an_evaluation_beside_training_keeps_to_its_share(tmp_path, tiny_model, live):
+    """``trainer.eval_share``: the evaluation's scheduler keeps at most its share of
+    ``rollout.concurrency`` in flight (whole groups, at least one), so training's requests
+    never queue behind all of its held-out ones; unpaced (``live=None``, as the final
+    evaluation) it admits a whole batch of groups at once."""
+    from rollart.bus.memory import MemoryBus
+    from rollart.node import Node, rollout_actors
+
+    cfg = _config(tmp_path, tiny_model)
+    sched, actors = rollout_actors(cfg, groups=6, bounded=False, keep_results=True, eval=True,
+                                   prefix="ev-", max_live=live)
+    assert sched.max_live_groups == (None if live is None else 1)
+    bus = MemoryBus()
+    try:
+        async with Node(bus, actors, heartbeat_every=0):
+            await asyncio.wait_for(sched.all_done.wait(), 120)
+    finally:
+        await bus.close()
+    assert len(sched.results) == 6 * cfg.rollout.group_size
+    peak = sched.peak_live_groups
+    assert (peak == 1) if live is not None else (peak >= cfg.rollout.batch_groups), peak

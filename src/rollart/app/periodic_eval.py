@@ -3,8 +3,9 @@ the ones of ``trainer.eval_every``: during the run, beside it).
 
 Every ``eval_every`` steps the version just trained is evaluated on ``trainer.eval_groups``
 groups of held-out tasks (the final evaluation's seeds, so the rows compare), greedy then
-sampled, through the run's own env, generate and reward replicas. The trainer does not wait
-for it: its steps go on (an evaluation's time is in no step's ``train_s``), and with
+sampled, through the run's own env, generate and reward replicas, with at most
+``trainer.eval_share`` of ``rollout.concurrency`` in flight at once (so training's requests
+never queue behind all of its held-out ones). The trainer does not wait for it: its steps go on (an evaluation's time is in no step's ``train_s``), and with
 ``rollout.alpha`` > 0 a generator may already serve a later version, which ``served`` says.
 Each evaluation is one row of ``<run>/eval.jsonl`` (and the loggers' ``eval/`` curves); the
 plot and ``rollart report`` show them. A failed or timed-out evaluation is a row with its
@@ -51,18 +52,21 @@ async def stop_evals(trainer, stop: asyncio.Event) -> None:
 
 
 async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
-                   pool: str = "default", *, greedy: bool = True, served: bool = False) -> dict:
+                   pool: str = "default", *, greedy: bool = True, served: bool = False,
+                   share: float | None = None) -> dict:
     """Greedy success of the policy ``version`` (or a later one) on ``groups`` groups of
     held-out tasks, on whatever env, generate and reward replicas serve the run (in this
     process or others); ``greedy=False``: sampled, keys ``sampled_*``. ``served``: with the
-    lowest and highest policy version that generated a token (``served``)."""
+    lowest and highest policy version that generated a token (``served``). ``share``: at most
+    that share of ``rollout.concurrency`` in flight at once (beside training)."""
     deadline = time.monotonic() + 60
     while any(p.version < version for p in proxies) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if cfg.pools:  # only the scheduler is used: its requests go to mapping.env whatever this
         pool = "default"  # node's pool (which need not serve env or generate)
+    live = None if share is None else max(1, int(share * cfg.rollout.concurrency))
     sched, _ = rollout_actors(cfg, groups=groups, bounded=False, keep_results=True, greedy=greedy,
-                              eval=True, pool=pool,
+                              eval=True, pool=pool, max_live=live,
                               prefix=f"eval{version}-{uuid.uuid4().hex[:6]}-")  # unique:
     # the prefix names trajectories and their msg ids; a repeated evaluation of the same
     # version (a resumed run) would otherwise be dropped as duplicates and never finish
@@ -81,16 +85,17 @@ async def evaluate(bus, cfg: RunConfig, version: int, groups: int, proxies=(),
 
 
 async def evaluate_version(bus, cfg: RunConfig, version: int, *, proxies=(),
-                           pool: str = "default") -> dict:
+                           pool: str = "default", share: float | None = None) -> dict:
     """One row: greedy then sampled success of ``version`` on the held-out groups
-    (``trainer.eval_groups``; the sampled half on ``trainer.eval_sampled_groups`` of them)."""
+    (``trainer.eval_groups``; the sampled half on ``trainer.eval_sampled_groups`` of them);
+    ``share``: as :func:`evaluate`'s."""
     t0 = time.perf_counter()
     greedy = await evaluate(bus, cfg, version, cfg.trainer.eval_groups, proxies, pool=pool,
-                            served=True)
+                            served=True, share=share)
     t = cfg.trainer
     sampled_groups = t.eval_groups if t.eval_sampled_groups is None else t.eval_sampled_groups
     sampled = await evaluate(bus, cfg, version, sampled_groups, proxies, pool=pool,
-                             greedy=False, served=True)
+                             greedy=False, served=True, share=share)
     served = [min(greedy["served"][0], sampled["served"][0]),
               max(greedy["served"][1], sampled["served"][1])]
     return {"version": version, "step": version,
@@ -120,7 +125,8 @@ async def periodic_evals(bus, cfg: RunConfig, trainer, run_path: str | Path, sto
         t_run = time.time() - trainer.started_at if trainer.started_at else 0.0
         try:
             row = await asyncio.wait_for(
-                evaluate_version(bus, cfg, v, proxies=proxies, pool=pool), cfg.trainer.eval_timeout)
+                evaluate_version(bus, cfg, v, proxies=proxies, pool=pool,
+                                 share=cfg.trainer.eval_share), cfg.trainer.eval_timeout)
         except TimeoutError:
             row = {"version": v, "step": v,
                    "eval_error": f"timed out after {cfg.trainer.eval_timeout:.0f}s "

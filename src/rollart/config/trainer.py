@@ -372,6 +372,11 @@ class EvalKeys(CheckpointKeys):
     ``rollout.group_size`` trajectories each, the first of the greedy half's tasks); None:
     ``eval_groups``. The sampled half is most of an evaluation's cost (256 tasks: 256 greedy
     and 2048 sampled trajectories), so a smaller one makes frequent evaluations cheap."""
+    eval_share: float = 0.25
+    """The share of ``rollout.concurrency`` an ``eval_every`` evaluation may hold at once: its
+    scheduler keeps at most that many trajectories in flight (whole groups, at least one), so
+    training's requests never queue behind hundreds of held-out ones and its steps go on
+    while it runs. The final evaluation, alone after training, takes all."""
     expect_success: float | None = None
     """The final greedy success a run of this config should reach (None: no expectation).
     Below it the run says it did not learn: one line with the last sampled success values and
@@ -387,6 +392,7 @@ class EvalKeys(CheckpointKeys):
         in_range(self, k, "eval_timeout", gt=0)
         in_range(self, k, "eval_every", ge=0)
         in_range(self, k, "expect_success", ge=0, le=1)
+        in_range(self, k, "eval_share", gt=0, le=1)
 
 
 class TrainerConfig(EvalKeys):

@@ -131,7 +131,8 @@ def build_actors(cfg: RunConfig, roles: Sequence[str], pool: str = "default", *,
 def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
                    keep_results: bool = False, greedy: bool = False, eval: bool = False,
                    env: str | None = None, pool: str = "default", resume: bool = False,
-                   prefix: str = TRAINING_PREFIX) -> tuple[Actor, list[Actor]]:
+                   prefix: str = TRAINING_PREFIX,
+                   max_live: int | None = None) -> tuple[Actor, list[Actor]]:
     """Scheduler, EnvManager, generation and reward replicas for one host: the scheduler
     and the list of all of them (scheduler first).
 
@@ -139,7 +140,9 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
     trainer); ``keep_results``: keep every outcome (``rollart rollout``); ``eval``: held-out
     seeds, for a second scheduler beside the training one (its own ``prefix``, one-off
     durables, no pool watch: the training scheduler watches the pools); ``resume``: continue
-    the admission count an earlier process of the run stored."""
+    the admission count an earlier process of the run stored; ``max_live``: at most that
+    many trajectories in flight at once, in whole groups, at least one (an evaluation beside
+    training)."""
     sched_args: dict[str, Any] = dict(total_groups=groups, bounded=bounded,
                                       keep_results=keep_results, greedy=greedy, eval=eval,
                                       env=env, prefix=prefix, resume=resume)
@@ -159,6 +162,9 @@ def rollout_actors(cfg: RunConfig, *, groups: int | None, bounded: bool = True,
             # greedy decoding plays a task one way: one trajectory per held-out task, not a
             # group of identical ones (the sampled evaluation keeps group_size per task)
             sched_args["rollout"] = msgspec.structs.replace(cfg.rollout, group_size=1, redundancy=0)
+    if max_live is not None:
+        r = sched_args.get("rollout", cfg.rollout)
+        sched_args["max_live_groups"] = max(1, max_live // (r.group_size + r.redundancy))
     actors = build_actors(cfg, ["scheduler", "env", "generate", "reward"], pool,
                           args={"scheduler": sched_args}, one_host=True)
     return actors[0], actors

@@ -71,6 +71,9 @@ class RolloutScheduler(Actor):
     min_policy: int = 0
     """Unbounded (evaluation) admission only: the oldest policy version any turn may use
     (the final evaluation of version v sets v, so a replica that has not loaded it yet waits)."""
+    max_live_groups: int | None = None
+    """At most this many groups admitted and not yet settled at once (None: no limit): an
+    evaluation beside training paces itself with it (``trainer.eval_share``)."""
     resume: bool = False
     """Continue the admission count stored in KV by an earlier process of this run."""
     keep_results: bool = False
@@ -114,6 +117,8 @@ class RolloutScheduler(Actor):
     """Groups with an outcome for every member."""
     max_admitted_ahead: int = field(default=0, init=False)
     """The most groups admitted beyond ``(v + 1) * batch_groups`` (how far α was used)."""
+    peak_live_groups: int = field(default=0, init=False)
+    """The most groups admitted and not yet settled at once (``max_live_groups`` bounds it)."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
     """Notified when anything admission looks at changes."""
     all_done: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
@@ -237,6 +242,9 @@ class RolloutScheduler(Actor):
         if not admissible(self.admitted, self.live_lost, self.version,
                           r.alpha if self.bounded else None, r.batch_groups):
             return False
+        if self.max_live_groups is not None and \
+                self.admitted - self.groups_settled >= self.max_live_groups:
+            return False
         if r.mode == "batch" and self.admitted % r.batch_groups == 0:
             return self.groups_done >= self.admitted  # a new wave waits for the last one
         return True
@@ -289,6 +297,7 @@ class RolloutScheduler(Actor):
                                    (self.total_groups or 1 << 30) - wave * r.batch_groups) \
                 if wave >= 0 else 0
             self.admitted += 1
+            self.peak_live_groups = max(self.peak_live_groups, self.admitted - self.groups_settled)
             self.max_admitted_ahead = max(self.max_admitted_ahead,
                                           self.admitted - (self.version + 1) * r.batch_groups)
             for i, tid in enumerate(members):
