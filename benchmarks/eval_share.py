@@ -81,14 +81,14 @@ def one_run(variant: str, *, steps: int, every: int, groups: int, share: float, 
 def section(res: dict) -> str:
     rows = [[r["variant"], r["steps_during"], r["step_s_outside"], r["step_s_during"],
              r["step_s_during_max"], r["during_over_outside"],
-             round(statistics.mean(r["eval_s"]), 1) if r["eval_s"] else None]
+             round(statistics.mean(r["eval_s"]), 1) if r["eval_s"] else None, r["wall_s"]]
             for r in res["runs"]]
     c = res["config"]
     return render(NAME, steps=c["steps"], every=c["every"], groups=c["groups"], share=c["share"],
                   machine=describe_machine(res["machine"]), date=res["timestamp"][:10],
                   table=table(["variant", "steps beside an evaluation", "step s (others)",
                                "step s (beside)", "max step s (beside)", "beside / others",
-                               "evaluation s"], rows))
+                               "evaluation s", "run s"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:
