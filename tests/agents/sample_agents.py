@@ -18,7 +18,9 @@ def _client(base_url: str):
 
 async def echo_logprobs(base_url: str, task: dict) -> dict:
     """Two free-text turns (the second streamed), with log-probs and token ids asked for."""
-    seen = SEEN.setdefault(task["traj_id"], {"ids": [], "logprobs": [], "prompt_ids": []})
+    # a fresh record: trajectory ids repeat across tests (g000000-0), and an earlier test's
+    # agent may have left its own record under this one in this process
+    seen = SEEN[task["traj_id"]] = {"ids": [], "logprobs": [], "prompt_ids": []}
     messages = [{"role": "system", "content": "Say something."}, {"role": "user", "content": "1 + 1"}]
     async with _client(base_url) as client:
         models = await client.models.list()

@@ -308,11 +308,13 @@ async def test_tap_and_top_on_a_live_run_agree_with_the_server(monitored_server,
     assert len(evals) == 3 and all(
         mine[k]["config"]["inactive_threshold"] == TRANSIENT_DURABLE_IDLE_S * 1e9 for k in evals)
     assert all(not mine[k]["config"].get("inactive_threshold") for k in mine if k not in evals)
-    # ... and that start at the stream's end: the evaluation's completions only, not every
-    # earlier one of the run (before, each evaluation read the run's whole backlog)
+    # ... and that start at the stream's end: the evaluation's completions and the training
+    # ones that came after it bound (a loaded host's late extras: 17 of 33 once), never every
+    # earlier one of the run (before, each evaluation read the run's whole backlog, as many as
+    # the run's own consumer)
     (eval_done,) = [k for k in evals if k[1].endswith("on-completed")]
     assert mine[eval_done]["config"]["deliver_policy"] == "new"
-    assert 0 < mine[eval_done]["delivered"]["consumer_seq"] < completed["delivered"]["consumer_seq"] / 2
+    assert 0 < mine[eval_done]["delivered"]["consumer_seq"] < completed["delivered"]["consumer_seq"]
     for key, c in cons.items():
         for f in ("num_pending", "num_ack_pending", "num_redelivered"):
             assert c[f] == mine[key][f], (key, f, c, mine[key])
