@@ -76,7 +76,7 @@ class NatsBus(NatsConnection, Bus):
             # a denied API request is never answered: without this it would look like a busy
             # server and be asked again for minutes; a refusal is permanent, said at once
             for verb in ("CREATE", "UPDATE"):
-                if self.denied_since(f"$JS.API.STREAM.{verb}.{spec.name}", since):
+                if self.denied_since(f"{self.api_prefix}.STREAM.{verb}.{spec.name}", since):
                     raise BusError(f"ensure stream {spec.name}: this credential may not "
                                    f"{verb.lower()} it (see `rollart secure show`)") from None
             raise
