@@ -14,6 +14,8 @@ between two clients of one site (reward requests) stays there.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import sys
 import time
@@ -68,6 +70,18 @@ async def test_run_across_two_leaf_sites(tmp_path, tiny_model, hosts):
     t0 = time.monotonic()
     sites, hub_h, gen_h, env_h, link_s = await start_sites(hosts, tmp_path, trace=True)
     cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h)
+    await wait_step(tmp_path, run, 1, head, procs)
+    # rollart nodes, from the hub's host: each node's site, and the sites' links
+    r = await asyncio.to_thread(
+        hub_h.exec, sys.executable, "-m", "rollart", "nodes", "--nats", sites.hub_url, "--run",
+        run, "--wait", "1.5", "--json", "--hub-monitor", sites.made["hub"]["monitor_url"],
+        timeout=60)
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(r.stdout)
+    assert {n["server"]: sorted(n["roles"]) for n in listed["nodes"]} == {
+        "hub": ["scheduler", "trainer"], "gen": ["generate"], "env": ["env", "reward"]}, listed
+    assert set(listed["sites"]) == {"gen", "env"}, listed["sites"]
+    assert all(link["in_bytes"] > 0 and link["out_bytes"] > 0 for link in listed["sites"].values())
     await wait_exit(procs, 150)
     rows = metrics_rows(tmp_path, run)
     check_steps(rows)

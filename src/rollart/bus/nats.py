@@ -163,6 +163,12 @@ class NatsBus(NatsConnection, Bus):
         return await open_object_store(self, bucket, self.replicas, ttl=ttl, max_bytes=max_bytes)
 
     @property
+    def server_name(self) -> str:
+        nc = getattr(self, "_nc", None)
+        info = getattr(nc, "_server_info", None) or {}
+        return str(info.get("server_name") or "")[:64]
+
+    @property
     def max_payload(self) -> int:
         """The server's ``max_payload`` (from its INFO; nats-py's default before connecting)."""
         nc = getattr(self, "_nc", None)
