@@ -101,7 +101,7 @@ def render_table(beats: list[m.NodeHeartbeat], run: str, now: float):
         t.add_column(col, justify="right" if col in ("load", "in flight", "age s") else "left",
                      overflow="fold")
     for hb in beats:
-        t.add_row(escape(hb.node_id), escape(hb.host), escape(hb.server or "?"),
+        t.add_row(escape(hb.node_id), escape(hb.host), escape(hb.server),
                   escape(",".join(node_pools(hb))),
                   escape(",".join(hb.roles)), escape(describe_hardware(hb.hardware)),
                   f"{hb.load:.2f}", escape(describe_versions(hb.versions)), str(hb.in_flight),

@@ -166,7 +166,9 @@ class NatsBus(NatsConnection, Bus):
     def server_name(self) -> str:
         nc = getattr(self, "_nc", None)
         info = getattr(nc, "_server_info", None) or {}
-        return str(info.get("server_name") or "")[:64]
+        name = str(info.get("server_name") or "")
+        # a server without server_name in its config is named by its id: no name to show
+        return "" if name == info.get("server_id") else name[:64]
 
     @property
     def max_payload(self) -> int:
