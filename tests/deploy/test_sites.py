@@ -112,3 +112,60 @@ def _linked(mon: str) -> bool:
         return bool(leaf_links(mon, timeout=1))
     except ConfigError:
         return False
+
+
+async def test_secure_sites_take_the_users_with_permissions_for_the_domain(tmp_path):
+    """`--secure`: the site's server requires TLS and the users of `rollart secure init`; the
+    trainer's credential writes its KV key through the domain at the site, the env's may not
+    (least privilege holds across the link), and the leaf link itself is TLS."""
+    pytest.importorskip("bcrypt")
+    pytest.importorskip("cryptography")
+    from rollart import messages as m
+    from rollart.bus.connect import bus_from_config
+    from rollart.security.init import secure_init
+
+    run = "sitesec"
+    creds = tmp_path / "creds"
+    secure_init(creds, ["127.0.0.1"], ["trainer", "env"], run=run)
+    base = _free_run(3)
+    made = sites_init(tmp_path / "s", ["gpu"], client_port=base, leaf_port=base + 1000,
+                      monitor_port=base + 1001, secure=creds)
+    hub_text = open(made["hub"]["conf"]).read()
+    assert f"$JS.{made['domain']}.API.$KV.{m.kv_bucket(run)}.{m.POLICY_KEY}" in hub_text
+    binary = find_binary()
+    procs = [subprocess.Popen([binary, "-c", conf], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+             for conf in (made["hub"]["conf"], made["sites"][0]["conf"])]
+    try:
+        mon = made["hub"]["monitor_url"]
+        await until(lambda: asyncio.to_thread(_linked, mon), deadline=30, step=0.05,
+                    what="the site linked over TLS")
+
+        def bus(user: str):
+            return bus_from_config({"url": made["sites"][0]["url"], "user": user,
+                                    "password_file": str(creds / f"{user}.password"),
+                                    "tls": {"ca": str(creds / "ca.pem")},
+                                    "domain": made["domain"]}, connect_timeout=3)
+
+        trainer = bus("trainer")
+        await trainer.connect()
+        try:
+            kv = await trainer.key_value(m.kv_bucket(run))
+            assert await kv.put(m.POLICY_KEY, b"v1") >= 1
+            assert (await kv.get(m.POLICY_KEY)).value == b"v1"
+        finally:
+            await trainer.close()
+        env = bus("env")
+        await env.connect()
+        try:
+            kv = await env.key_value(m.kv_bucket(run))
+            assert (await kv.get(m.POLICY_KEY)).value == b"v1"  # reads: yes
+            with pytest.raises(BusError):
+                await kv.put(m.POLICY_KEY, b"forged")  # writes: the trainer's key, denied
+            assert (await kv.get(m.POLICY_KEY)).value == b"v1"
+        finally:
+            await env.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

@@ -64,6 +64,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="HTTP monitoring port (/leafz, /varz; default 8222)")
     s.add_argument("--store-dir", default=None, metavar="DIR",
                    help="the hub's JetStream store goes to DIR/hub (default: DIR/store/hub)")
+    s.add_argument("--secure", default=None, metavar="SECURE_DIR",
+                   help="a `rollart secure init` folder: every server requires TLS and its users "
+                        "(permissions made for the domain), the leaf link is TLS; its --host "
+                        "names must include the hub's and every site's host")
     s.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
     s.set_defaults(fn=sites_main)
     return c
@@ -73,7 +77,8 @@ async def sites_main(args) -> int:
     """The ``fn`` of ``rollart cluster sites``."""
     made = sites_init(args.dir, args.site, hub_host=args.hub, client_port=args.client_port,
                       leaf_port=args.leaf_port, monitor_port=args.monitor_port,
-                      domain=args.domain, store_dir=args.store_dir, force=args.force)
+                      domain=args.domain, store_dir=args.store_dir, secure=args.secure,
+                      force=args.force)
     hub = made["hub"]
     print(f"wrote {hub['conf']}: hub, clients {hub['client']}, leaf nodes {hub['leaf']}, "
           f"JetStream domain {made['domain']!r}")

@@ -21,9 +21,14 @@ Without hosts everything runs on 127.0.0.1 (ports ``client_port``, ``leaf_port``
 ``monitor_port + i``): a one-machine try-out. With ``hub_host`` and a host per site every
 server listens on every interface at the base ports; the leaf port is then protected by a
 generated leaf user and password (anyone reaching it could join as a leaf and read every
-message). Client authentication on such servers (``rollart secure``'s users) is not written
-here yet: its permissions name ``$JS.API`` subjects, and a site's clients reach JetStream as
-``$JS.<domain>.API`` (see the README written).
+message).
+
+``secure``: a ``rollart secure init`` folder. Every server (hub and sites) then requires TLS
+with its certificate and authenticates clients as its users, whose permissions are made
+again for the domain (:func:`rollart.security.permissions.role_permissions` with
+``domain``: a site's clients send ``$JS.<domain>.API`` subjects); the leaf link is TLS too
+(the hub's certificate, checked against the folder's CA) with a generated leaf password. The
+certificate must name the hub's and every site's host (``rollart secure init --host``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
+
+from rollart.bus.server_config import config_text, sections, setting
+from rollart.security.init import MANIFEST
+from rollart.security.permissions import authorization_lines, role_permissions
 
 DOMAIN = "hub"
 """The hub's JetStream domain unless told otherwise (``nats.domain`` of every site's node)."""
@@ -60,7 +69,8 @@ def parse_site(text: str) -> tuple[str, str | None]:
 
 def sites_init(dir: str | os.PathLike, sites: Sequence[str], *, hub_host: str | None = None,
                client_port: int = 4222, leaf_port: int = 7422, monitor_port: int = 8222,
-               domain: str = DOMAIN, store_dir: str | None = None, force: bool = False) -> dict:
+               domain: str = DOMAIN, store_dir: str | None = None,
+               secure: str | os.PathLike | None = None, force: bool = False) -> dict:
     """Write ``hub.conf``, ``site-<name>.conf`` per site and ``README.txt`` into ``dir``;
     return ``{"hub": {...}, "sites": [{name, conf, client, monitor, url}], "domain": ...}``.
 
@@ -97,10 +107,12 @@ def sites_init(dir: str | os.PathLike, sites: Sequence[str], *, hub_host: str | 
         raise ValueError(f"{out} exists and is not a folder")
     if out.exists() and any(out.iterdir()) and not force:
         raise ValueError(f"{out} is not empty; choose another folder or pass --force to overwrite")
+    auth, ca = (_secure_lines(Path(secure).resolve(), domain) if secure is not None
+                else ([], None))
     out.mkdir(parents=True, exist_ok=True)
     store = Path(store_dir).resolve() if store_dir else out / "store"
     bind = "0.0.0.0" if hub_host else "127.0.0.1"
-    leaf_pw = secrets.token_urlsafe(24) if hub_host else None
+    leaf_pw = secrets.token_urlsafe(24) if hub_host or secure is not None else None
     hub_addr = hub_host or "127.0.0.1"
     hub = {"name": "hub", "conf": str(out / "hub.conf"), "client": f"{bind}:{client_port}",
            "leaf": f"{bind}:{leaf_port}", "monitor": f"{bind}:{monitor_port}",
@@ -112,8 +124,11 @@ def sites_init(dir: str | os.PathLike, sites: Sequence[str], *, hub_host: str | 
              "leafnodes {", f"  listen: {_q(hub['leaf'])}"]
     if leaf_pw:
         lines.append(f"  authorization {{ user: {_q(LEAF_USER)}, password: {_q(leaf_pw)} }}")
-    lines.append("}")
-    _write(Path(hub["conf"]), lines, secret=leaf_pw is not None)
+    if auth:  # the leaf link under TLS with the hub's certificate
+        lines += ["  tls {", *("  " + x for x in auth[auth.index("tls {") + 1:auth.index("}")]),
+                  "  }"]
+    lines += ["}", *auth]
+    _write(Path(hub["conf"]), lines, secret=leaf_pw is not None or bool(auth))
     cred = f"{LEAF_USER}:{leaf_pw}@" if leaf_pw else ""
     made = []
     for i, (name, host) in enumerate(parsed, start=1):
@@ -121,16 +136,46 @@ def sites_init(dir: str | os.PathLike, sites: Sequence[str], *, hub_host: str | 
         monitor = f"{bind}:{monitor_port if host else monitor_port + i}"
         site = {"name": name, "conf": str(out / f"site-{name}.conf"), "client": client,
                 "monitor": monitor, "url": f"nats://{host or '127.0.0.1'}:{client.rsplit(':', 1)[1]}"}
+        remote = f"url: {_q(f'nats-leaf://{cred}{hub_addr}:{leaf_port}')}"
+        if ca:
+            remote += f", tls: {{ ca_file: {_q(ca)} }}"
         lines = [f"# site {name!r}: a leaf node of the hub, without JetStream (written by "
                  "`rollart cluster sites`)",
                  f"server_name: {_q(name)}", f"listen: {_q(client)}", f"http: {_q(monitor)}",
-                 "leafnodes {",
-                 f"  remotes: [ {{ url: {_q(f'nats-leaf://{cred}{hub_addr}:{leaf_port}')} }} ]",
-                 "}"]
-        _write(Path(site["conf"]), lines, secret=leaf_pw is not None)
+                 "leafnodes {", f"  remotes: [ {{ {remote} }} ]", "}", *auth]
+        _write(Path(site["conf"]), lines, secret=leaf_pw is not None or bool(auth))
         made.append(site)
-    (out / "README.txt").write_text(readme(hub, made, domain, hosted=hub_host is not None))
+    (out / "README.txt").write_text(readme(hub, made, domain, hosted=hub_host is not None,
+                                           secure=secure is not None))
     return {"hub": hub, "sites": made, "domain": domain}
+
+
+def _secure_lines(secure: Path, domain: str) -> tuple[list[str], str | None]:
+    """The ``max_payload``, ``tls`` and ``authorization`` of a ``rollart secure init`` folder
+    as config lines, the users' permissions made for ``domain``; and its CA file."""
+    conf, manifest = secure / "server.conf", secure / MANIFEST
+    if not (conf.is_file() and manifest.is_file()):
+        raise ValueError(f"--secure {secure}: no server.conf and {MANIFEST} here; give a folder "
+                         "written by `rollart secure init`")
+    text = config_text(conf)
+    top, blocks = sections(text)
+    if "tls" not in blocks:
+        raise ValueError(f"--secure {secure}: its server.conf has no tls block")
+    hashes = dict(re.findall(r'user:\s*"([^"]+)"\s*\n\s*password:\s*"([^"]+)"', text))
+    made = json.loads(manifest.read_text())
+    users = []
+    for user in made.get("users", {}):
+        if user not in hashes:
+            raise ValueError(f"--secure {secure}: user {user!r} of {MANIFEST} is not in server.conf")
+        perms = role_permissions(user.replace("+", ","), made.get("run", "*"), domain=domain)
+        users.append({"user": user, "password": hashes[user], "permissions": perms})
+    lines = [f"# users and TLS from {secure} (`rollart secure init`), permissions for domain "
+             f"{domain!r}"]
+    payload = setting(top, "max_payload")
+    if payload:
+        lines.append(f"max_payload: {payload}")
+    lines += ["tls {", *(x.strip() for x in blocks["tls"].strip().splitlines() if x.strip()), "}"]
+    return lines + authorization_lines(users), str(secure / "ca.pem")
 
 
 def _write(path: Path, lines: list[str], *, secret: bool) -> None:
@@ -140,7 +185,7 @@ def _write(path: Path, lines: list[str], *, secret: bool) -> None:
     os.chmod(path, 0o600 if secret else 0o644)  # the leaf password: not for every eye
 
 
-def readme(hub: dict, sites: list[dict], domain: str, *, hosted: bool) -> str:
+def readme(hub: dict, sites: list[dict], domain: str, *, hosted: bool, secure: bool = False) -> str:
     """README.txt: how to start the servers and how nodes at each site join."""
     names = ", ".join(s["name"] for s in sites)
     out = [f"A hub nats-server (JetStream, domain {domain!r}) and {len(sites)} site(s) ({names}),",
@@ -165,7 +210,12 @@ def readme(hub: dict, sites: list[dict], domain: str, *, hosted: bool) -> str:
             f"Link state: rollart nodes --nats {hub['url']} --run RUN --hub-monitor {hub['monitor_url']}",
             f"(or the hub's {hub['monitor_url']}/leafz: one entry per connected site, with its RTT",
             "and the messages and bytes each way).", ""]
-    if hosted:
+    if secure:
+        out += ["Every server requires TLS and the users of `rollart secure init` (their permissions",
+                f"made for domain {domain!r}); a node passes its user, password file and the CA as",
+                "with a single secured server (--user, --password-file, --tls-ca). The leaf link is",
+                "TLS, with a generated leaf password.", ""]
+    elif hosted:
         out += ["The leaf port is protected by the leaf user and password in the configs (plaintext:",
                 "keep it inside a private network or tunnel). Client ports are open: the embedded",
                 "server refuses such configs; add an authorization block to each, or run the",
