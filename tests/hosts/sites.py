@@ -5,6 +5,9 @@ The hub runs JetStream (domain :data:`rollart.deploy.sites.DOMAIN`) and a leaf l
 each site's server has no JetStream and dials the hub. Readiness is polled on the hub's
 monitoring endpoint ``/leafz`` (one entry per connected site), never slept for.
 
+``secure``: a ``rollart secure init`` folder (``cluster sites --secure``): TLS and users
+everywhere, the leaf links under TLS.
+
 ``trace=True`` makes the hub log every protocol line (payloads cut to one byte): the leaf
 connections' ``LMSG`` lines say which subjects crossed each link, in which direction and
 with how many payload bytes (:meth:`Sites.crossings`).
@@ -51,13 +54,14 @@ def subject_kind(subject: str) -> str:
 
 
 class Sites:
-    def __init__(self, hub: Host, sites: dict[str, Host], root: Path, *, trace: bool = False):
+    def __init__(self, hub: Host, sites: dict[str, Host], root: Path, *, trace: bool = False,
+                 secure: Path | None = None):
         self.hub = hub
         self.site_hosts = dict(sites)
         self.root = Path(root)
         self.binary = find_binary()
         self.made = sites_init(self.root, [f"{n}@{h.addr}" for n, h in sites.items()],
-                               hub_host=hub.addr)
+                               hub_host=hub.addr, secure=secure)
         if trace:
             with open(self.made["hub"]["conf"], "a") as f:
                 f.write("trace: true\nmax_traced_msg_len: 1\n")

@@ -33,32 +33,48 @@ pytestmark = [pytest.mark.slow, pytest.mark.hosts]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def site_node(host, cfg, roles: str, url: str, domain: str, name: str | None = None):
+def site_node(host, cfg, roles: str, url: str, domain: str, name: str | None = None,
+              extra: tuple[str, ...] = ()):
     """``python -m rollart.node`` joining ``url`` (a site's server, or the hub) in ``host``'s
     namespace, naming the hub's JetStream domain as a site's node does."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "rollart.node", "--config", cfg, "--roles", roles,
-            "--nats", url, "--js-domain", domain]
+            "--nats", url, "--js-domain", domain, *extra]
     return host.run(argv, name or roles.replace(",", "+"), env=env, cwd=cfg.parent)
 
 
-async def start_sites(hosts, tmp_path, *, trace: bool = False):
+async def start_sites(hosts, tmp_path, *, trace: bool = False, secure: bool = False):
     h = hosts(3)
     hub_h, gen_h, env_h = list(h)
-    sites = Sites(hub_h, {"gen": gen_h, "env": env_h}, tmp_path / "sites", trace=trace)
+    creds = None
+    if secure:
+        from rollart.security.init import secure_init
+
+        creds = tmp_path / "creds"
+        secure_init(creds, [x.addr for x in h], ["trainer", "generate", "env,reward"])
+    sites = Sites(hub_h, {"gen": gen_h, "env": env_h}, tmp_path / "sites", trace=trace,
+                  secure=creds)
     sites.start()
     link_s = await sites.wait_linked()
     return sites, hub_h, gen_h, env_h, link_s
 
 
-async def start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h, **extra):
+async def start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h, creds=None, **extra):
+    nats = {"domain": sites.domain, **({"tls": {"ca": str(creds / "ca.pem")}} if creds else {})}
     cfg, run = write_config(tmp_path, tiny_model, [sites.hub_url], node={"stream_replicas": 1},
-                            nats={"domain": sites.domain}, **extra)
-    head = site_node(hub_h, cfg, "trainer,scheduler", sites.hub_url, sites.domain)
+                            nats=nats, **extra)
+
+    def login(user):
+        return ("--user", user, "--password-file", str(creds / f"{user}.password")) if creds else ()
+
+    head = site_node(hub_h, cfg, "trainer,scheduler", sites.hub_url, sites.domain,
+                     extra=login("trainer"))
     await head.line_with("serving trainer", 90)
-    procs = [head, site_node(gen_h, cfg, "generate", sites.url("gen"), sites.domain),
-             site_node(env_h, cfg, "env,reward", sites.url("env"), sites.domain)]
+    procs = [head, site_node(gen_h, cfg, "generate", sites.url("gen"), sites.domain,
+                             extra=login("generate")),
+             site_node(env_h, cfg, "env,reward", sites.url("env"), sites.domain,
+                       extra=login("env+reward"))]
     return cfg, run, head, procs
 
 
@@ -135,3 +151,24 @@ async def test_site_server_kill9_mid_run_loses_nothing(tmp_path, tiny_model, hos
     print(f"[sites] env site's server kill -9 at step {step_at_kill}: run {time.monotonic() - t0:.1f}s; "
           f"leaf relinked {relink_s:.2f}s after the restart; the node reconnected "
           f"{node_back_s:.2f}s after the kill; {counts}; {logs([])}")
+
+
+async def test_secure_sites_run_with_each_role_its_own_user(tmp_path, tiny_model, hosts):
+    """``cluster sites --secure``: TLS and ``rollart secure``'s users on the hub and both
+    sites, leaf links under TLS; each node logs in as its role at its site and the run
+    finishes (the permissions, made for the domain, allow each role what it does there)."""
+    pytest.importorskip("bcrypt")
+    t0 = time.monotonic()
+    sites, hub_h, gen_h, env_h, link_s = await start_sites(hosts, tmp_path, secure=True)
+    creds = tmp_path / "creds"
+    cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h,
+                                            creds=creds)
+    await wait_exit(procs, 150)
+    rows = metrics_rows(tmp_path, run)
+    check_steps(rows)
+    trained = [t for r in rows for t in r["traj_ids"]]
+    assert len(trained) == len(set(trained)), "a trajectory trained twice"
+    bad = [p.log.name for p in procs if "permissions violation" in p.output().lower()]
+    assert not bad, f"a role was refused something it does: {bad}\n{logs(procs)}"
+    print(f"[sites] secure run over two leaf sites: {time.monotonic() - t0:.1f}s; linked over "
+          f"TLS in {link_s:.2f}s; trained {len(trained)}")
