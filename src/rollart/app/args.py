@@ -30,7 +30,7 @@ def add_nats_args(p: argparse.ArgumentParser, *, url_help: str, required: bool =
     p.add_argument("--nats", default=None, required=required, metavar="URL", help=url_help)
     p.add_argument("--js-domain", default=None, metavar="DOMAIN",
                    help="JetStream domain of the run's streams (nats.domain): the hub's, when "
-                        "--nats is a site's leaf nats-server (`rollart cluster init --site`)")
+                        "--nats is a site's leaf nats-server (`rollart cluster sites`)")
     g = p.add_argument_group(
         "NATS credentials", "override the config's nats: section on this host (one shared config "
         f"serves every host; each passes its own credential); {SECRETS_NOTE}")

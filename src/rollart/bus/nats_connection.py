@@ -15,7 +15,7 @@ errors into the bus's (:func:`translated`), which every layer above uses.
   re-makes it (see :meth:`rollart.bus.nats_state.NatsKeyValue.watch`).
 - :meth:`NatsConnection.close` is bounded on a dead server.
 - ``domain``: the JetStream domain to reach (``$JS.<domain>.API``). A client of a site's leaf
-  nats-server (``rollart cluster init --site``) sets the hub's: a leaf server without
+  nats-server (``rollart cluster sites``) sets the hub's: a leaf server without
   JetStream forwards nothing of the plain ``$JS.API`` (nats-server denies it across a leaf
   link), so the plain API has no responders there, which :func:`translated` says with the fix.
 

@@ -68,7 +68,7 @@ class NatsConfig(Base):
     ``server_config`` with authorization."""
     domain: str | None = None
     """JetStream domain of the run's streams (``$JS.<domain>.API``): the hub's, for a node
-    whose server is a site's leaf nats-server (``rollart cluster init --site``; the hub's
+    whose server is a site's leaf nats-server (``rollart cluster sites``; the hub's
     config names it in ``jetstream { domain }``); empty: the connected server's own
     JetStream. Nodes at the hub may set it too (the hub answers its own domain)."""
     server_config: str | None = None
