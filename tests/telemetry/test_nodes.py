@@ -256,6 +256,18 @@ def test_monitor_shows_hardware_versions_and_pools_without_a_node():
     con.print(mon.render())
     text = con.export_text()
     assert "8 cpu, 31.2 GiB" in text and "gen v7" in text and "pool big: no live node" in text
+    assert mon.sites(now=100.5) == ""  # no node names its server: no sites line
+    for nid, server, roles, versions in (("g", "gpu", ["generate"], {"gen": 3}),
+                                         ("e", "cpu", ["env"], {}),
+                                         ("t", "hub", ["trainer"], {"trainer": 5})):
+        mon.observe(m.subject(run, "node.heartbeat"), encode(m.NodeHeartbeat(
+            node_id=nid, host="h", pid=1, pool="p", roles=roles, ts=time.time(),
+            versions=versions, server=server)), now=time.monotonic())
+    mon.policy = m.PolicyPublished(version=5, uri="file:///w", digest="sha256:" + "0" * 64)
+    assert mon.sites() == ("cpu: 1 node(s); gpu: 1 node(s), generators at v3 "
+                                    "(2 behind); hub: 1 node(s)")
+    con.print(mon.render())
+    assert "generators at v3 (2 behind)" in con.export_text()
     # without the config: a pool whose nodes all went silent
     mon2 = RunMonitor(run)
     mon2.observe(m.subject(run, "node.heartbeat"), encode(hb), now=100.0)

@@ -28,6 +28,9 @@ def add_nats_args(p: argparse.ArgumentParser, *, url_help: str, required: bool =
     ``--creds``, ``--tls-ca``) that override the config's ``nats:`` section on this host
     (:func:`nats_overrides` reads them back)."""
     p.add_argument("--nats", default=None, required=required, metavar="URL", help=url_help)
+    p.add_argument("--js-domain", default=None, metavar="DOMAIN",
+                   help="JetStream domain of the run's streams (nats.domain): the hub's, when "
+                        "--nats is a site's leaf nats-server (`rollart cluster sites`)")
     g = p.add_argument_group(
         "NATS credentials", "override the config's nats: section on this host (one shared config "
         f"serves every host; each passes its own credential); {SECRETS_NOTE}")
@@ -49,7 +52,8 @@ def nats_overrides(args: argparse.Namespace) -> dict:
             "password_file": getattr(args, "password_file", None),
             "token_file": getattr(args, "token_file", None), "creds_file": getattr(args, "creds", None),
             "tls_ca": getattr(args, "tls_ca", None), "listen": getattr(args, "listen", None),
-            "server_config": getattr(args, "server_config", None)}
+            "server_config": getattr(args, "server_config", None),
+            "domain": getattr(args, "js_domain", None)}
 
 
 @contextlib.asynccontextmanager

@@ -24,7 +24,8 @@ TAIL_LINES = 15
 """Lines of a child's log quoted when it exits before the end of the run."""
 
 _CRED_FLAGS = (("user", "--user"), ("password_file", "--password-file"),
-               ("token_file", "--token-file"), ("creds_file", "--creds"), ("tls_ca", "--tls-ca"))
+               ("token_file", "--token-file"), ("creds_file", "--creds"), ("tls_ca", "--tls-ca"),
+               ("domain", "--js-domain"))
 """Credential overrides (:func:`rollart.app.cli.nats_overrides`) a child gets, as flags: names
 and file paths only; the secrets stay in the files (or in environment variables, inherited)."""
 

@@ -216,6 +216,24 @@ class RunMonitor:
         sandboxes ready and lent, sandbox failures; empty when no host used a sandbox."""
         return sandbox_stats.describe(sandbox_stats.summary(hb.stats for hb in self.live_nodes(now)))
 
+    def sites(self, now: float | None = None) -> str:
+        """Each site's live nodes and how far its generators' policy lags the current one
+        (a node's site: the nats-server it is connected to, ``rollart cluster sites``); empty
+        when no node names its server."""
+        live = [hb for hb in self.live_nodes(now) if hb.server]
+        ver = self.policy.version if self.policy else None
+        out = []
+        for site in sorted({hb.server for hb in live}):
+            here = [hb for hb in live if hb.server == site]
+            held = [v for hb in here if "generate" in hb.roles for v in hb.versions.values()]
+            part = f"{site}: {len(here)} node(s)"
+            if held:
+                part += f", generators at v{min(held)}"
+                if ver is not None:
+                    part += f" ({max(0, ver - min(held))} behind)"
+            out.append(part)
+        return "; ".join(out)
+
     def env_init_share(self) -> float | None:
         """Env init's share of the trajectory time seen (its ``reset`` timing: building the env
         and its sandbox, and the reset); None before a completion came."""
@@ -259,6 +277,8 @@ class RunMonitor:
                         f"{100 * share:.1f}% of trajectory time (paper: 15% of a healthy step)")
         if sandboxes := self.sandboxes(now):
             summary.add_row("sandboxes", escape(sandboxes), "", "")
+        if sites := self.sites(now):
+            summary.add_row("sites", escape(sites), "", "")
         if self.ledger is not None:
             lg = self.ledger
             summary.add_row("groups", f"trained {lg.trained}, lost {lg.lost}",

@@ -5,6 +5,12 @@ heartbeat intervals and prints each node: host, pool(s), roles, hardware, load, 
 version each generator holds, and the age of its last heartbeat. With ``--config``, the pools
 its ``mapping`` and ``route`` name that have no live node are listed too (their work waits in
 the stream until a node of the pool joins).
+
+Sites (``rollart cluster sites``): each node's ``site`` is the name of the nats-server it is
+connected to (a site's leaf server is named after the site, the hub's is ``hub``). With
+``--hub-monitor URL`` (the hub's monitoring port) the sites' leaf links are listed from the
+hub's ``/leafz``: connected or not, round-trip time, messages and bytes each way since the
+link came up.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 
 import msgspec
 from rich.console import Console
@@ -50,7 +57,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "live node; its node.heartbeat_every sets the default --wait")
     p.add_argument("--wait", type=float, default=None, metavar="S",
                    help="seconds to listen (default: 2 x node.heartbeat_every + 1, i.e. 11)")
-    p.add_argument("--json", action="store_true", help="print a JSON list of the nodes")
+    p.add_argument("--hub-monitor", default=None, metavar="URL",
+                   help="the hub's monitoring URL (http://hub:8222, `rollart cluster sites`): "
+                        "list each site's leaf link (connected, RTT, bytes each way)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of the nodes (with "
+                   "--hub-monitor: {\"nodes\": [...], \"sites\": {site: link}})")
     p.set_defaults(fn=nodes_main)
     return p
 
@@ -85,14 +96,52 @@ def as_dict(hb: m.NodeHeartbeat, now: float) -> dict:
 def render_table(beats: list[m.NodeHeartbeat], run: str, now: float):
     """A rich table of nodes (``rollart nodes``)."""
     t = Table(title=f"run {escape(run)}: {len(beats)} live node(s)")
-    for col in ("node", "host", "pool", "roles", "hardware", "load", "versions", "in flight", "age s"):
+    for col in ("node", "host", "site", "pool", "roles", "hardware", "load", "versions",
+                "in flight", "age s"):
         t.add_column(col, justify="right" if col in ("load", "in flight", "age s") else "left",
                      overflow="fold")
     for hb in beats:
-        t.add_row(escape(hb.node_id), escape(hb.host), escape(",".join(node_pools(hb))),
+        t.add_row(escape(hb.node_id), escape(hb.host), escape(hb.server),
+                  escape(",".join(node_pools(hb))),
                   escape(",".join(hb.roles)), escape(describe_hardware(hb.hardware)),
                   f"{hb.load:.2f}", escape(describe_versions(hb.versions)), str(hb.in_flight),
                   f"{max(0.0, now - hb.ts):.1f}")
+    return t
+
+
+def leaf_links(monitor_url: str, timeout: float = 5.0) -> dict[str, dict]:
+    """The hub's ``/leafz``: site (leaf server name) -> ``{rtt, in_msgs, out_msgs, in_bytes,
+    out_bytes}`` (in: from the site to the hub). Blocking: call it in a thread. A
+    :class:`~rollart.config.ConfigError` naming the URL when it cannot be read."""
+    url = monitor_url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--hub-monitor {monitor_url!r}: give the hub's monitoring URL, "
+                          "http://HOST:PORT (its config's http: setting)")
+    try:
+        with urllib.request.urlopen(url + "/leafz", timeout=timeout) as r:  # noqa: S310 - http(s) only
+            data = json.load(r)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--hub-monitor {monitor_url}: cannot read /leafz there ({e}); is it "
+                          "the hub's monitoring port (http: in hub.conf)?") from None
+    return {leaf.get("name", "?"): {k: leaf.get(k) for k in (
+        "rtt", "in_msgs", "out_msgs", "in_bytes", "out_bytes")} for leaf in data.get("leafs") or []}
+
+
+def render_sites(links: dict[str, dict], beats: list[m.NodeHeartbeat]):
+    """A rich table of the sites: the hub's leaf links, and sites the nodes name that are
+    not linked now."""
+    t = Table(title=f"sites: {len(links)} linked to the hub")
+    for col in ("site", "link", "rtt", "nodes", "in msgs", "in bytes", "out msgs", "out bytes"):
+        t.add_column(col, justify="left" if col in ("site", "link") else "right")
+    named = {hb.server for hb in beats if hb.server}
+    for site in sorted(set(links) | (named - {"hub"})):
+        n = sum(hb.server == site for hb in beats)
+        link = links.get(site)
+        if link is None:
+            t.add_row(escape(site), "[red]not connected", "", str(n), "", "", "", "")
+            continue
+        t.add_row(escape(site), "connected", escape(str(link["rtt"])), str(n),
+                  *(str(link[k]) for k in ("in_msgs", "in_bytes", "out_msgs", "out_bytes")))
     return t
 
 
@@ -122,6 +171,7 @@ async def nodes_main(args) -> int:
             print(f"rollart nodes: listening to the heartbeats of run {run} for {wait:g}s ...",
                   file=sys.stderr, flush=True)
         heard = await listen(bus, run, wait)
+    links = await asyncio.to_thread(leaf_links, args.hub_monitor) if args.hub_monitor else None
     if not heard:
         print(f"rollart nodes: no heartbeat of run {run} in {wait:g}s on {m.subject(run, 'node.heartbeat')}: "
               f"no node of this run is up (or --run/--nats name another run or server, or the "
@@ -132,13 +182,16 @@ async def nodes_main(args) -> int:
     beats = [hb for _, hb in heard]
     lines = missing_lines(pool_needs(cfg), cfg.pools if cfg is not None else {}, beats)
     if args.json:
-        print(json.dumps([as_dict(hb, now) for hb in beats], indent=2))
+        out = [as_dict(hb, now) for hb in beats]
+        print(json.dumps(out if links is None else {"nodes": out, "sites": links}, indent=2))
         for line in lines:
             print(f"rollart nodes: {line}", file=sys.stderr)
         return 0
     piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
     con = Console(width=200 if piped else None)  # a pipe (grep, a file) gets whole lines
     con.print(render_table(beats, run, now))
+    if links is not None:
+        con.print(render_sites(links, beats))
     for line in lines:
         con.print(f"[yellow]{escape(line)}")
     if cfg is None:

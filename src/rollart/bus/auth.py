@@ -41,7 +41,7 @@ LOCAL_TLS_NAME = "localhost"
 127.0.0.1); ``rollart secure init`` always puts ``localhost`` and ``127.0.0.1`` in it."""
 
 OVERRIDE_KEYS = ("url", "user", "password_file", "token_file", "creds_file", "tls_ca", "listen",
-                 "server_config")
+                 "server_config", "domain")
 """Keys of the command-line overrides (:func:`resolve`); None or absent: not given."""
 
 
@@ -102,7 +102,8 @@ def resolve(settings: Any = None, overrides: Mapping[str, Any] | None = None) ->
     """The :class:`NatsConfig` of ``settings`` (a RunConfig, a NatsConfig, a URL string or
     None) with command-line ``overrides`` applied (keys of :data:`OVERRIDE_KEYS`; a value of
     None is "not given"): ``url`` (``--nats``), ``user``, ``password_file``, ``token_file``,
-    ``creds_file`` (``--creds``), ``tls_ca``, ``listen``, ``server_config``.
+    ``creds_file`` (``--creds``), ``tls_ca``, ``listen``, ``server_config``, ``domain``
+    (``--js-domain``).
 
     A credential flag replaces the config's way to authenticate: ``--creds`` drops its user,
     password and token; ``--user``/``--password-file`` drop its token, NKey and credentials
@@ -135,7 +136,7 @@ def resolve(settings: Any = None, overrides: Mapping[str, Any] | None = None) ->
             changes.update(password_file=given["password_file"], password_env=None)
     if "tls_ca" in given:
         changes["tls"] = msgspec.structs.replace(ns.tls or NatsTlsConfig(), ca=given["tls_ca"])
-    for k in ("listen", "server_config"):
+    for k in ("listen", "server_config", "domain"):
         if k in given:
             changes[k] = given[k]
     try:

@@ -231,6 +231,12 @@ class Bus(abc.ABC):
     (NatsBus reads it from the server's INFO), 0 when unknown. Larger blobs go through an
     object store (:meth:`object_store`), which chunks them."""
 
+    @property
+    def server_name(self) -> str:
+        """The ``server_name`` of the nats-server this bus is connected to now: at a site
+        (``rollart cluster sites``), the site's name; "" when unknown or in memory."""
+        return ""
+
     async def __aenter__(self) -> "Bus":
         await self.connect()
         return self

@@ -45,7 +45,8 @@ def bus_from_config(settings: Any = None, *, url: str | Sequence[str] | None = N
         except ValueError as e:
             raise ConfigError(str(e)) from None
     bus = NatsBus(servers[0] if len(servers) == 1 else servers, name=name,
-                  auth=connect_options(ns, local=local), settings=ns, **bus_kwargs)
+                  auth=connect_options(ns, local=local), settings=ns, domain=ns.domain,
+                  **bus_kwargs)
     if replicas is None:
         replicas = getattr(getattr(settings, "node", None), "stream_replicas", None)
     if replicas is not None:

@@ -76,7 +76,7 @@ class NatsBus(NatsConnection, Bus):
             # a denied API request is never answered: without this it would look like a busy
             # server and be asked again for minutes; a refusal is permanent, said at once
             for verb in ("CREATE", "UPDATE"):
-                if self.denied_since(f"$JS.API.STREAM.{verb}.{spec.name}", since):
+                if self.denied_since(f"{self.api_prefix}.STREAM.{verb}.{spec.name}", since):
                     raise BusError(f"ensure stream {spec.name}: this credential may not "
                                    f"{verb.lower()} it (see `rollart secure show`)") from None
             raise
@@ -161,6 +161,14 @@ class NatsBus(NatsConnection, Bus):
     async def object_store(self, bucket: str, *, ttl: float = 0.0,
                            max_bytes: int = 0) -> ObjectStore:
         return await open_object_store(self, bucket, self.replicas, ttl=ttl, max_bytes=max_bytes)
+
+    @property
+    def server_name(self) -> str:
+        nc = getattr(self, "_nc", None)
+        info = getattr(nc, "_server_info", None) or {}
+        name = str(info.get("server_name") or "")
+        # a server without server_name in its config is named by its id: no name to show
+        return "" if name == info.get("server_id") else name[:64]
 
     @property
     def max_payload(self) -> int:

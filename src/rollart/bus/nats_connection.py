@@ -14,6 +14,10 @@ errors into the bus's (:func:`translated`), which every layer above uses.
   violation once a minute per subject; a reconnect stops every KV watcher so that its owner
   re-makes it (see :meth:`rollart.bus.nats_state.NatsKeyValue.watch`).
 - :meth:`NatsConnection.close` is bounded on a dead server.
+- ``domain``: the JetStream domain to reach (``$JS.<domain>.API``). A client of a site's leaf
+  nats-server (``rollart cluster sites``) sets the hub's: a leaf server without
+  JetStream forwards nothing of the plain ``$JS.API`` (nats-server denies it across a leaf
+  link), so the plain API has no responders there, which :func:`translated` says with the fix.
 
 The layers above register what they open on the connection (core subscriptions, pull
 subscriptions, watchers) so that a reconnect or a close reaches them; they are typed here by
@@ -42,6 +46,10 @@ from rollart.config.urls import redact
 log = logging.getLogger(__name__)
 
 
+JS_HINT = ("a site's leaf nats-server has none of its own: set nats.domain (--js-domain) to "
+           "the hub's JetStream domain; with it set, the site's link to the hub may be down")
+
+
 @contextlib.contextmanager
 def translated(what: str):
     """Re-raise nats-py (and socket) errors as bus errors."""
@@ -51,6 +59,8 @@ def translated(what: str):
         raise
     except nats.errors.NoRespondersError as err:
         raise NoResponders(f"{what}: no responders") from err
+    except nats.js.errors.ServiceUnavailableError as err:
+        raise BusError(f"{what}: no JetStream answers on this server ({JS_HINT})") from err
     except (TimeoutError, nats.errors.TimeoutError) as err:
         raise BusTimeout(f"{what}: timed out") from err
     except (nats.errors.Error, OSError) as err:
@@ -100,7 +110,7 @@ class NatsConnection:
 
     def __init__(self, url: str | Sequence[str], *, name: str = "rollart", connect_timeout: float = 5.0,
                  reconnect_time_wait: float = 0.25, ack_timeout: float = 5.0, drain_timeout: float = 10.0,
-                 auth: dict | None = None, settings=None) -> None:
+                 auth: dict | None = None, settings=None, domain: str | None = None) -> None:
         self._servers = [url] if isinstance(url, str) else list(url)
         self.url = redact(self._servers)
         """The server URL(s) for display: never with a password or token in it."""
@@ -109,6 +119,8 @@ class NatsConnection:
         self.settings = settings
         """The :class:`~rollart.config.schema.NatsConfig` the options came from (error messages
         name its keys), or None."""
+        self.domain = domain or None
+        """JetStream domain whose API this client calls (None: the server's own JetStream)."""
         self.name = name
         self.connect_timeout = connect_timeout
         self.reconnect_time_wait = reconnect_time_wait
@@ -177,7 +189,7 @@ class NatsConnection:
         finally:
             connecting = False
         nc.options["max_reconnect_attempts"] = -1
-        self._nc, self._js, self._closed, self._outage_logged = nc, nc.jetstream(), False, False
+        self._nc, self._js, self._closed, self._outage_logged = nc, nc.jetstream(domain=self.domain), False, False
 
     def denied_since(self, subject: str, since: float) -> bool:
         """Whether the server refused this credential ``subject`` (a permissions violation,
@@ -224,6 +236,11 @@ class NatsConnection:
             log.info("nats %s: reconnected after %.1fs", self.url, monotonic() - since)
         for rec in list(self._watches):
             await rec.stop(restart=True)
+
+    @property
+    def api_prefix(self) -> str:
+        """The JetStream API's subject prefix: ``$JS.API``, or ``$JS.<domain>.API``."""
+        return f"$JS.{self.domain}.API" if self.domain else "$JS.API"
 
     @property
     def outage_s(self) -> float:

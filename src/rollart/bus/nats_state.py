@@ -3,6 +3,10 @@ watch) and object stores, on JetStream.
 
 - A KV watch is re-made after every reconnect: nats-py watches through an in-memory
   ordered consumer, which a server restart loses (see :meth:`NatsKeyValue.watch`).
+- Under a JetStream domain (a client of a site's leaf server) KV writes go to
+  ``$JS.<domain>.API.$KV.<bucket>.<key>``, which the hub maps back to ``$KV.<bucket>.<key>``:
+  nats-server denies the plain ``$KV.>`` across a leaf link, and nats-py (2.16) writes the
+  plain subject whatever its domain. Reads and watches go through the API prefix already.
 - An object read that stalls stops instead of waiting forever (see
   :meth:`NatsObjectStore.get`).
 """
@@ -80,6 +84,7 @@ class NatsKeyValue(KeyValue):
         self._kv = kv
         self._bucket = bucket
         self._bus = bus
+        self._write_pre = f"$JS.{bus.domain}.API.$KV.{bucket}." if bus.domain else None
 
     async def get(self, key: str) -> KVEntry | None:
         with translated(f"kv get {self._bucket}/{key}"):
@@ -91,11 +96,17 @@ class NatsKeyValue(KeyValue):
 
     async def put(self, key: str, value: bytes) -> int:
         with translated(f"kv put {self._bucket}/{key}"):
-            return await self._kv.put(key, value)
+            if self._write_pre is None:
+                return await self._kv.put(key, value)
+            return (await self._bus._jetstream().publish(self._write_pre + key, value)).seq
 
     async def delete(self, key: str) -> None:
         with translated(f"kv delete {self._bucket}/{key}"):
-            await self._kv.delete(key)
+            if self._write_pre is None:
+                await self._kv.delete(key)
+            else:
+                await self._bus._jetstream().publish(self._write_pre + key,
+                                                     headers={"KV-Operation": "DEL"})
 
     async def watch(self, key: str) -> AsyncIterator[KVEntry]:
         # nats-py watches through an in-memory ordered consumer, which a server restart

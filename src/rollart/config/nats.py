@@ -9,6 +9,7 @@ from rollart.config.base import Base
 from rollart.config.urls import check_nats_url, split_listen
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DOMAIN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class NatsTlsConfig(Base):
@@ -65,6 +66,11 @@ class NatsConfig(Base):
     """Address the embedded server listens on: ``HOST`` or ``HOST:PORT`` (default port: a free
     one). Only a non-loopback address (``0.0.0.0:4222``) lets other hosts join, and it needs
     ``server_config`` with authorization."""
+    domain: str | None = None
+    """JetStream domain of the run's streams (``$JS.<domain>.API``): the hub's, for a node
+    whose server is a site's leaf nats-server (``rollart cluster sites``; the hub's
+    config names it in ``jetstream { domain }``); empty: the connected server's own
+    JetStream. Nodes at the hub may set it too (the hub answers its own domain)."""
     server_config: str | None = None
     """nats-server config file the embedded server starts with (``-c``): users, TLS, accounts
     (``rollart secure init`` writes one); its listen address, store and JetStream are rollart's."""
@@ -104,6 +110,9 @@ class NatsConfig(Base):
             raise ValueError(f"{found}: give at most one way to authenticate (user and password, "
                              f"a token, an NKey seed or a credentials file)")
         split_listen(self.listen)
+        if self.domain is not None and not _DOMAIN.fullmatch(self.domain):
+            raise ValueError(f"nats.domain {self.domain!r}: a JetStream domain is one token of "
+                             "letters, digits, '_' and '-' (the hub's jetstream { domain })")
 
     @property
     def joins(self) -> bool:

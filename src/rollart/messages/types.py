@@ -328,6 +328,9 @@ class NodeHeartbeat(Message, frozen=True, kw_only=True):
     serves ``pool``)."""
     in_flight: Count = 0
     """Deliveries and requests the node's handlers hold right now (sum of ``*.inflight``)."""
+    server: Annotated[str, Meta(max_length=64)] = ""
+    """The ``server_name`` of the nats-server the node is connected to: at a site of
+    ``rollart cluster sites``, the site's name (``hub`` at the hub); "" when unknown."""
 
 
 class PayloadRef(Message, frozen=True, kw_only=True):

@@ -343,7 +343,8 @@ class Node:
                                  pool=self.pool, roles=roles, ts=time.time(), stats=stats,
                                  hardware=hardware, load=host_load(), versions=self._versions(),
                                  pools=pools, in_flight=int(sum(
-                                     v for k, v in stats.items() if k.endswith(".inflight"))))
+                                     v for k, v in stats.items() if k.endswith(".inflight"))),
+                                 server=self.bus.server_name)
             for run in runs:
                 try:
                     await self.bus.publish_core(m.subject(run, "node.heartbeat"), encode(hb))

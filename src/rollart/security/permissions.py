@@ -168,11 +168,36 @@ class _Names:
         return self.events if kind == "events" else self.work
 
 
-def role_permissions(role: str, run: str = "*", *, response_ttl: str = "1h") -> dict:
+def role_permissions(role: str, run: str = "*", *, response_ttl: str = "1h",
+                     domain: str | None = None) -> dict:
     """The nats-server ``permissions`` of ``role`` (or of several: ``"env,generate"``).
 
     ``{"publish": {"allow": [...], "deny": [...]}, "subscribe": {"allow": [...]}}`` plus
-    ``allow_responses`` for roles that serve requests (a reply within ``response_ttl``)."""
+    ``allow_responses`` for roles that serve requests (a reply within ``response_ttl``).
+    ``domain``: the run's JetStream domain (sites, :mod:`rollart.deploy.sites`): every
+    ``$JS.API.X`` and ``$KV.X`` subject is also allowed (or denied) as ``$JS.<domain>.API.X``
+    and ``$JS.<domain>.API.$KV.X``, which a site's clients send (acks and flow control keep
+    their plain form)."""
+    out = _role_permissions(role, run, response_ttl)
+    if domain:
+        out["publish"]["allow"] = _unique(out["publish"]["allow"] + _twins(out["publish"]["allow"], domain))
+        if "deny" in out["publish"]:
+            out["publish"]["deny"] = _unique(out["publish"]["deny"] + _twins(out["publish"]["deny"], domain))
+    return out
+
+
+def _twins(subjects: list[str], domain: str) -> list[str]:
+    """The domain forms of the JetStream API and KV subjects among ``subjects``."""
+    out = []
+    for x in subjects:
+        if x.startswith("$JS.API."):
+            out.append(f"$JS.{domain}.API." + x[len("$JS.API."):])
+        elif x.startswith("$KV."):
+            out.append(f"$JS.{domain}.API." + x)
+    return out
+
+
+def _role_permissions(role: str, run: str, response_ttl: str) -> dict:
     roles_given = [r.strip() for r in role.replace("+", ",").split(",") if r.strip()]
     roles = expand(role)
     if ADMIN in roles:
@@ -299,10 +324,17 @@ def server_config(users: Iterable[dict], *, cert_file: str | None = None, key_fi
         if ca_file:
             out.append(f"  ca_file: {_q(ca_file)}")
         out += [f"  verify: {'true' if verify_clients else 'false'}", "  timeout: 5", "}"]
-    out += ["authorization {", "  users: ["]
+    out += [*authorization_lines(users), ""]
+    return "\n".join(out)
+
+
+def authorization_lines(users: Iterable[dict]) -> list[str]:
+    """A nats-server ``authorization`` block of ``users`` (``{"user", "password" (a bcrypt
+    hash), "permissions"}``)."""
+    out = ["authorization {", "  users: ["]
     for u in users:
         perms = json.dumps(u["permissions"], indent=2).replace("\n", "\n      ")
         out += ["    {", f"      user: {_q(u['user'])}", f"      password: {_q(u['password'])}",
                 f"      permissions: {perms}", "    }"]
-    out += ["  ]", "}", ""]
-    return "\n".join(out)
+    out += ["  ]", "}"]
+    return out

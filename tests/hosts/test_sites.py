@@ -1,0 +1,174 @@
+"""A run across a hub and two leaf-node sites, each in its own network namespace.
+
+The hub (h1) runs the JetStream nats-server of ``rollart cluster sites`` and the head node
+(trainer, scheduler). Site ``gen`` (h2) has a leaf nats-server without JetStream and a
+generate node; site ``env`` (h3) a leaf server and an env+reward node. Site nodes join their
+own site's server with ``--js-domain``: every JetStream call crosses the link, core traffic
+between two clients of one site (reward requests) stays there.
+
+- the quickstart-sized run finishes over the leaf links; the hub's trace says which subjects
+  crossed each link and how many bytes a step cost (printed); reward requests never crossed;
+- kill -9 of site env's leaf server after step 1, restarted: the site's node reconnects by
+  itself, the run finishes, every admitted trajectory is accounted for and none trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from tests.hosts.sites import Sites
+from tests.hosts.test_many_hosts import (
+    check_accounting, check_steps, logs, metrics_rows, run_record, wait_exit, wait_step,
+    write_config,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.hosts]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def site_node(host, cfg, roles: str, url: str, domain: str, name: str | None = None,
+              extra: tuple[str, ...] = ()):
+    """``python -m rollart.node`` joining ``url`` (a site's server, or the hub) in ``host``'s
+    namespace, naming the hub's JetStream domain as a site's node does."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "rollart.node", "--config", cfg, "--roles", roles,
+            "--nats", url, "--js-domain", domain, *extra]
+    return host.run(argv, name or roles.replace(",", "+"), env=env, cwd=cfg.parent)
+
+
+async def start_sites(hosts, tmp_path, *, trace: bool = False, secure: bool = False):
+    h = hosts(3)
+    hub_h, gen_h, env_h = list(h)
+    creds = None
+    if secure:
+        from rollart.security.init import secure_init
+
+        creds = tmp_path / "creds"
+        secure_init(creds, [x.addr for x in h], ["trainer", "generate", "env,reward"])
+    sites = Sites(hub_h, {"gen": gen_h, "env": env_h}, tmp_path / "sites", trace=trace,
+                  secure=creds)
+    sites.start()
+    link_s = await sites.wait_linked()
+    return sites, hub_h, gen_h, env_h, link_s
+
+
+async def start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h, creds=None, **extra):
+    nats = {"domain": sites.domain, **({"tls": {"ca": str(creds / "ca.pem")}} if creds else {})}
+    cfg, run = write_config(tmp_path, tiny_model, [sites.hub_url], node={"stream_replicas": 1},
+                            nats=nats, **extra)
+
+    def login(user):
+        return ("--user", user, "--password-file", str(creds / f"{user}.password")) if creds else ()
+
+    head = site_node(hub_h, cfg, "trainer,scheduler", sites.hub_url, sites.domain,
+                     extra=login("trainer"))
+    await head.line_with("serving trainer", 90)
+    procs = [head, site_node(gen_h, cfg, "generate", sites.url("gen"), sites.domain,
+                             extra=login("generate")),
+             site_node(env_h, cfg, "env,reward", sites.url("env"), sites.domain,
+                       extra=login("env+reward"))]
+    return cfg, run, head, procs
+
+
+def link_bytes(sites: Sites) -> dict[str, int]:
+    return {name: leaf["in_bytes"] + leaf["out_bytes"] for name, leaf in sites.leafz().items()}
+
+
+async def test_run_across_two_leaf_sites(tmp_path, tiny_model, hosts):
+    t0 = time.monotonic()
+    sites, hub_h, gen_h, env_h, link_s = await start_sites(hosts, tmp_path, trace=True)
+    cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h)
+    await wait_step(tmp_path, run, 1, head, procs)
+    # rollart nodes, from the hub's host: each node's site, and the sites' links
+    r = await asyncio.to_thread(
+        hub_h.exec, sys.executable, "-m", "rollart", "nodes", "--nats", sites.hub_url, "--run",
+        run, "--wait", "1.5", "--json", "--hub-monitor", sites.made["hub"]["monitor_url"],
+        timeout=60)
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(r.stdout)
+    assert {n["server"]: sorted(n["roles"]) for n in listed["nodes"]} == {
+        "hub": ["scheduler", "trainer"], "gen": ["generate"], "env": ["env", "reward"]}, listed
+    assert set(listed["sites"]) == {"gen", "env"}, listed["sites"]
+    assert all(link["in_bytes"] > 0 and link["out_bytes"] > 0 for link in listed["sites"].values())
+    await wait_exit(procs, 150)
+    rows = metrics_rows(tmp_path, run)
+    check_steps(rows)
+    rec = await run_record([sites.hub_url], run)
+    counts = check_accounting(rec, rows)
+    assert rec["completed"] and {lo.pool for lo in rec["loaded"]}, rec["loaded"]
+
+    leafz = sites.leafz()
+    crossed = sites.crossings()
+    steps = rows[-1]["step"]
+    # the env site's reward requests were answered at the site: none crossed either link
+    for key, kinds in crossed.items():
+        assert "reward.request" not in kinds, (key, kinds)
+    # ...while its generate requests had to cross (the generators are at the other site)
+    assert crossed["env up #"]["generate.request"] + crossed["env up #"]["generate.direct"] > 0
+    assert crossed["gen down #"]["generate.request"] + crossed["gen down #"]["generate.direct"] > 0
+    # every JetStream call of a site crossed: the env site fetched its work from the hub
+    assert crossed["env up #"]["js-api:CONSUMER.MSG.NEXT"] > 0, crossed["env up #"]
+    per_step = {n: (leaf["in_bytes"] + leaf["out_bytes"]) // steps for n, leaf in leafz.items()}
+    print(f"[sites] run over two leaf sites: {time.monotonic() - t0:.1f}s; sites linked in "
+          f"{link_s:.2f}s; {counts}")
+    print(f"[sites] link bytes per step (both ways, /leafz): {per_step}; "
+          f"rtt {[(n, leaf['rtt']) for n, leaf in leafz.items()]}")
+    for key in sorted(k for k in crossed if not k.endswith("#")):
+        kinds = crossed[key]
+        msgs = crossed[key + " #"]
+        top = ", ".join(f"{k} {msgs[k]}/{v}B" for k, v in kinds.most_common())
+        print(f"[sites] {key}: {top}")
+
+
+async def test_site_server_kill9_mid_run_loses_nothing(tmp_path, tiny_model, hosts):
+    t0 = time.monotonic()
+    sites, hub_h, gen_h, env_h, _ = await start_sites(hosts, tmp_path)
+    cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h)
+    env_node = procs[2]
+    await wait_step(tmp_path, run, 1, head, procs)
+    step_at_kill = metrics_rows(tmp_path, run)[-1]["step"]
+    before = {"env": sites.leafz()["env"]["id"]}
+    sites.kill("env")
+    t_kill = time.monotonic()
+    sites.start("env")
+    relink_s = await sites.wait_linked(["env"], not_ids=before)
+    await env_node.line_with("reconnected", 60)
+    node_back_s = time.monotonic() - t_kill
+    await wait_exit(procs, 150)
+    assert step_at_kill < 3, "the kill came after the last step: it proves nothing"
+    rows = metrics_rows(tmp_path, run)
+    check_steps(rows)
+    rec = await run_record([sites.hub_url], run)
+    counts = check_accounting(rec, rows)
+    print(f"[sites] env site's server kill -9 at step {step_at_kill}: run {time.monotonic() - t0:.1f}s; "
+          f"leaf relinked {relink_s:.2f}s after the restart; the node reconnected "
+          f"{node_back_s:.2f}s after the kill; {counts}; {logs([])}")
+
+
+async def test_secure_sites_run_with_each_role_its_own_user(tmp_path, tiny_model, hosts):
+    """``cluster sites --secure``: TLS and ``rollart secure``'s users on the hub and both
+    sites, leaf links under TLS; each node logs in as its role at its site and the run
+    finishes (the permissions, made for the domain, allow each role what it does there)."""
+    pytest.importorskip("bcrypt")
+    t0 = time.monotonic()
+    sites, hub_h, gen_h, env_h, link_s = await start_sites(hosts, tmp_path, secure=True)
+    creds = tmp_path / "creds"
+    cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h,
+                                            creds=creds)
+    await wait_exit(procs, 150)
+    rows = metrics_rows(tmp_path, run)
+    check_steps(rows)
+    trained = [t for r in rows for t in r["traj_ids"]]
+    assert len(trained) == len(set(trained)), "a trajectory trained twice"
+    bad = [p.log.name for p in procs if "permissions violation" in p.output().lower()]
+    assert not bad, f"a role was refused something it does: {bad}\n{logs(procs)}"
+    print(f"[sites] secure run over two leaf sites: {time.monotonic() - t0:.1f}s; linked over "
+          f"TLS in {link_s:.2f}s; trained {len(trained)}")
