@@ -24,16 +24,20 @@ Never left running: the server gets its own session (``close`` signals the whole
 API server, EngineCore, worker) and ``PR_SET_PDEATHSIG`` = SIGTERM (:func:`rollart.procs.die_with_parent`),
 so it is told to stop when the node's process dies, kill -9 included; vLLM's API server
 stops its EngineCore on SIGTERM, and the EngineCore exits when its parent does.
+:func:`wait_healthy` waits for ``GET /health`` with a deadline, and says why (the exit code
+and the last lines of the log) when the server exits first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,10 +45,11 @@ from typing import Any
 import rollart
 from rollart.procs import die_with_parent
 
+from .server_http import tail
 from .sglang_server import server_flags
 
 __all__ = ["BOOTSTRAP", "API_KEY_ENV", "CHOICES_PROCESSOR", "server_command", "spawn_server",
-           "require_vllm", "INSTALL_HINT"]
+           "require_vllm", "wait_healthy", "INSTALL_HINT"]
 
 API_KEY_ENV = "VLLM_API_KEY"
 """vLLM's own environment variable for its API key (``--api-key`` without the command line)."""
@@ -139,3 +144,39 @@ async def spawn_server(command: list[str], log_path: Path, env: Mapping[str, str
             preexec_fn=die_with_parent(signal.SIGTERM))
     finally:
         os.close(fd)
+
+
+async def wait_healthy(session: Any, aiohttp: Any, url: str, *, timeout_s: float,
+                       proc: asyncio.subprocess.Process | None, command: list[str] | None,
+                       log_path: Path | None, secret: str | None) -> None:
+    """Poll ``GET url/health`` on ``session`` (it sends the key) until it answers 200;
+    ``RuntimeError`` with the last lines of the log (``secret`` masked) when the launched
+    ``proc`` (None: attached) exits first or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+
+    def logs() -> str:
+        return f"\n--- last lines of {log_path}:\n{tail(log_path, secret=secret)}"
+
+    while True:
+        if proc is not None and proc.returncode is not None:
+            raise RuntimeError(f"the vLLM server exited with code {proc.returncode} before it "
+                               f"was ready: {shown(command)}{logs()}")
+        try:
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"proxy.engine vllm-server: the server at {url} was not ready after "
+                f"{timeout_s:.0f} s (GET /health: {last}; raise "
+                f"proxy.engine_args.startup_timeout_s if it is only slow)"
+                f"{logs() if log_path else ''}")
+        if proc is not None:  # wake on its exit, else poll again in 0.5 s
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), 0.5)
+        else:
+            await asyncio.sleep(0.5)

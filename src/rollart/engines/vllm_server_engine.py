@@ -9,34 +9,14 @@ or **attached** with ``engine_args.url`` (a server started with ``VLLM_SERVER_DE
 ``--logprobs-mode raw_logprobs``, ``--enable-scale-out`` and rollart's choice processor in
 ``--logits-processors``; its key in the variable ``engine_args.api_key_env`` names).
 
-vLLM 0.32 server API used (``vllm/entrypoints``)
--------------------------------------------------
-- ``POST /inference/v1/generate`` (``scale_out/token_in_token_out``): token ids in, a full
-  ``SamplingParams`` (the same fields the in-process engine sets: ``logprobs: 0``,
-  ``ignore_eos`` with rollart's eos set in ``stop_token_ids``, ``seed``, ``detokenize:
-  false``; for choices ``extra_args`` of :mod:`~rollart.engines.vllm_choices` and
-  ``logprob_token_ids``), ``output_mode: tokens``; the answer's ``choices[0]`` has
-  ``token_ids``, ``finish_reason`` (``stop``/``length``/``abort``) and
-  ``logprobs.content[i]`` (``logprob``, ``top_logprobs``; -inf is sent as -9999). The
-  server's request id is ``generate-tokens-<request_id>``.
-- ``POST /inference/v1/abort_requests {"request_ids": [...]}``: aborts by that id; the
-  request answers with what it has and ``finish_reason: abort`` (an id not registered yet is
-  ignored, so the abort is repeated until the call returns, as for SGLang).
-- dev mode: ``POST /pause?mode=abort|wait`` and ``/resume`` around a weight update,
-  ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
-  (the in-process engine's reload, string kwargs only: no pickle), ``/reset_prefix_cache``,
-  ``/update_weight_version`` then ``GET /weight_info`` (the server confirms the version).
-- ``GET /health`` (behind the key, see :mod:`~rollart.engines.vllm_server`).
-Not used: ``/update_weights`` (its transfer engines are NCCL/IPC/... tensor transports, none
-reads a staged file), ``/sleep``/``/wake_up`` (nothing else shares the device here), client
-disconnect as abort (the answer is then an error without the partial tokens).
+What vLLM's server is asked and how its answers are read:
+:mod:`~rollart.engines.vllm_server_protocol` (its docstring lists the API facts relied on);
+the server's command line and launch: :mod:`~rollart.engines.vllm_server`.
 
 Supervision: a task owned by the engine awaits the launched server's exit; requests in flight
 then fail with :class:`~rollart.engines.base.EngineUnavailable` (the LLMProxy answers
 "unavailable", so the turn is sent again), new ones wait, and the server is started again
 (up to ``max_restarts`` times) and given the last loaded weights before it serves.
-
-Every answer is read up to :data:`MAX_ANSWER_BYTES` and decoded into typed msgspec structs.
 """
 
 from __future__ import annotations
@@ -53,68 +33,27 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
-
-import msgspec
+from typing import Any
 
 from rollart.aio import first_of
 
 from .base import (FINISH_CHOICE, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP, PAUSE_MODES,
                    AsyncEngine, EngineAborted, EngineUnavailable, GenInput, GenOutput)
 from .choice_trie import accepted_prefix, branch_ids, choice_trie, renormalised_logprobs
+from .server_http import free_port, kill_group, read_bounded, tail
 from .sglang_protocol import check_input, error_text
-from .sglang_server import free_port, tail
-from .vllm_server import shown, require_vllm, server_command, spawn_server
+from .vllm_server import require_vllm, server_command, shown, spawn_server, wait_healthy
+from .vllm_server_protocol import (MAX_ANSWER_BYTES, MAX_LOGPROB_IDS, VllmAnswerError,
+                                   choice_params, decode_answer, decode_weight_version,
+                                   free_tokens, sampling_params, server_rid, step_logprobs)
 from .weight_files import check_weights, place_weights, read_header, read_model_info
 
-__all__ = ["VllmServerEngine", "VllmAnswerError", "MAX_ANSWER_BYTES"]
+__all__ = ["VllmServerEngine"]
 
 log = logging.getLogger(__name__)
 
-ENGINE_KEYS = ("url", "python", "api_key_env", "startup_timeout_s", "request_timeout_s",
-               "max_connections", "env", "log_file", "max_restarts")
-"""``engine_args`` keys the engine reads; every other key is a server flag."""
-MAX_ANSWER_BYTES = 64 << 20
-MAX_TOKENS = 1 << 20
-MAX_LOGPROB_IDS = 128  # vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
-
-
-class VllmAnswerError(ValueError):
-    """An answer of the vLLM server that is not the shape described above."""
-
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-
-
-class _Top(msgspec.Struct):
-    token_id: TokenId
-    logprob: float
-
-
-class _Step(msgspec.Struct):
-    token_id: TokenId
-    logprob: float
-    top_logprobs: Annotated[list[_Top], msgspec.Meta(max_length=4096)] = []
-
-
-class _LogProbs(msgspec.Struct):
-    content: Annotated[list[_Step], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
-
-
-class _Choice(msgspec.Struct):
-    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
-    finish_reason: str | None = None
-    logprobs: _LogProbs | None = None
-
-
-class _Answer(msgspec.Struct):
-    choices: Annotated[list[_Choice], msgspec.Meta(min_length=1, max_length=1)]
-
-
-class _WeightInfo(msgspec.Struct):
-    weight_version: str | int | None = None
 
 
 @dataclass(eq=False)
@@ -179,7 +118,8 @@ class VllmServerEngine(AsyncEngine):
         self._loaded = False  # the weights folder holds a version the server must reload
         self._reqs: dict[str, _Req] = {}
         self._active = 0
-        self._n = 0
+        self._n = 0  # requests seen (per-request seeds, as the in-process engine draws them)
+        self._calls = 0  # server calls made (their request ids)
         self._open = asyncio.Event()  # not paused
         self._open.set()
         self._up = asyncio.Event()  # the server serves
@@ -254,39 +194,10 @@ class VllmServerEngine(AsyncEngine):
         self.start_s = time.monotonic() - t0
         self._supervisor = asyncio.ensure_future(self._supervise(self.proc))
 
-    def _exited(self) -> RuntimeError | None:
-        if self.proc is None or self.proc.returncode is None:
-            return None
-        return RuntimeError(
-            f"the vLLM server exited with code {self.proc.returncode}: {shown(self.command)}\n"
-            f"--- last lines of {self.log_path}:\n{tail(self.log_path, secret=self._key)}")
-
     async def _wait_health(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        last = "no answer yet"
-        while True:
-            if (err := self._exited()) is not None:
-                raise err
-            try:
-                async with self._session.get(self.url + "/health",
-                                             timeout=self._aiohttp.ClientTimeout(total=10)) as r:
-                    if r.status == 200:
-                        return
-                    last = f"HTTP {r.status}"
-            except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                last = f"{type(e).__name__}: {e}"
-            if time.monotonic() > deadline:
-                logs = (f"\n--- last lines of {self.log_path}:\n"
-                        f"{tail(self.log_path, secret=self._key)}" if self.log_path else "")
-                raise RuntimeError(
-                    f"proxy.engine vllm-server: the server at {self.url} was not ready after "
-                    f"{self.startup_timeout_s:.0f} s (GET /health: {last}; raise "
-                    f"proxy.engine_args.startup_timeout_s if it is only slow){logs}")
-            if self.proc is not None:  # wake on exit or after 0.5 s
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), 0.5)
-            else:
-                await asyncio.sleep(0.5)
+        await wait_healthy(self._session, self._aiohttp, self.url,
+                           timeout_s=self.startup_timeout_s, proc=self.proc,
+                           command=self.command, log_path=self.log_path, secret=self._key)
 
     async def _supervise(self, proc: asyncio.subprocess.Process) -> None:
         """Await the server's exit; start it again (requests wait meanwhile)."""
@@ -326,13 +237,13 @@ class VllmServerEngine(AsyncEngine):
             self._session = None
         proc, self.proc = self.proc, None
         if proc is not None and proc.returncode is None:
-            _kill_group(proc.pid, signal.SIGTERM)
+            kill_group(proc.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), 20)
             except asyncio.TimeoutError:
                 pass
         if proc is not None:
-            _kill_group(proc.pid, signal.SIGKILL)  # whatever of its group outlived it
+            kill_group(proc.pid, signal.SIGKILL)  # whatever of its group outlived it
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(proc.wait(), 10)
         if self._wdir is not None:
@@ -350,16 +261,7 @@ class VllmServerEngine(AsyncEngine):
         kw = {"timeout": a.ClientTimeout(total=timeout)} if timeout else {}
         try:
             async with self._session.request(method, self.url + path, json=body, **kw) as r:
-                if r.content_length is not None and r.content_length > MAX_ANSWER_BYTES:
-                    raise VllmAnswerError(f"vllm {path}: {r.content_length} bytes, more than "
-                                          f"{MAX_ANSWER_BYTES}")
-                chunks, size = [], 0
-                async for chunk in r.content.iter_chunked(1 << 20):
-                    size += len(chunk)
-                    if size > MAX_ANSWER_BYTES:
-                        raise VllmAnswerError(f"vllm {path}: more than {MAX_ANSWER_BYTES} bytes")
-                    chunks.append(chunk)
-                data = b"".join(chunks)
+                data = await read_bounded(r, f"vllm {path}", MAX_ANSWER_BYTES, VllmAnswerError)
                 status = r.status
         except (a.ClientConnectionError, a.ServerDisconnectedError) as e:
             raise EngineUnavailable(f"the vLLM server at {self.url} is gone ({path}: "
@@ -414,8 +316,8 @@ class VllmServerEngine(AsyncEngine):
     async def _run(self, req: _Req, prompt: list[int], sp: dict) -> _Choice:
         """One ``/inference/v1/generate`` call; an abort that came meanwhile is repeated
         until it returns; cancelling the caller aborts it on the server."""
-        self._n += 1
-        req.sid = f"{os.getpid()}-{self._n}-{secrets.token_hex(4)}"
+        self._calls += 1
+        req.sid = f"{os.getpid()}-{self._calls}-{secrets.token_hex(4)}"
         req.done = asyncio.Event()
         body = {"request_id": req.sid, "token_ids": prompt, "sampling_params": sp,
                 "output_mode": "tokens", "stream": False}
@@ -425,37 +327,18 @@ class VllmServerEngine(AsyncEngine):
             data = await self._call("POST", "/inference/v1/generate", body)
         except asyncio.CancelledError:
             self._spawn(self._post_quietly("/inference/v1/abort_requests",
-                                           {"request_ids": [f"generate-tokens-{req.sid}"]}))
+                                           {"request_ids": [server_rid(req.sid)]}))
             raise
         finally:
             req.done.set()
-        try:
-            return msgspec.json.decode(data, type=_Answer).choices[0]
-        except msgspec.DecodeError as e:
-            raise VllmAnswerError(f"vllm /inference/v1/generate answer: not vLLM's shape: "
-                                  f"{e}") from None
-
-    def _params(self, inp: GenInput, seed: int, **kw: Any) -> dict:
-        greedy = inp.greedy or inp.temperature <= 0
-        sp = {"temperature": 0.0 if greedy else float(inp.temperature),
-              "top_p": 1.0 if greedy else float(inp.top_p), "ignore_eos": True,
-              "detokenize": False, "skip_special_tokens": False}
-        if not greedy:
-            sp["seed"] = seed
-        sp.update(kw)
-        return sp
+        return decode_answer(data)
 
     async def _free(self, inp: GenInput, rid: str, req: _Req, seed: int, version: int
                     ) -> GenOutput:
         stops = sorted(set(self.eos_token_ids) | {int(t) for t in inp.stop_token_ids})
-        c = await self._run(req, list(inp.prompt_ids), self._params(
+        c = await self._run(req, list(inp.prompt_ids), sampling_params(
             inp, seed, max_tokens=int(inp.max_new_tokens), logprobs=0, stop_token_ids=stops))
-        tokens = list(c.token_ids or [])
-        steps = (c.logprobs.content if c.logprobs else None) or []
-        if len(tokens) > inp.max_new_tokens or len(steps) < len(tokens):
-            raise VllmAnswerError(f"vllm answered {len(tokens)} tokens with {len(steps)} "
-                                  f"log-probs for max_tokens {inp.max_new_tokens}")
-        lps = [float(s.logprob) for s in steps[:len(tokens)]]
+        tokens, lps = free_tokens(c, int(inp.max_new_tokens))
         if c.finish_reason == "abort":
             raise EngineAborted(rid, GenOutput(tokens, lps, FINISH_INTERRUPTED, version), version)
         finish = FINISH_STOP if tokens and tokens[-1] in stops else FINISH_LENGTH
@@ -468,31 +351,24 @@ class VllmServerEngine(AsyncEngine):
         union = {t for c in choices for t in c}
         end = next(t for t in (*self.eos_token_ids, *range(self.vocab_size or 1 << 31))
                    if t not in union)
-        lengths = {len(c) for c in choices}
         branch = branch_ids(trie)
-        direct = 0 < len(branch) <= MAX_LOGPROB_IDS
-        lp_args = ({"logprobs": len(branch), "logprob_token_ids": branch} if direct
-                   else {"logprobs": 0})
-        c = await self._run(req, list(inp.prompt_ids), self._params(
-            inp, seed, max_tokens=max(lengths) + (0 if len(lengths) == 1 else 1),
-            stop_token_ids=[end], **lp_args,
-            extra_args={"rollart_choices": choices, "rollart_choice_end": end}))
+        c = await self._run(req, list(inp.prompt_ids),
+                            choice_params(inp, seed, choices, end, branch))
         resp, complete = accepted_prefix(trie, list(c.token_ids or []))
-        steps = (c.logprobs.content if c.logprobs else None) or []
-        raw = ([{s.token_id: s.logprob, **{t.token_id: t.logprob for t in s.top_logprobs}}
-                for s in steps] if direct else None)
+        raw = step_logprobs(c) if 0 < len(branch) <= MAX_LOGPROB_IDS else None
         prompt = list(inp.prompt_ids)
 
         async def score(k: int, allowed: list[int]) -> dict[int, float]:
             got: dict[int, float] = {}
             for i in range(0, len(allowed), MAX_LOGPROB_IDS):
                 part = allowed[i:i + MAX_LOGPROB_IDS]
-                one = await self._run(req, prompt + resp[:k], self._params(
+                one = await self._run(req, prompt + resp[:k], sampling_params(
                     GenInput(prompt, greedy=True), seed, max_tokens=1, logprobs=len(part),
                     logprob_token_ids=part))
-                if one.finish_reason == "abort" or not one.logprobs or not one.logprobs.content:
+                steps = step_logprobs(one)
+                if one.finish_reason == "abort" or not steps:
                     raise EngineAborted(rid, GenOutput([], [], FINISH_INTERRUPTED, version), version)
-                got.update({t.token_id: t.logprob for t in one.logprobs.content[0].top_logprobs})
+                got.update(steps[0])
             return got
 
         lps = await renormalised_logprobs(trie, resp, raw, score)
@@ -515,7 +391,7 @@ class VllmServerEngine(AsyncEngine):
                 self._spawn(self._abort_until_done(req))
 
     async def _abort_until_done(self, req: _Req) -> None:
-        done, body = req.done, {"request_ids": [f"generate-tokens-{req.sid}"]}
+        done, body = req.done, {"request_ids": [server_rid(req.sid)]}
         give_up = time.monotonic() + 10.0
         while not done.is_set() and time.monotonic() < give_up and self._session is not None:
             await self._post_quietly("/inference/v1/abort_requests", body)
@@ -563,13 +439,8 @@ class VllmServerEngine(AsyncEngine):
             "method": "reload_weights", "kwargs": {"weights_path": str(self._wdir)}})
         await self._call("POST", "/reset_prefix_cache")
         await self._call("POST", "/update_weight_version", {"new_version": str(version)})
-        got = msgspec.json.decode(await self._call("GET", "/weight_info"), type=_WeightInfo)
-        if str(got.weight_version) != str(version):
-            raise RuntimeError(f"the vLLM server reports weight version {got.weight_version!r} "
-                               f"after loading version {version}")
+        got = decode_weight_version(await self._call("GET", "/weight_info"))
+        if got != str(version):
+            raise RuntimeError(f"the vLLM server reports weight version {got!r} after loading "
+                               f"version {version}")
         self.last_load_s = time.monotonic() - t0
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
