@@ -5,8 +5,9 @@ greedy requests give the same tokens and log-probs as the in-process ``vllm`` en
 weight update changes the outputs and the server confirms its version; a server killed -9
 mid-generation fails its requests as unavailable and is started again, and later requests
 succeed on the weights loaded before; the LLMProxy's node stopping, and the node's process
-killed -9, leave no server process. Starting a server takes 30-100 s on this machine, so the
-module shares one where it can. Needs vLLM (``make test-vllm``); skipped without it.
+killed -9, leave no server process. Starting a server takes 50-100 s on this machine, so the
+tests that need no process of their own share one, started after the others (one vLLM
+server at a time). Needs vLLM (``make test-vllm``); skipped without it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,76 @@ def test_bad_engine_args_are_refused_before_anything_starts(tiny_model_dir):
     assert "--api-key" not in cmd and "--logprobs-mode" in cmd and "127.0.0.1" in cmd
 
 
+@pytest.mark.timeout(900)  # two server starts: 50-90 s each on this machine under load
+async def test_a_server_killed_mid_generation_restarts_and_the_node_stop_leaves_none(
+        memory_bus_only, tiny_model_dir, prompts, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.node import Node
+    from tests.actors.sample_actors import new_run
+
+    proxy = LLMProxy(run=new_run(), name="gen-0", model_dir=str(tiny_model_dir),
+                     engine="vllm-server", engine_args=dict(ARGS))
+    async with Node(memory_bus_only, [proxy], heartbeat_every=0):
+        eng = proxy.async_engine
+        sd = load_file(str(tiny_model_dir / "model.safetensors"))
+        save_file({k: v * 1.5 if v.dim() == 2 else v for k, v in sd.items()},
+                  str(tmp_path / "w.safetensors"))
+        await eng.pause("wait")
+        await eng.load_weights(tmp_path / "w.safetensors", 7)
+        await eng.resume()
+        probe = GenInput(prompts[1], max_new_tokens=8, greedy=True)
+        want = await eng.generate(probe, "probe-0")
+        first = eng.proc.pid
+        assert group(first), "the server's process group"
+        long = [asyncio.ensure_future(eng.generate(GenInput(p, max_new_tokens=1500, greedy=True),
+                                                   f"long{k}")) for k, p in enumerate(prompts)]
+        await until(lambda: all(r.active and r.sid for r in eng._reqs.values())
+                    and len(eng._reqs) == len(long), deadline=60, what="requests in the server")
+        os.kill(first, signal.SIGKILL)
+        results = await asyncio.gather(*long, return_exceptions=True)
+        assert any(isinstance(r, EngineUnavailable) for r in results), results
+        assert all(isinstance(r, EngineUnavailable) or r.token_ids for r in results), results
+        await until(lambda: eng.restarts == 1 and eng.serving, deadline=600,
+                    what="the server started again")
+        second = eng.proc.pid
+        assert second != first and not alive(first) and not group(first)
+        again = await eng.generate(probe, "probe-1")
+        assert again.token_ids == want.token_ids and again.version == 7
+        assert again.logprobs == pytest.approx(want.logprobs, abs=TOL)
+    await until(lambda: not alive(second) and not group(second), deadline=30,
+                state=lambda: group(second), what="the node stopped: its server gone")
+
+
+@pytest.mark.timeout(600)
+def test_the_node_killed_minus_9_leaves_no_server(tiny_model_dir):
+    code = ("import asyncio, sys\n"
+            "from rollart.engines import build_engine\n"
+            "async def main():\n"
+            f"    e = build_engine('vllm-server', {str(tiny_model_dir)!r}, engine_args={ARGS!r})\n"
+            "    await e.start()\n"
+            "    print(e.proc.pid, flush=True)\n"
+            "    await asyncio.Event().wait()\n"
+            "asyncio.run(main())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env,
+                             text=True)
+    try:
+        line = child.stdout.readline()  # the server's pid once it is healthy
+        assert line.strip().isdigit(), f"the child exited: {child.wait()}"
+        server = int(line)
+        assert alive(server)
+        child.kill()
+        child.wait()
+        until_sync(lambda: not group(server), deadline=60, state=lambda: group(server),
+                   what="the server and its EngineCore (its process group) to exit")
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+# -- one server shared by the tests below (started at the first, stopped after the last)
 async def test_a_call_without_the_key_is_refused_on_every_path(srv):
     import aiohttp
 
@@ -145,7 +216,8 @@ async def test_a_weight_update_changes_outputs_and_the_server_confirms_its_versi
     assert srv.version == v
     after = [await srv.generate(i, f"x{k}") for k, i in enumerate(inputs)]
     assert all(o.version == v for o in after)
-    assert [o.logprobs for o in after] != pytest.approx([o.logprobs for o in before], abs=1e-3)
+    assert max(abs(a - b) for x, y in zip(after, before)
+               for a, b in zip(x.logprobs, y.logprobs)) > 1e-2, "the new weights serve"
     info = await srv._call("GET", "/weight_info")
     assert f'"{v}"' in info.decode()
     await srv.pause("wait")  # back to the model folder's weights, from bytes
@@ -155,69 +227,3 @@ async def test_a_weight_update_changes_outputs_and_the_server_confirms_its_versi
         await srv.resume()
     again = [await srv.generate(i, f"y{k}") for k, i in enumerate(inputs)]
     assert [o.token_ids for o in again] == [o.token_ids for o in before]
-
-
-async def test_a_server_killed_mid_generation_restarts_and_the_node_stop_leaves_none(
-        memory_bus_only, tiny_model_dir, prompts, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from rollart.actors.generate.proxy import LLMProxy
-    from rollart.node import Node
-    from tests.actors.sample_actors import new_run
-
-    proxy = LLMProxy(run=new_run(), name="gen-0", model_dir=str(tiny_model_dir),
-                     engine="vllm-server", engine_args=dict(ARGS))
-    async with Node(memory_bus_only, [proxy], heartbeat_every=0):
-        eng = proxy.async_engine
-        sd = load_file(str(tiny_model_dir / "model.safetensors"))
-        save_file({k: v * 1.5 if v.dim() == 2 else v for k, v in sd.items()},
-                  str(tmp_path / "w.safetensors"))
-        await eng.pause("wait")
-        await eng.load_weights(tmp_path / "w.safetensors", 7)
-        await eng.resume()
-        probe = GenInput(prompts[1], max_new_tokens=8, greedy=True)
-        want = await eng.generate(probe, "probe-0")
-        first = eng.proc.pid
-        assert group(first), "the server's process group"
-        long = [asyncio.ensure_future(eng.generate(GenInput(p, max_new_tokens=1500, greedy=True),
-                                                   f"long{k}")) for k, p in enumerate(prompts)]
-        await until(lambda: all(r.active and r.sid for r in eng._reqs.values())
-                    and len(eng._reqs) == len(long), deadline=60, what="requests in the server")
-        os.kill(first, signal.SIGKILL)
-        results = await asyncio.gather(*long, return_exceptions=True)
-        assert any(isinstance(r, EngineUnavailable) for r in results), results
-        assert all(isinstance(r, EngineUnavailable) or r.token_ids for r in results), results
-        await until(lambda: eng.restarts == 1 and eng._up.is_set(), deadline=600,
-                    what="the server started again")
-        second = eng.proc.pid
-        assert second != first and not alive(first) and not group(first)
-        again = await eng.generate(probe, "probe-1")
-        assert again.token_ids == want.token_ids and again.version == 7
-        assert again.logprobs == pytest.approx(want.logprobs, abs=TOL)
-    assert not alive(second) and not group(second), "the node stopped: its server is gone"
-
-
-def test_the_node_killed_minus_9_leaves_no_server(tiny_model_dir):
-    code = ("import asyncio, sys\n"
-            "from rollart.engines import build_engine\n"
-            "async def main():\n"
-            f"    e = build_engine('vllm-server', {str(tiny_model_dir)!r}, engine_args={ARGS!r})\n"
-            "    await e.start()\n"
-            "    print(e.proc.pid, flush=True)\n"
-            "    await asyncio.Event().wait()\n"
-            "asyncio.run(main())\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env,
-                             text=True)
-    try:
-        line = child.stdout.readline()  # the server's pid once it is healthy
-        assert line.strip().isdigit(), f"the child exited: {child.wait()}"
-        server = int(line)
-        assert alive(server)
-        child.kill()
-        child.wait()
-        until_sync(lambda: not group(server), deadline=60, state=lambda: group(server),
-                   what="the server and its EngineCore (its process group) to exit")
-    finally:
-        if child.poll() is None:
-            child.kill()

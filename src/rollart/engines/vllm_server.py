@@ -21,8 +21,8 @@ line (``/proc/<pid>/cmdline`` is world-readable). The log file is private (0600)
 quoted in an error have the key masked. The server binds 127.0.0.1.
 
 Never left running: the server gets its own session (``close`` signals the whole group:
-API server, EngineCore, worker) and ``PR_SET_PDEATHSIG`` = SIGTERM (:func:`rollart.procs.die_with_parent`),
-so it is told to stop when the node's process dies, kill -9 included; vLLM's API server
+API server, EngineCore, worker) and ``PR_SET_PDEATHSIG`` = SIGTERM
+(:func:`rollart.procs.die_with_parent`), so it is told to stop when the node's process dies, kill -9 included; vLLM's API server
 stops its EngineCore on SIGTERM, and the EngineCore exits when its parent does.
 :func:`wait_healthy` waits for ``GET /health`` with a deadline, and says why (the exit code
 and the last lines of the log) when the server exits first.

@@ -17,6 +17,11 @@ Supervision: a task owned by the engine awaits the launched server's exit; reque
 then fail with :class:`~rollart.engines.base.EngineUnavailable` (the LLMProxy answers
 "unavailable", so the turn is sent again), new ones wait, and the server is started again
 (up to ``max_restarts`` times) and given the last loaded weights before it serves.
+
+Kept whole (~480 lines): a request's path (the pause gate, the server's life, the abort of
+its call) and the server's life (launch, supervision, restart, reload) share one request
+table, one HTTP session and one gate; the pure parts are in
+:mod:`~rollart.engines.vllm_server_protocol`, the process in :mod:`~rollart.engines.vllm_server`.
 """
 
 from __future__ import annotations
@@ -43,17 +48,16 @@ from .choice_trie import accepted_prefix, branch_ids, choice_trie, renormalised_
 from .server_http import free_port, kill_group, read_bounded, tail
 from .sglang_protocol import check_input, error_text
 from .vllm_server import require_vllm, server_command, shown, spawn_server, wait_healthy
-from .vllm_server_protocol import (MAX_ANSWER_BYTES, MAX_LOGPROB_IDS, VllmAnswerError,
-                                   choice_params, decode_answer, decode_weight_version,
+from .vllm_server_protocol import (MAX_ANSWER_BYTES, MAX_LOGPROB_IDS, AnswerChoice,
+                                   VllmAnswerError, choice_params, decode_answer, decode_weight_version,
                                    free_tokens, sampling_params, server_rid, step_logprobs)
+from .vllm_engine import SIDE_FILES
 from .weight_files import check_weights, place_weights, read_header, read_model_info
 
 __all__ = ["VllmServerEngine"]
 
 log = logging.getLogger(__name__)
 
-_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja")
 
 
 @dataclass(eq=False)
@@ -75,8 +79,10 @@ class VllmServerEngine(AsyncEngine):
     attached), ``request_timeout_s`` (none), ``max_connections`` (1024), ``env`` (extra
     environment of the server), ``log_file`` (the launched server's output, 0600; default
     ``rollart-vllm-server-<port>.log`` in the system's temporary folder), ``max_restarts``
-    (3: how often a launched server that died is started again). Every other key is a
-    server flag (``max_model_len: 512`` -> ``--max-model-len 512``)."""
+    (3: how often a launched server that died is started again), ``weights_dir`` (where
+    versions are staged for the server to read: a temporary folder by default; an attached
+    server on another host needs a shared path). Every other key is a server flag
+    (``max_model_len: 512`` -> ``--max-model-len 512``)."""
 
     def __init__(self, model_dir: str | os.PathLike, *, seed: int = 0,
                  engine_args: dict[str, Any] | None = None) -> None:
@@ -93,6 +99,7 @@ class VllmServerEngine(AsyncEngine):
         self.max_connections = int(args.pop("max_connections", 1024))
         self.server_env = {str(k): str(v) for k, v in dict(args.pop("env", None) or {}).items()}
         self._log_file = args.pop("log_file", None)
+        self._weights_root = args.pop("weights_dir", None)
         self.max_restarts = int(args.pop("max_restarts", 3))
         self.server_args = args
         if self.url is None:  # refuse bad flags now, not after a minute of start-up
@@ -115,7 +122,7 @@ class VllmServerEngine(AsyncEngine):
         self._session: Any = None
         self._aiohttp: Any = None
         self._wdir: Path | None = None
-        self._loaded = False  # the weights folder holds a version the server must reload
+        self._loaded = False  # the weights folder holds a version a new server must reload
         self._reqs: dict[str, _Req] = {}
         self._active = 0
         self._n = 0  # requests seen (per-request seeds, as the in-process engine draws them)
@@ -128,10 +135,16 @@ class VllmServerEngine(AsyncEngine):
         self._tasks: set[asyncio.Task] = set()
         self._supervisor: asyncio.Task | None = None
         self._closed = False
+        self._dead: str | None = None  # why there is no server any more
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.info.eos_token_ids
+
+    @property
+    def serving(self) -> bool:
+        """The server is up (False while a launched server that died is started again)."""
+        return self._up.is_set() and self._dead is None
 
     # ---------------------------------------------------------------- start / stop
     async def start(self) -> None:
@@ -148,8 +161,9 @@ class VllmServerEngine(AsyncEngine):
         self._aiohttp = aiohttp
         if not self.info.shapes:
             raise ValueError(f"no *.safetensors weights in {self.model_dir}")
-        self._wdir = Path(tempfile.mkdtemp(prefix="rollart-vllm-server-weights-"))
-        for name in _SIDE_FILES:
+        self._wdir = Path(tempfile.mkdtemp(prefix="rollart-vllm-server-weights-",
+                                           dir=self._weights_root))
+        for name in SIDE_FILES:
             if (self.model_dir / name).exists():
                 os.symlink((self.model_dir / name).resolve(), self._wdir / name)
         try:
@@ -157,8 +171,7 @@ class VllmServerEngine(AsyncEngine):
                 await require_vllm(self.python)
                 await self._launch()
             else:
-                key = os.environ.get(self.api_key_env)
-                self._key = key or None
+                self._key = os.environ.get(self.api_key_env) or None
                 self._new_session()
                 await self._wait_health()
             self._up.set()
@@ -193,6 +206,7 @@ class VllmServerEngine(AsyncEngine):
         await self._wait_health()
         self.start_s = time.monotonic() - t0
         self._supervisor = asyncio.ensure_future(self._supervise(self.proc))
+        self._supervisor.add_done_callback(_log_failure)
 
     async def _wait_health(self) -> None:
         await wait_healthy(self._session, self._aiohttp, self.url,
@@ -207,9 +221,10 @@ class VllmServerEngine(AsyncEngine):
         self._up.clear()
         log.warning("the vLLM server (pid %d) died (code %s); in-flight requests are "
                     "answered unavailable\n%s", proc.pid, rc, tail(self.log_path, 15, self._key))
-        await asyncio.to_thread(_kill_group, proc.pid, signal.SIGKILL)  # its EngineCore too
+        kill_group(proc.pid, signal.SIGKILL)  # its EngineCore and worker too
         if self.restarts >= self.max_restarts:
-            log.error("the vLLM server died %d times; not starting it again", self.restarts + 1)
+            self._given_up(f"the vLLM server died {self.restarts + 1} times (max_restarts "
+                           f"{self.max_restarts}); it is not started again")
             return
         self.restarts += 1
         self._supervisor = None
@@ -217,13 +232,22 @@ class VllmServerEngine(AsyncEngine):
             await self._launch()
             if self._loaded:
                 await self._reload(self.version)
-        except Exception:
-            log.exception("restarting the vLLM server failed")
+        except Exception as e:
+            self._given_up(f"starting the vLLM server again failed: {e}")
             return
         self._up.set()
         log.info("the vLLM server is back (restart %d, %.1f s)", self.restarts, self.start_s)
 
+    def _given_up(self, why: str) -> None:
+        """No server any more: waiting requests and new ones fail as unavailable."""
+        log.error("%s", why)
+        self._dead = why
+        self._up.set()
+
     async def close(self) -> None:
+        """Stop the server: SIGTERM to its process group, SIGKILL to what is left after
+        20 s, or at once when this is cancelled (a node that stops re-cancels its actors'
+        mains every second)."""
         if self._closed:
             return
         self._closed = True
@@ -231,24 +255,22 @@ class VllmServerEngine(AsyncEngine):
         sup, self._supervisor = self._supervisor, None
         for t in [*self._tasks, *([sup] if sup else [])]:
             t.cancel()
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.close()
-            self._session = None
         proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
-            kill_group(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 20)
-            except asyncio.TimeoutError:
-                pass
-        if proc is not None:
-            kill_group(proc.pid, signal.SIGKILL)  # whatever of its group outlived it
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(proc.wait(), 10)
-        if self._wdir is not None:
-            await asyncio.to_thread(shutil.rmtree, self._wdir, True)
-            self._wdir = None
+        wdir, self._wdir = self._wdir, None
+        try:
+            if proc is not None and proc.returncode is None:
+                kill_group(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 20)
+        finally:
+            if proc is not None:
+                kill_group(proc.pid, signal.SIGKILL)  # whatever of its group outlived it
+            if wdir is not None:
+                shutil.rmtree(wdir, True)  # a few links: not worth a thread
+            session, self._session = self._session, None
+            if session is not None:
+                with contextlib.suppress(Exception):
+                    await session.close()
 
     # ---------------------------------------------------------------- HTTP
     async def _call(self, method: str, path: str, body: Any = None, *,
@@ -295,6 +317,8 @@ class VllmServerEngine(AsyncEngine):
             while not (self._open.is_set() and self._up.is_set()) and not req.aborted:
                 await first_of(self._open.wait(), req.woken.wait(), self._up.wait())
             version = int(self.version)
+            if self._dead is not None:
+                raise EngineUnavailable(self._dead)
             if req.aborted:
                 raise EngineAborted(request_id, GenOutput([], [], FINISH_INTERRUPTED, version),
                                     version)
@@ -313,7 +337,7 @@ class VllmServerEngine(AsyncEngine):
         finally:
             del self._reqs[request_id]
 
-    async def _run(self, req: _Req, prompt: list[int], sp: dict) -> _Choice:
+    async def _run(self, req: _Req, prompt: list[int], sp: dict) -> AnswerChoice:
         """One ``/inference/v1/generate`` call; an abort that came meanwhile is repeated
         until it returns; cancelling the caller aborts it on the server."""
         self._calls += 1
@@ -367,7 +391,8 @@ class VllmServerEngine(AsyncEngine):
                     logprob_token_ids=part))
                 steps = step_logprobs(one)
                 if one.finish_reason == "abort" or not steps:
-                    raise EngineAborted(rid, GenOutput([], [], FINISH_INTERRUPTED, version), version)
+                    raise EngineAborted(rid, GenOutput([], [], FINISH_INTERRUPTED, version),
+                                        version)
                 got.update(steps[0])
             return got
 
@@ -444,3 +469,9 @@ class VllmServerEngine(AsyncEngine):
             raise RuntimeError(f"the vLLM server reports weight version {got!r} after loading "
                                f"version {version}")
         self.last_load_s = time.monotonic() - t0
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A supervisor that failed says so (it is awaited by nobody while it runs)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the vLLM server's supervisor failed", exc_info=task.exception())

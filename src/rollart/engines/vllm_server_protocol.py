@@ -43,7 +43,7 @@ from .base import GenInput
 
 __all__ = ["MAX_ANSWER_BYTES", "MAX_LOGPROB_IDS", "VllmAnswerError", "sampling_params",
            "choice_params", "decode_answer", "decode_weight_version", "free_tokens",
-           "step_logprobs", "server_rid"]
+           "step_logprobs", "server_rid", "AnswerChoice"]
 
 MAX_ANSWER_BYTES = 64 << 20
 """Bytes an answer may have (read no further)."""
@@ -74,14 +74,14 @@ class _LogProbs(msgspec.Struct):
     content: Annotated[list[_Step], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
 
 
-class _Choice(msgspec.Struct):
+class AnswerChoice(msgspec.Struct):
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     finish_reason: str | None = None
     logprobs: _LogProbs | None = None
 
 
 class _Answer(msgspec.Struct):
-    choices: Annotated[list[_Choice], msgspec.Meta(min_length=1, max_length=1)]
+    choices: Annotated[list[AnswerChoice], msgspec.Meta(min_length=1, max_length=1)]
 
 
 class _WeightInfo(msgspec.Struct):
@@ -123,7 +123,7 @@ def choice_params(inp: GenInput, seed: int, choices: list[list[int]], end: int,
                            extra_args={"rollart_choices": choices, "rollart_choice_end": end})
 
 
-def decode_answer(data: bytes) -> _Choice:
+def decode_answer(data: bytes) -> AnswerChoice:
     """The one choice of a ``/inference/v1/generate`` answer."""
     try:
         return msgspec.json.decode(data, type=_Answer).choices[0]
@@ -140,7 +140,7 @@ def decode_weight_version(data: bytes) -> str:
         raise VllmAnswerError(f"vllm /weight_info answer: not vLLM's shape: {e}") from None
 
 
-def free_tokens(c: _Choice, max_tokens: int) -> tuple[list[int], list[float]]:
+def free_tokens(c: AnswerChoice, max_tokens: int) -> tuple[list[int], list[float]]:
     """A free row's tokens and their raw log-probs; :class:`VllmAnswerError` when there
     are more tokens than asked for or fewer log-probs than tokens."""
     tokens = list(c.token_ids or [])
@@ -151,7 +151,7 @@ def free_tokens(c: _Choice, max_tokens: int) -> tuple[list[int], list[float]]:
     return tokens, [float(s.logprob) for s in steps[:len(tokens)]]
 
 
-def step_logprobs(c: _Choice) -> list[dict[int, float]]:
+def step_logprobs(c: AnswerChoice) -> list[dict[int, float]]:
     """Per output step: token id -> raw log-prob, of the sampled token and the requested
     ``logprob_token_ids``."""
     steps = (c.logprobs.content if c.logprobs else None) or []
