@@ -10,7 +10,8 @@ for an aborted request and for every request in flight at ``pause("abort")``; se
 weights (and their version) after ``pause`` / ``load_weights`` / ``resume``; refuse a file of
 the wrong shape with ``ValueError`` and keep serving the old weights.
 
-vLLM runs where it is installed (its CPU build works here); SGLang needs CUDA.
+vLLM runs where it is installed (its CPU build works here), in-process (``vllm``) and as a
+server the engine launches (``vllm-server``); SGLang needs CUDA.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ _ids = itertools.count()
 
 
 def _unavailable(name: str) -> str | None:
-    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+    if name in ("vllm", "vllm-server") and importlib.util.find_spec("vllm") is None:
         return "vllm is not installed (pip install 'rollart[vllm]')"
     if name == "sglang":
         if not torch.cuda.is_available():
@@ -56,10 +57,11 @@ def _unavailable(name: str) -> str | None:
     return None
 
 
-ENGINE_ARGS = {"torch": {}, "vllm": {"dtype": "float32"}, "sglang": {"dtype": "float32"}}
+ENGINE_ARGS = {"torch": {}, "vllm": {"dtype": "float32"}, "vllm-server": {"dtype": "float32"},
+               "sglang": {"dtype": "float32"}}
 
 
-@pytest.fixture(scope="module", params=["torch", "vllm", "sglang"])
+@pytest.fixture(scope="module", params=["torch", "vllm", "vllm-server", "sglang"])
 async def eng(request, tiny_model):
     why = _unavailable(request.param)
     if why:

@@ -289,14 +289,23 @@ class RolloutConfig(Base):
 
 
 class ProxyConfig(Base):
-    engine: Literal["torch", "vllm", "sglang"] = "torch"
+    engine: Literal["torch", "vllm", "vllm-server", "sglang"] = "torch"
     """Generation engine of each LLMProxy: ``torch`` (built in, CPU or GPU), ``vllm``
-    (``pip install 'rollart[vllm]'``; its CPU build runs here) or ``sglang`` (an SGLang
-    server on a GPU, launched by the node or attached by URL). See ``engine_args``."""
+    (``pip install 'rollart[vllm]'``; its CPU build runs here, in rollart's interpreter),
+    ``vllm-server`` (a vLLM server driven over HTTP: launched and supervised by the node,
+    from the interpreter ``engine_args.python`` names, or attached by ``engine_args.url``)
+    or ``sglang`` (an SGLang server on a GPU, launched by the node or attached by URL). See
+    ``engine_args``."""
     engine_args: dict[str, Any] = {}
     """Passed to the engine: for ``vllm`` fields of vLLM's ``AsyncEngineArgs``
-    (``max_model_len``, ``gpu_memory_utilization``...); for ``sglang`` ``url`` (attach to a
-    running server) or server arguments; unused by ``torch``."""
+    (``max_model_len``, ``gpu_memory_utilization``...); for ``vllm-server`` ``python``
+    (the interpreter that runs the server), ``url`` and ``api_key_env`` (attach to a
+    running server; the name of the variable holding its key), ``startup_timeout_s``,
+    ``max_restarts``, ``env``, ``log_file``, ``weights_dir``, and server flags
+    (``max_model_len: 512`` -> ``--max-model-len 512``; see
+    :class:`rollart.engines.vllm_server_engine.VllmServerEngine`);
+    for ``sglang`` ``url`` (attach to a running server) or server arguments; for ``torch``
+    ``kv_cache_mb``, ``dtype``, ``attn_implementation``, ``gather_max_ms``."""
     on_update: Literal["finish", "interrupt"] = "finish"
     """When a new policy version arrives: ``finish`` lets the requests in flight finish on the
     old weights, then loads; ``interrupt`` stops them, loads, and continues each from the

@@ -16,6 +16,7 @@ from .base import (
     FINISH_INTERRUPTED,
     AsyncEngine,
     EngineAborted,
+    EngineUnavailable,
     FINISH_LENGTH,
     FINISH_STOP,
     GenerationEngine,
@@ -27,10 +28,12 @@ from .base import (
 from .batched import BatchedEngine
 from .sglang_engine import SglangEngine
 from .vllm_engine import VllmEngine
+from .vllm_server_engine import VllmServerEngine
 
 __all__ = [
     "AsyncEngine",
     "EngineAborted",
+    "EngineUnavailable",
     "FINISH_INTERRUPTED",
     "build_engine",
     "FINISH_CHOICE",
@@ -52,6 +55,10 @@ def missing_for(name: str) -> str | None:
     if name == "vllm" and find_spec("vllm") is None:
         return ("proxy.engine 'vllm' needs vLLM, which is not installed here: pip install "
                 "'rollart[vllm]' (GPU) or, on CPU, make setup-vllm (see README: Engines)")
+    if name == "vllm-server" and find_spec("aiohttp") is None:
+        return ("proxy.engine 'vllm-server' needs aiohttp to talk to the vLLM server: pip "
+                "install 'rollart[sglang]' (vLLM itself may live in another environment: "
+                "proxy.engine_args.python)")
     if name == "sglang" and find_spec("aiohttp") is None:
         return ("proxy.engine 'sglang' needs aiohttp to talk to the SGLang server: pip install "
                 "'rollart[sglang]'")
@@ -89,9 +96,11 @@ def build_engine(name: str, model_dir: str, *, seed: int = 0, threads: int | Non
         return eng
     if name == "vllm":
         return VllmEngine(model_dir, seed=seed, threads=threads, engine_args=args)
+    if name == "vllm-server":
+        return VllmServerEngine(model_dir, seed=seed, engine_args=args)
     if name == "sglang":
         return SglangEngine(model_dir, seed=seed, engine_args=args)
-    raise ValueError(f"proxy.engine {name!r} is not one of torch, vllm, sglang")
+    raise ValueError(f"proxy.engine {name!r} is not one of torch, vllm, vllm-server, sglang")
 
 
 def __getattr__(name: str):

@@ -50,6 +50,7 @@ __all__ = [
     "GenerationEngine",
     "AsyncEngine",
     "EngineAborted",
+    "EngineUnavailable",
     "FINISH_INTERRUPTED",
     "PAUSE_MODES",
     "FINISH_STOP",
@@ -182,6 +183,13 @@ class EngineAborted(RuntimeError):
         self.request_id = request_id
         self.partial = partial or GenOutput([], [], FINISH_INTERRUPTED)
         self.partial_version = partial_version
+
+
+class EngineUnavailable(RuntimeError):
+    """``AsyncEngine.generate`` of a request that the engine could not finish because its
+    server went away (it died and is being restarted, ``proxy.engine: vllm-server``): the
+    work is not wrong, only this replica cannot do it now; the LLMProxy answers
+    "unavailable", so the requester sends the turn again."""
 
 
 PAUSE_MODES = ("wait", "abort")

@@ -42,7 +42,8 @@ def engine_context(cfg: RunConfig, folder: str | Path) -> tuple[int | None, str]
     """``(tokens, where it comes from)`` one generation replica holds: the model's length,
     lowered by ``proxy.engine_args.max_model_len`` (vllm) or ``context_length`` (sglang)."""
     limit, where = model_context(folder)
-    key = {"vllm": "max_model_len", "sglang": "context_length"}.get(cfg.proxy.engine)
+    key = {"vllm": "max_model_len", "vllm-server": "max_model_len",
+           "sglang": "context_length"}.get(cfg.proxy.engine)
     v = cfg.proxy.engine_args.get(key) if key else None
     if isinstance(v, int) and v > 0 and (limit is None or v < limit):
         limit, where = v, f"proxy.engine_args.{key}"

@@ -45,6 +45,7 @@ from .base import (
     GenInput,
     GenOutput,
 )
+from .server_http import read_bounded
 from .sglang_protocol import (
     MAX_ANSWER_BYTES,
     SglangAnswerError,
@@ -79,19 +80,9 @@ class ReqState:
 
 
 async def _read_bounded(r: Any, path: str) -> bytes:
-    """The body of the answer ``r`` (an ``aiohttp.ClientResponse``); read no further than
+    """The body of the answer ``r``, no further than
     :data:`~rollart.engines.sglang_protocol.MAX_ANSWER_BYTES`."""
-    cap = MAX_ANSWER_BYTES
-    if r.content_length is not None and r.content_length > cap:
-        raise SglangAnswerError(f"sglang {path} answer: {r.content_length} bytes, more than "
-                                f"{cap} bytes")
-    chunks, size = [], 0
-    async for chunk in r.content.iter_chunked(1 << 20):
-        size += len(chunk)
-        if size > cap:
-            raise SglangAnswerError(f"sglang {path} answer: more than {cap} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await read_bounded(r, f"sglang {path}", MAX_ANSWER_BYTES, SglangAnswerError)
 
 
 def _json_object(data: bytes, path: str) -> dict:

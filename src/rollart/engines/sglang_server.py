@@ -34,14 +34,12 @@ temperature (see :mod:`rollart.engines.sglang_protocol`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import importlib.util
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -51,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from rollart.procs import die_with_parent
+
+from .server_http import free_port, kill_group, tail
 
 __all__ = [
     "INSTALL_HINT",
@@ -139,24 +139,6 @@ def server_command(model_dir: str | os.PathLike, *, port: int, seed: int = 0,
     return [python or sys.executable, "-c", BOOTSTRAP,
             "--model-path", str(model_dir), "--host", str(host), "--port", str(int(port)),
             "--skip-tokenizer-init", *server_flags(args)]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def tail(path: Path | None, lines: int = 30, secret: str | None = None) -> str:
-    """The last ``lines`` of the server's log, ``secret`` (its API key) masked."""
-    if path is None:
-        return ""
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    out = "\n".join(text[-lines:])
-    return out.replace(secret, "***") if secret else out
 
 
 @functools.lru_cache(maxsize=8)
@@ -287,12 +269,10 @@ def kill_server(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (it has scheduler and detokenizer children),
     then SIGKILL what is left after 15 s."""
     for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+        kill_group(proc.pid, sig)
         try:
             proc.wait(timeout=wait)
             break
         except subprocess.TimeoutExpired:
             continue
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # children outliving the leader
+    kill_group(proc.pid, signal.SIGKILL)  # children outliving the leader

@@ -73,7 +73,7 @@ MAX_LOGPROB_IDS = 128  # vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS
 _WEIGHTS_NAME = "model.safetensors"
 # Files of the model folder linked next to the weights vLLM reloads (reload_weights points the
 # worker's model config at that folder).
-_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -190,7 +190,7 @@ class VllmEngine(AsyncEngine):
         self.vocab_size = int(mc.get_vocab_size())
         self.max_model_len = int(mc.max_model_len)
         self._wdir = Path(tempfile.mkdtemp(prefix="rollart-vllm-weights-"))
-        for name in _SIDE_FILES:
+        for name in SIDE_FILES:
             if (self.model_dir / name).exists():
                 os.symlink((self.model_dir / name).resolve(), self._wdir / name)
 

@@ -43,6 +43,7 @@ from rollart.engines.base import (
     FINISH_STOP,
     AsyncEngine,
     EngineAborted,
+    EngineUnavailable,
     GenInput,
     GenOutput,
 )
@@ -71,7 +72,7 @@ class LLMProxy(PolicyLoading, Actor):
     model_dir: str
     """Local HF model folder (version 0 weights and tokenizer)."""
     engine: str = "torch"
-    """``proxy.engine``: torch | vllm | sglang (see :func:`rollart.engines.build_engine`)."""
+    """``proxy.engine``: torch | vllm | vllm-server | sglang (see :func:`rollart.engines.build_engine`)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """``proxy.engine_args``, passed to the engine."""
     on_update: str = "finish"
@@ -293,6 +294,8 @@ class LLMProxy(PolicyLoading, Actor):
                            choices=[list(c) for c in req.choices] or None, greedy=req.greedy,
                            session=req.traj_id)  # the engine may keep its KV cache between turns
             return await self._serve(req, inp, rid)
+        except EngineUnavailable as e:  # its server died: another replica, or this one later
+            raise ServiceUnavailable(f"{self.name}: {e}") from e
         except Exception as e:
             if self._stopping and not isinstance(e, ServiceUnavailable):
                 # the engine closed under it: its requester asks another replica
