@@ -9,9 +9,12 @@ What each server's answers mean stays in its own protocol module
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib.util
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +57,24 @@ def kill_group(pid: int, sig: int) -> None:
     """Send ``sig`` to the process group ``pid`` leads (gone already: nothing)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+async def require_package(python: str, package: str, engine: str, names: str, hint: str) -> None:
+    """``RuntimeError`` (saying how to install it) unless the interpreter ``python`` can import
+    ``package``: the check a server engine makes before it launches its server there.
+    ``engine`` and ``names`` (the settings that chose ``python``) go into the message."""
+    if python == sys.executable:
+        missing = importlib.util.find_spec(package) is None
+    else:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                python, "-c", "import importlib.util, sys; "
+                f"sys.exit(importlib.util.find_spec({package!r}) is None)",
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        except OSError as e:
+            raise RuntimeError(f"proxy.engine {engine}: cannot run the interpreter {python!r} "
+                               f"({names}): {e}") from None
+        missing = (await proc.wait()) != 0
+    if missing:
+        raise RuntimeError(f"proxy.engine {engine}: the {package} package is not available to "
+                           f"{python}: {hint}")

@@ -50,7 +50,7 @@ from typing import Any
 
 from rollart.procs import die_with_parent
 
-from .server_http import free_port, kill_group, tail
+from .server_http import free_port, kill_group, require_package, tail
 
 __all__ = [
     "INSTALL_HINT",
@@ -177,22 +177,8 @@ def sglang_unavailable_reason(python: str | None = None) -> str | None:
 # ======================================================================================
 async def require_sglang(python: str) -> None:
     """``RuntimeError`` (saying how to install it) unless ``python`` can import sglang."""
-    if python == sys.executable:
-        missing = importlib.util.find_spec("sglang") is None
-    else:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                python, "-c", "import importlib.util, sys; "
-                "sys.exit(importlib.util.find_spec('sglang') is None)",
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        except OSError as e:
-            raise RuntimeError(f"proxy.engine sglang: cannot run the interpreter "
-                               f"{python!r} (proxy.engine_args.python or "
-                               f"$ROLLART_SGLANG_PYTHON): {e}") from None
-        missing = (await proc.wait()) != 0
-    if missing:
-        raise RuntimeError(f"proxy.engine sglang: the sglang package is not available to "
-                           f"{python}: {INSTALL_HINT}")
+    await require_package(python, "sglang", "sglang",
+                          "proxy.engine_args.python or $ROLLART_SGLANG_PYTHON", INSTALL_HINT)
 
 
 def spawn_server(command: list[str], log_path: Path, env: Mapping[str, str], api_key: str

@@ -45,7 +45,7 @@ from typing import Any
 import rollart
 from rollart.procs import die_with_parent
 
-from .server_http import tail
+from .server_http import require_package, tail
 from .sglang_server import server_flags
 
 __all__ = ["BOOTSTRAP", "API_KEY_ENV", "CHOICES_PROCESSOR", "server_command", "spawn_server",
@@ -109,17 +109,7 @@ def shown(command: list[str] | None) -> str:
 
 async def require_vllm(python: str) -> None:
     """``RuntimeError`` (saying how to install it) unless ``python`` can import vllm."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            python, "-c", "import importlib.util, sys; "
-            "sys.exit(importlib.util.find_spec('vllm') is None)",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    except OSError as e:
-        raise RuntimeError(f"proxy.engine vllm-server: cannot run the interpreter {python!r} "
-                           f"(proxy.engine_args.python): {e}") from None
-    if await proc.wait() != 0:
-        raise RuntimeError(f"proxy.engine vllm-server: vllm is not available to {python}: "
-                           f"{INSTALL_HINT}")
+    await require_package(python, "vllm", "vllm-server", "proxy.engine_args.python", INSTALL_HINT)
 
 
 async def spawn_server(command: list[str], log_path: Path, env: Mapping[str, str],
