@@ -63,6 +63,7 @@ SECTIONS: list[tuple[str, Callable]] = [
     ("emulate", _emulate),
     ("emulate_scale", _section("emulate_scale", "section", "emulate_scale")),
     ("sandbox", _section("sandbox", "readme_section", "sandbox")),
+    ("eval_share", _section("eval_share", "section", "eval_share")),
 ]
 """(README section, what renders it from results/), in the README's order."""
 

@@ -21,6 +21,25 @@ class JitterLake(FrozenLakeEnv):
         return super().step(action)
 
 
+_stragglers = itertools.count()
+
+
+class StragglerLake(FrozenLakeEnv):
+    """FrozenLake whose every fifth episode (by a process-wide count of resets) takes 2 s a
+    step: a group of five members started together has one straggler that the others
+    outrun by far, whatever the host's load (a random 0-200 ms, as JitterLake, let all five
+    finish before the cancel on a loaded host)."""
+
+    def reset(self, seed):
+        with _lock:
+            self.straggler = next(_stragglers) % 5 == 4
+        return super().reset(seed)
+
+    def step(self, action):
+        time.sleep(2.0 if self.straggler else random.random() * 0.02)
+        return super().step(action)
+
+
 class FlakyLake(FrozenLakeEnv):
     """30% of resets fail, deterministically: 3 of every 10 by a process-wide counter."""
 

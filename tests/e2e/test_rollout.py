@@ -81,7 +81,7 @@ async def test_token_bookkeeping_reproduces_the_conversation(memory_bus_only, ti
 
 
 async def test_redundancy_delivers_group_size_and_cancels_the_rest(bus, tiny_model):
-    cfg = make_cfg(tiny_model, env={"type": "tests.e2e.faulty_envs:JitterLake"},
+    cfg = make_cfg(tiny_model, env={"type": "tests.e2e.faulty_envs:StragglerLake"},
                    group_size=3, redundancy=2)
     sched, _ = await run_groups(bus, cfg, groups=3)
     done, cancelled, dead = await outcomes(bus, cfg.run, 20)
