@@ -78,3 +78,16 @@ async def require_package(python: str, package: str, engine: str, names: str, hi
     if missing:
         raise RuntimeError(f"proxy.engine {engine}: the {package} package is not available to "
                            f"{python}: {hint}")
+
+
+async def get_status(session: Any, url: str, timeout_s: float) -> str | None:
+    """GET ``url`` once on ``session`` (an ``aiohttp.ClientSession``): None when it answers
+    200, else what it answered (``HTTP 503``) or the error: one probe of a server's health
+    wait."""
+    import aiohttp  # deferred: the server engines' optional dependency
+
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            return None if r.status == 200 else f"HTTP {r.status}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return f"{type(e).__name__}: {e}"

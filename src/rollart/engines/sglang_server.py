@@ -50,7 +50,7 @@ from typing import Any
 
 from rollart.procs import die_with_parent
 
-from .server_http import free_port, kill_group, require_package, tail
+from .server_http import free_port, get_status, kill_group, require_package, tail
 
 __all__ = [
     "INSTALL_HINT",
@@ -226,19 +226,13 @@ async def wait_ready(session: Any, aiohttp: Any, url: str, *, startup_timeout_s:
     answers 200 (the server generates); ``RuntimeError`` when the launched server ``proc``
     (None: attached) exits first, or after ``startup_timeout_s``."""
     deadline = time.monotonic() + startup_timeout_s
-    last = "no answer yet"
     while True:
         err = exited_error(proc, command, log_path, secret)
         if err is not None:
             raise err
-        try:
-            async with session.get(url + "/health_generate",
-                                   timeout=aiohttp.ClientTimeout(total=60)) as r:
-                if r.status == 200:
-                    return
-                last = f"HTTP {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            last = f"{type(e).__name__}: {e}"
+        last = await get_status(session, url + "/health_generate", 60)
+        if last is None:
+            return
         if time.monotonic() > deadline:
             what = (f"the SGLang server it launched ({shown(command)})"
                     if proc is not None else "the SGLang server")

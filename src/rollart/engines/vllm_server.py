@@ -45,7 +45,7 @@ from typing import Any
 import rollart
 from rollart.procs import die_with_parent
 
-from .server_http import require_package, tail
+from .server_http import get_status, require_package, tail
 from .sglang_server import server_flags
 
 __all__ = ["BOOTSTRAP", "API_KEY_ENV", "CHOICES_PROCESSOR", "server_command", "spawn_server",
@@ -143,7 +143,6 @@ async def wait_healthy(session: Any, aiohttp: Any, url: str, *, timeout_s: float
     ``RuntimeError`` with the last lines of the log (``secret`` masked) when the launched
     ``proc`` (None: attached) exits first or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    last = "no answer yet"
 
     def logs() -> str:
         return f"\n--- last lines of {log_path}:\n{tail(log_path, secret=secret)}"
@@ -152,13 +151,9 @@ async def wait_healthy(session: Any, aiohttp: Any, url: str, *, timeout_s: float
         if proc is not None and proc.returncode is not None:
             raise RuntimeError(f"the vLLM server exited with code {proc.returncode} before it "
                                f"was ready: {shown(command)}{logs()}")
-        try:
-            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status == 200:
-                    return
-                last = f"HTTP {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            last = f"{type(e).__name__}: {e}"
+        last = await get_status(session, url + "/health", 10)
+        if last is None:
+            return
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"proxy.engine vllm-server: the server at {url} was not ready after "
