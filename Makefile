@@ -37,6 +37,7 @@ EXTRAS ?= dev,envs,megatron,loggers,agent,openenv
 CONFIG ?= quickstart
 ARGS ?=
 TEST_WORKERS ?= 3
+SCALE_WORKERS ?= 2
 
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.rollart-setup
@@ -66,8 +67,10 @@ test: $(STAMP) setup-sandbox
 test-fast: $(STAMP) setup-sandbox
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not scale" $(ARGS)
 
+# the learning runs one at a time on one worker (xdist group `learn`: two quickstart variants
+# collapsed when they ran beside the agent's learning run), the multi-host tests beside them
 test-scale: $(STAMP) setup-sandbox
-	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m scale $(ARGS)
+	. $(VENV)/bin/activate && python -m pytest -q -n $(SCALE_WORKERS) --dist loadgroup -m scale $(ARGS)
 
 bench-smoke: $(STAMP) setup-sandbox
 	. $(VENV)/bin/activate && python -m pytest -q -n $(TEST_WORKERS) -m bench $(ARGS)

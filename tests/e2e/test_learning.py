@@ -75,7 +75,8 @@ async def learns(cfg: RunConfig, label: str, *, nats: str = "memory") -> tuple[d
 # 12 min on 2 cores (α = 0 stays on-policy in a short run of tests/faults/test_group_failures.py).
 # α = 1 on the in-memory bus is not run again: the bus is one contract (tests/contract runs it on
 # both), and the two runs here cover both α and both buses.
-@pytest.mark.parametrize("alpha,bus", [pytest.param(0, "memory", marks=pytest.mark.scale),
+@pytest.mark.parametrize("alpha,bus", [pytest.param(0, "memory", marks=[pytest.mark.scale,
+                                                                     pytest.mark.xdist_group("learn")]),
                                        (1, "nats")])
 async def test_quickstart_learns(tmp_path, alpha, bus, request):
     nats = "memory" if bus == "memory" else request.getfixturevalue("nats_server").url

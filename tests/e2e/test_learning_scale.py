@@ -15,7 +15,9 @@ import pytest
 from rollart.app.launch import with_overrides
 from tests.e2e.test_learning import learns, quickstart
 
-pytestmark = [pytest.mark.slow, pytest.mark.scale]
+pytestmark = [pytest.mark.slow, pytest.mark.scale, pytest.mark.xdist_group("learn")]
+# xdist_group: `make test-scale` (--dist loadgroup) runs every learning run on one worker, one
+# at a time; the multi-host tests take the other
 
 
 @pytest.mark.timeout(1500)

@@ -35,3 +35,28 @@ def engine(tiny_model_dir):
     from rollart.engines.torch_engine import TorchGenerationEngine
 
     return TorchGenerationEngine(tiny_model_dir, threads=1, seed=0)
+
+
+VLLM_SERVER_ARGS = {"dtype": "float32", "max_model_len": 2048}
+
+
+@pytest.fixture(scope="session")
+async def vllm_server(tiny_model_dir):
+    """One ``vllm-server`` engine for the session (a start costs 50-100 s of CPU here): the
+    engine contract suite's ``vllm-server`` case and ``test_vllm_server.py``'s tests that need no
+    server of their own. Each user leaves it serving the model folder's weights (the contract
+    suite loads them back from bytes; a refused load keeps them). Needs vLLM."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make test-vllm)")
+    from rollart.engines import build_engine
+
+    e = build_engine("vllm-server", str(tiny_model_dir), seed=0, threads=1,
+                     engine_args=dict(VLLM_SERVER_ARGS))
+    await e.start()
+    print(f"\nvllm-server start: {e.start_s:.1f} s")
+    try:
+        yield e
+    finally:
+        await e.close()

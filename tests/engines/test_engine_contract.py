@@ -57,8 +57,7 @@ def _unavailable(name: str) -> str | None:
     return None
 
 
-ENGINE_ARGS = {"torch": {}, "vllm": {"dtype": "float32"}, "vllm-server": {"dtype": "float32"},
-               "sglang": {"dtype": "float32"}}
+ENGINE_ARGS = {"torch": {}, "vllm": {"dtype": "float32"}, "sglang": {"dtype": "float32"}}
 
 
 @pytest.fixture(scope="module", params=["torch", "vllm", "vllm-server", "sglang"])
@@ -66,6 +65,9 @@ async def eng(request, tiny_model):
     why = _unavailable(request.param)
     if why:
         pytest.skip(why)
+    if request.param == "vllm-server":  # one server for the session (tests/engines/conftest.py)
+        yield request.getfixturevalue("vllm_server")
+        return
     e = build_engine(request.param, str(tiny_model), seed=0, threads=1,
                      engine_args=ENGINE_ARGS[request.param])
     assert isinstance(e, AsyncEngine)

@@ -6,8 +6,9 @@ weight update changes the outputs and the server confirms its version; a server 
 mid-generation fails its requests as unavailable and is started again, and later requests
 succeed on the weights loaded before; the LLMProxy's node stopping, and the node's process
 killed -9, leave no server process. Starting a server takes 50-100 s on this machine, so the
-tests that need no process of their own share one, started after the others (one vLLM
-server at a time). Needs vLLM (``make test-vllm``); skipped without it.
+tests that need no process of their own share the session's (``vllm_server`` in
+``tests/engines/conftest.py``, which the contract suite's ``vllm-server`` case started).
+Needs vLLM (``make test-vllm``); skipped without it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 from rollart.engines import build_engine
 from rollart.engines.base import EngineUnavailable, GenInput
 from rollart.engines.vllm_server import server_command
+from tests.engines.conftest import VLLM_SERVER_ARGS
 from tests.waiting import until, until_sync
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -67,15 +69,10 @@ def prompts(tiny_tokenizer):
     return [tiny_tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-async def srv(tiny_model_dir):
-    e = build_engine("vllm-server", str(tiny_model_dir), seed=0, engine_args=ARGS)
-    await e.start()
-    print(f"\nvllm-server start: {e.start_s:.1f} s")
-    try:
-        yield e
-    finally:
-        await e.close()
+@pytest.fixture
+def srv(vllm_server):
+    """The session's server (``tests/engines/conftest.py``), shared with the contract suite."""
+    return vllm_server
 
 
 def test_bad_engine_args_are_refused_before_anything_starts(tiny_model_dir):
@@ -157,7 +154,7 @@ def test_the_node_killed_minus_9_leaves_no_server(tiny_model_dir):
             child.kill()
 
 
-# -- one server shared by the tests below (started at the first, stopped after the last)
+# -- the session's server (tests/engines/conftest.py) for the tests below
 async def test_a_call_without_the_key_is_refused_on_every_path(srv):
     import aiohttp
 
@@ -181,7 +178,8 @@ async def test_the_same_greedy_tokens_and_logprobs_as_in_process_vllm(srv, promp
     t0 = time.monotonic()
     outs = await asyncio.gather(*(srv.generate(i, f"sb{k}") for k, i in enumerate(bulk)))
     srv_s, srv_n = time.monotonic() - t0, sum(len(o.token_ids) for o in outs)
-    ref = build_engine("vllm", str(tiny_model_dir), seed=0, engine_args=dict(ARGS))
+    ref = build_engine("vllm", str(tiny_model_dir), seed=0, threads=1,
+                       engine_args=dict(VLLM_SERVER_ARGS))
     await ref.start()
     try:
         want = [await ref.generate(i, f"r{k}") for k, i in enumerate(inputs + choice_in)]
