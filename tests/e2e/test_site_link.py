@@ -62,3 +62,17 @@ async def test_an_engine_awaits_its_before_load_hook_inside_the_load():
     e.before_load = hook
     await e.load_weights(b"", 3)
     assert seen == [(3, 0)] and e.version == 3
+
+
+async def test_a_fetch_dropped_midway_leaves_the_relay_serving():
+    async with ByteSource() as src, DelayRelay(("127.0.0.1", src.port), delay_s=0.001,
+                                               rate=2e6) as relay:
+        task = asyncio.ensure_future(fetch_bytes("127.0.0.1", relay.port, 4_000_000))
+        deadline = time.monotonic() + DEADLINE
+        while relay.down.bytes < 200_000:  # some of it is on the way
+            assert time.monotonic() < deadline, "no bytes crossed the relay"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _fetch(relay.port, 1000) < DEADLINE

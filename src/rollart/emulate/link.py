@@ -123,23 +123,31 @@ class DelayRelay:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue(self._depth)
 
+        broken = False
+
         async def send() -> None:
+            nonlocal broken
             while True:
                 at, data = await q.get()
                 if data is None:
                     break
+                if broken:  # the far end went away: what is still queued is dropped
+                    continue
                 wait = at - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                w.write(data)
-                await w.drain()
+                try:
+                    w.write(data)
+                    await w.drain()
+                except OSError:  # e.g. a fetch cancelled at the end of a run
+                    broken = True
             with contextlib.suppress(OSError):
-                if w.can_write_eof():
+                if not broken and w.can_write_eof():
                     w.write_eof()
 
         sender = self._spawn(send())
         try:
-            while data := await r.read(self.chunk):
+            while not broken and (data := await r.read(self.chunk)):
                 now = loop.time()
                 start = max(now, lane.free_at)
                 lane.free_at = start + (len(data) / self.rate if self.rate else 0.0)
@@ -147,9 +155,7 @@ class DelayRelay:
                 await q.put((lane.free_at + self.delay_s, data))
         except OSError:
             pass
-        finally:
-            with contextlib.suppress(Exception):
-                q.put_nowait((0.0, None))
+        await q.put((0.0, None))
         await sender
 
 
