@@ -64,6 +64,7 @@ SECTIONS: list[tuple[str, Callable]] = [
     ("emulate_scale", _section("emulate_scale", "section", "emulate_scale")),
     ("sandbox", _section("sandbox", "readme_section", "sandbox")),
     ("eval_share", _section("eval_share", "section", "eval_share")),
+    ("sites", _section("sites", "section", "sites")),
 ]
 """(README section, what renders it from results/), in the README's order."""
 

@@ -15,7 +15,10 @@ Never used by the default path; for benchmarks (``benchmarks/emulate.py``, issue
   one device per replica or one shared by several jobs);
 - training: ``actors.trainer.type: rollart.emulate.trainer:EmulatedTrainer``
   (:class:`~rollart.emulate.trainer.EmulatedTrainBackend`: step time per token, publish time
-  per GB of declared model size).
+  per GB of declared model size);
+- sites: ``actors.generate.type: rollart.emulate.link:SiteLLMProxy`` (a generator at another
+  site, its versions fetched through :class:`~rollart.emulate.link.DelayRelay`, a user-space
+  TCP relay with a one-way delay and a paced rate; ``benchmarks/sites.py``).
 
 Every latency is a *modelled* time in seconds; the sleep is that times ``time_scale`` (one
 global knob, :data:`rollart.emulate.profiles.TIME_SCALE_ENV`), so an experiment of modelled

@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import math
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,9 @@ class EmulatedEngine(AsyncEngine):
         self.tokens = 0
         self.requests = 0
         self.batch_samples: list[int] = []
+        self.before_load: Callable[[int], Awaitable[None]] | None = None
+        """Awaited with the version at the start of each load, while generation is paused:
+        a synchronous weight transfer from another site (:mod:`rollart.emulate.link`)."""
 
     # -- AsyncEngine -------------------------------------------------------------------
     async def start(self) -> None:
@@ -179,6 +183,8 @@ class EmulatedEngine(AsyncEngine):
         self._wake.set()
 
     async def load_weights(self, source: str | Path | bytes, version: int) -> None:
+        if self.before_load is not None:
+            await self.before_load(int(version))
         s = self.model_gb / max(1e-9, self.profile.load_gbps)
         RECORDS.loads.append({"model_s": s, "version": int(version), "engine": self.name})
         await asyncio.sleep(s * self.time_scale)

@@ -31,6 +31,9 @@ class Records:
     for it), ``batch``."""
     trained: dict[str, tuple[int, int]] = field(default_factory=dict)
     """traj_id -> ``(seed, turns)`` of each trajectory the emulated trainer trained."""
+    crossings: list[dict] = field(default_factory=list)
+    """per version fetched across an emulated site link (:mod:`rollart.emulate.link`):
+    ``version``, ``mode``, ``wire_bytes``, ``wall_s``, ``model_s``, ``engine``."""
 
     def clear(self) -> None:
         self.gen.clear()
@@ -40,6 +43,7 @@ class Records:
         self.loads.clear()
         self.reward.clear()
         self.trained.clear()
+        self.crossings.clear()
 
 
 RECORDS = Records()
