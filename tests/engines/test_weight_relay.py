@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 
 import msgspec
 import pytest
@@ -188,10 +189,17 @@ async def test_a_cut_link_and_a_killed_relay_leave_every_generator_a_correct_ver
             relay.server.close_sync()
             assert await _load_all(bus, stages, pub, man, tr) == ["tcp"] * 2
             assert "not site gen's relay" in caplog.text
-        # a relay started again (an empty folder) after versions it missed: it takes the
+            stale = (await (await bus.key_value(m.kv_bucket(run))).get(relay_key("gen"))).value
+        # killed without its teardown: its record stays, at an address nobody listens on;
+        # the generators do not wait relay_wait for it
+        await (await bus.key_value(m.kv_bucket(run))).put(relay_key("gen"), stale)
+        man, pub = await _publish(bus, run, tr, link)
+        t0 = time.monotonic()
+        assert await _load_all(bus, stages, pub, man, tr) == ["tcp"] * 2
+        assert time.monotonic() - t0 < 15 and "unreachable" in caplog.text
+        # a relay started again (an empty folder) after a version it missed: it takes the
         # newest, walking its deltas back to the anchor, and serves it
-        for _ in range(2):
-            man, pub = await _publish(bus, run, tr, link)
+        man, pub = await _publish(bus, run, tr, link)
         again = WeightRelay(run=run, site="gen", host="127.0.0.1", retry_s=0.1)
         async with Node(bus, [again], heartbeat_every=0):
             assert await _load_all(bus, stages, pub, man, tr) == ["relay"] * 2

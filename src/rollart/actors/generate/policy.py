@@ -252,7 +252,7 @@ class StreamStage:
     the staged file of the version loaded, kept as the base of the next delta."""
 
     def __init__(self, name: str, *, token_bucket: str | None = None, limits: Any = None,
-                 run: str = "", in_place: bool = False, site: str = "", relay_wait: float = 60.0):
+                 run: str = "", in_place: bool = False, site: str = "", relay_wait: float = 30.0):
         self.name = name
         self.site = site
         """The replica's site: versions come from its weight relay when it has them."""

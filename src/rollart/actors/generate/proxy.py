@@ -100,7 +100,7 @@ class LLMProxy(PolicyLoading, Actor):
     """The site of this replica's host (``python -m rollart.node --site``; "": none): streamed
     versions come from the site's weight relay when one is up (:mod:`.relay`), else from the
     trainer's store."""
-    relay_wait: float = 60.0
+    relay_wait: float = 30.0
     """Seconds a load waits for the site's relay to hold a version (the old one serves
     meanwhile) before it reads the trainer's store."""
     stream_limits: Any = None

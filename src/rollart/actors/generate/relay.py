@@ -163,6 +163,20 @@ class WeightRelay(Actor):
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+async def _unreachable(info: RelayInfo) -> str:
+    """Why the relay's address takes no connection ("": it does)."""
+    import socket
+
+    from rollart.engines.weight_tcp_client import parse_tcp_uri
+
+    host, port, _, _ = parse_tcp_uri(info.uri + "/x")
+    try:
+        await asyncio.to_thread(lambda: socket.create_connection((host, port), 2.0).close())
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return ""
+
+
 async def relay_route(bus: Any, run: str, site: str, pub: m.PolicyPublished, wait_s: float,
                       token_bucket: str) -> tuple[Any, str] | str:
     """The site's relay as a blob store for ``pub``: ``(blobs, manifest name)`` once the relay
@@ -186,6 +200,8 @@ async def relay_route(bus: Any, run: str, site: str, pub: m.PolicyPublished, wai
             return f"no relay advertised for site {site} (KV {relay_key(site)})"
         if info.version > pub.version or (info.version, info.digest) == (pub.version, pub.digest):
             break
+        if delay == 0.05 and (why := await _unreachable(info)):  # a killed relay's record
+            return f"the relay of site {site} at {info.uri} is unreachable ({why})"
         left = deadline - time.monotonic()
         if left <= 0:
             return (f"the relay of site {site} holds v{info.version}, not v{pub.version}, after "
