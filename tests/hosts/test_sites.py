@@ -171,16 +171,22 @@ async def test_site_server_kill9_mid_run_loses_nothing(tmp_path, tiny_model, hos
 async def test_secure_sites_run_with_each_role_its_own_user(tmp_path, tiny_model, hosts):
     """``cluster sites --secure``: TLS and ``rollart secure``'s users on the hub and both
     sites, leaf links under TLS; each node logs in as its role at its site and the run
-    finishes (the permissions, made for the domain, allow each role what it does there)."""
+    finishes (the permissions, made for the domain, allow each role what it does there),
+    site gen's weight relay included (a generate user: its KV record, TLS pinned by it)."""
     pytest.importorskip("bcrypt")
     t0 = time.monotonic()
     sites, hub_h, gen_h, env_h, link_s = await start_sites(hosts, tmp_path, secure=True)
     creds = tmp_path / "creds"
     cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h,
-                                            creds=creds)
+                                            creds=creds, relay=True)
     await wait_exit(procs, 150)
     rows = metrics_rows(tmp_path, run)
     check_steps(rows)
+    # site gen's relay, logged in as generate, wrote its KV record and served TLS (pinned)
+    assert "relay gen: v" in procs[-1].output() and " mirrored (" in procs[-1].output(), \
+        logs(procs)
+    assert "not site gen's relay" not in procs[1].output(), procs[1].output()[-3000:]
+    assert "cleartext" not in procs[-1].output() and "TLS, certificate" in procs[-1].output()
     trained = [t for r in rows for t in r["traj_ids"]]
     assert len(trained) == len(set(trained)), "a trajectory trained twice"
     bad = [p.log.name for p in procs if "permissions violation" in p.output().lower()]
