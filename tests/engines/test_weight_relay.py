@@ -222,3 +222,22 @@ def test_a_relay_record_is_decoded_typed_and_bounded():
             decode_relay(raw, "other" if why.startswith("site") else "gen")
     with pytest.raises(ValueError, match="not a site name"):
         relay_key("../x")
+
+
+async def test_a_damaged_bucket_or_another_digest_is_refused_and_nothing_is_served(
+        tmp_path, tiny_model_dir):
+    from rollart.engines.weight_relay import WeightMirror
+
+    tr = Trainer(tiny_model_dir, tmp_path, "float32", bucket_bytes=1 << 16)
+    man, name = await tr.publish()
+    mirror = WeightMirror(tmp_path / "relay")
+    with pytest.raises(StreamError, match="the published one is"):
+        await mirror.take(tr.blobs, name, "buckets-sha256:" + "0" * 64)
+    victim = tr.blobs.root / man.buckets[3].name
+    raw = bytearray(victim.read_bytes())
+    raw[100] ^= 1
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(StreamError, match=f"bucket {man.buckets[3].name} does not match"):
+        await mirror.take(tr.blobs, name, man.digest)
+    assert not any(p.name.endswith(".manifest") for p in (tmp_path / "relay").iterdir())
+    assert mirror.newest is None and mirror.prune() == 3  # the three checked buckets go
