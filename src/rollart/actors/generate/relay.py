@@ -3,8 +3,9 @@ of each policy version per site (issue 48, §2), served to the site's generators
 (:mod:`rollart.engines.weight_relay` says what is checked and who may fetch); and the
 generator's side of it, :func:`relay_route`.
 
-The relay follows KV ``policy.version`` (:func:`~rollart.actors.kernel.policy.watch_policy`)
-and always mirrors the newest record: a relay that falls behind, or loses the link, takes the
+The relay follows KV ``policy.version`` through the policy gate, as generators do
+(:class:`~rollart.actors.kernel.policy_gate.PolicyGate`: a record's URI is where the relay
+sends the trainer's token), and always mirrors the newest record it accepts: a relay that falls behind, or loses the link, takes the
 newest version when it can (its chain of deltas back to a version it holds, or to the
 anchor), never a queue of the versions it missed. A failed mirror is tried again with a
 backoff (``retry_s`` doubling to ``max_retry_s``) or at once when a newer version is
@@ -28,7 +29,7 @@ import msgspec
 
 from rollart import messages as m
 from rollart.actors.kernel.base import Actor
-from rollart.actors.kernel.policy import watch_policy
+from rollart.actors.kernel.policy_gate import PolicyGate, follow_policy
 from rollart.actors.kernel.records import put_record
 from rollart.bus import BusError
 from rollart.engines.weight_blobs import blobs_for_uri
@@ -98,12 +99,15 @@ class WeightRelay(Actor):
         await self._advertise()
 
     async def main(self) -> None:
-        async def follow() -> None:
-            async for pub in watch_policy(self.bus, self.run):
-                if pub.layout == "stream" and (self._target is None
-                                               or pub.version >= self._target.version):
-                    self._target = pub
-                    self._wake.set()
+        async def accepted(pub: m.PolicyPublished) -> None:
+            if pub.layout == "stream" and (self._target is None
+                                           or pub.version >= self._target.version):
+                self._target = pub
+                self._wake.set()
+
+        async def follow() -> None:  # through the gate, as generators: a record's URI is
+            # where the relay sends the trainer's token, so only a plausible one is followed
+            await follow_policy(self, PolicyGate(), accepted, announcements=True)
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(follow())
