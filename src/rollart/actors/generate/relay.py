@@ -149,7 +149,11 @@ class WeightRelay(Actor):
         if isinstance(upstream, TcpBlobs) and upstream.token:
             token = upstream.token
         else:  # the object store: the token object is the trainer's all the same
-            token = (await token_reader(self.bus, m.object_bucket(self.run))()).token
+            try:
+                token = (await token_reader(self.bus, m.object_bucket(self.run))()).token
+            except StreamError as e:
+                raise StreamError(f"a relay serves with the token of the trainer's weight server "
+                                  f"(trainer.weights: tcp or auto), and there is none: {e}") from None
         self.server.token = token  # the handler threads read it per request
 
     async def _advertise(self) -> None:
