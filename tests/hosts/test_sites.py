@@ -9,7 +9,10 @@ between two clients of one site (reward requests) stays there.
 - the quickstart-sized run finishes over the leaf links; the hub's trace says which subjects
   crossed each link and how many bytes a step cost (printed); reward requests never crossed;
 - kill -9 of site env's leaf server after step 1, restarted: the site's node reconnects by
-  itself, the run finishes, every admitted trajectory is accounted for and none trained twice.
+  itself, the run finishes, every admitted trajectory is accounted for and none trained twice;
+- site ``gen`` with a weight relay (``--roles relay --site gen``) and two generate replicas
+  (``--site gen``): every version they load comes from the relay (``policy.loaded``'s route),
+  and the relay fetched each version once over the link.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ async def start_sites(hosts, tmp_path, *, trace: bool = False, secure: bool = Fa
     return sites, hub_h, gen_h, env_h, link_s
 
 
-async def start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h, creds=None, **extra):
+async def start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h, creds=None,
+                    relay: bool = False, **extra):
     nats = {"domain": sites.domain, **({"tls": {"ca": str(creds / "ca.pem")}} if creds else {})}
     cfg, run = write_config(tmp_path, tiny_model, [sites.hub_url], node={"stream_replicas": 1},
                             nats=nats, **extra)
@@ -71,10 +75,14 @@ async def start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h, creds=None
     head = site_node(hub_h, cfg, "trainer,scheduler", sites.hub_url, sites.domain,
                      extra=login("trainer"))
     await head.line_with("serving trainer", 90)
+    at_gen = ("--site", "gen") if relay else ()
     procs = [head, site_node(gen_h, cfg, "generate", sites.url("gen"), sites.domain,
-                             extra=login("generate")),
+                             extra=(*login("generate"), *at_gen)),
              site_node(env_h, cfg, "env,reward", sites.url("env"), sites.domain,
                        extra=login("env+reward"))]
+    if relay:  # site gen's weight relay, on its own node (a generate credential)
+        procs.append(site_node(gen_h, cfg, "relay", sites.url("gen"), sites.domain,
+                               extra=(*login("generate"), *at_gen)))
     return cfg, run, head, procs
 
 
@@ -163,19 +171,48 @@ async def test_site_server_kill9_mid_run_loses_nothing(tmp_path, tiny_model, hos
 async def test_secure_sites_run_with_each_role_its_own_user(tmp_path, tiny_model, hosts):
     """``cluster sites --secure``: TLS and ``rollart secure``'s users on the hub and both
     sites, leaf links under TLS; each node logs in as its role at its site and the run
-    finishes (the permissions, made for the domain, allow each role what it does there)."""
+    finishes (the permissions, made for the domain, allow each role what it does there),
+    site gen's weight relay included (a generate user: its KV record, TLS pinned by it)."""
     pytest.importorskip("bcrypt")
     t0 = time.monotonic()
     sites, hub_h, gen_h, env_h, link_s = await start_sites(hosts, tmp_path, secure=True)
     creds = tmp_path / "creds"
     cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h,
-                                            creds=creds)
+                                            creds=creds, relay=True)
     await wait_exit(procs, 150)
     rows = metrics_rows(tmp_path, run)
     check_steps(rows)
+    # site gen's relay, logged in as generate, wrote its KV record and served TLS (pinned)
+    assert "relay gen: v" in procs[-1].output() and " mirrored (" in procs[-1].output(), \
+        logs(procs)
+    assert "not site gen's relay" not in procs[1].output(), procs[1].output()[-3000:]
+    assert "cleartext" not in procs[-1].output() and "TLS, certificate" in procs[-1].output()
     trained = [t for r in rows for t in r["traj_ids"]]
     assert len(trained) == len(set(trained)), "a trajectory trained twice"
     bad = [p.log.name for p in procs if "permissions violation" in p.output().lower()]
     assert not bad, f"a role was refused something it does: {bad}\n{logs(procs)}"
     print(f"[sites] secure run over two leaf sites: {time.monotonic() - t0:.1f}s; linked over "
           f"TLS in {link_s:.2f}s; trained {len(trained)}")
+
+
+async def test_gen_site_reads_each_version_from_its_relay(tmp_path, tiny_model, hosts):
+    t0 = time.monotonic()
+    sites, hub_h, gen_h, env_h, _ = await start_sites(hosts, tmp_path)
+    cfg, run, head, procs = await start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h,
+                                            relay=True, actors={"generate": {"replicas": 2}})
+    await wait_exit(procs, 150)
+    rows = metrics_rows(tmp_path, run)
+    check_steps(rows)
+    rec = await run_record([sites.hub_url], run)
+    counts = check_accounting(rec, rows)
+    loads = [lo for lo in rec["loaded"] if not lo.error]
+    assert loads and {lo.route for lo in loads} == {"relay"}, [(lo.replica, lo.version, lo.route)
+                                                            for lo in rec["loaded"]]
+    relay_log = procs[-1].output()
+    mirrored = [ln for ln in relay_log.splitlines() if " mirrored (" in ln]
+    versions = sorted({lo.version for lo in loads})
+    assert len(mirrored) <= len(versions) + 1, mirrored  # each version once (v0 maybe unloaded)
+    print(f"[sites] gen site with a relay: {time.monotonic() - t0:.1f}s; {counts}; "
+          f"{len(loads)} loads by {len({lo.replica for lo in loads})} replicas of versions "
+          f"{versions}, all from the relay; link bytes {link_bytes(sites)}; relay: "
+          + "; ".join(ln.split("relay gen: ")[-1] for ln in mirrored))

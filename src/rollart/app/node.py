@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                         "touches the bus")
     p.add_argument("--master", default=None, metavar="HOST:PORT",
                    help="with --rank: rank 0's rendezvous address (default: trainer.master)")
+    p.add_argument("--site", default=None, metavar="NAME",
+                   help="the site (leaf node) this host is at: its generators read each policy "
+                        "version from the site's weight relay (--roles relay) when one is up")
     p.add_argument("--serve", action="store_true",
                    help="stay up when the run ends (for the next run); by default a node drains "
                         "and exits 0 once the host of the trainer has published the end of the run")
@@ -104,7 +107,12 @@ async def _amain(args) -> int:
             resume = True
             print(f"rollart node: run {cfg.run} continues from its checkpoint at version "
                   f"{version} ({run_path}); a fresh run needs another --run name", flush=True)
-    head_args = {"trainer": {"resume": True}, "scheduler": {"resume": True}} if resume else None
+    head_args = {"trainer": {"resume": True}, "scheduler": {"resume": True}} if resume else {}
+    if args.site:  # the site's generators read from its relay; the relay serves the site
+        head_args.update(generate={"site": m.check_token("site", args.site)},
+                         relay={"site": args.site})
+    elif "relay" in roles:
+        raise ValueError("--roles relay needs --site NAME: the site whose generators it serves")
     actors = build_actors(cfg, roles, m.check_token("pool", args.pool), args=head_args)
     stop_tracing = setup_tracing(cfg, f"rollart-node:{','.join(roles)}", Path(cfg.run_dir) / cfg.run)
     stop_metrics = setup_metrics(cfg, f"rollart-node:{','.join(roles)}", Path(cfg.run_dir) / cfg.run)

@@ -296,10 +296,11 @@ class PolicyLoaded(Message, frozen=True, kw_only=True):
     pause_s: NonNegative = 0.0
     """Seconds generation was paused for the update: from ``pause()`` (which waits for
     the requests in flight under ``on_update: finish``) to ``resume()`` returning."""
-    route: Literal["", "shm", "file", "object", "tcp"] = ""
+    route: Literal["", "shm", "file", "object", "tcp", "relay"] = ""
     """Where a streamed version was read from: the trainer's shared-memory folder (a
-    generator on its host), the run folder, the object store or the weight server ("": a
-    single-file version, or a refusal)."""
+    generator on its host), the run folder, the object store, the weight server or the
+    site's weight relay (``relay``: :mod:`rollart.engines.weight_relay`; "": a single-file
+    version, or a refusal)."""
 
 
 # -- operations ----------------------------------------------------------------

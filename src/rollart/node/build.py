@@ -30,6 +30,7 @@ from rollart.envs.base import HELDOUT_SEED_OFFSET
 BUILTIN_ROLES = {
     "env": "rollart.actors.env.manager:EnvManager",
     "generate": "rollart.actors.generate.proxy:LLMProxy",
+    "relay": "rollart.actors.generate.relay:WeightRelay",
     "reward": "rollart.actors.reward.actor:RewardService",
     "trainer": "rollart.actors.trainer.actor:Trainer",
     "scheduler": "rollart.actors.scheduler.actor:RolloutScheduler",

@@ -90,6 +90,7 @@ the head node of a multi-host run is ``--roles trainer,scheduler`` on one creden
 KV_WRITES: dict[str, tuple[str, ...]] = {
     "trainer": (m.POLICY_KEY, m.LEDGER_KEY, m.RUN_END_KEY),
     "scheduler": ("scheduler.>",),  # scheduler.<prefix>.issued and .admitted
+    "generate": ("relay.>",),  # a site's weight relay (a generate credential): relay.<site>
 }
 """KV keys each role writes in the run's bucket (every role reads them all)."""
 

@@ -22,7 +22,7 @@ from rollart.bus.codec import DecodeError
 from rollart.engines.base import AsyncEngine
 from rollart.engines.weight_files import LORA_KIND, weights_kind
 from rollart.engines.weight_staging import retire
-from rollart.engines.weight_stream import DEFAULT_LIMITS
+from rollart.engines.weight_stream import DEFAULT_LIMITS, StreamError
 from rollart.engines.weight_blobs import blobs_for_uri, local_blobs
 from rollart.telemetry import tracing
 
@@ -57,6 +57,10 @@ class PolicyLoading:
     """What a streamed version may make this replica allocate and stage
     (:class:`~rollart.engines.weight_stream.StreamLimits`; None: the defaults)."""
     publish_patiently: Any
+    site: str
+    """The site this replica is at (``--site``; "": none): it reads streamed versions from
+    the site's weight relay when one is up (:mod:`rollart.actors.generate.relay`)."""
+    relay_wait: float
 
     @property
     def policy_follow(self) -> PolicyFollow:
@@ -123,7 +127,8 @@ class PolicyLoading:
                             self._stage = await asyncio.to_thread(
                                 StreamStage, self.name, token_bucket=m.object_bucket(self.run),
                                 limits=self.stream_limits, run=self.run,
-                                in_place=bool(getattr(self.async_engine, "partial_loads", False)))
+                                in_place=bool(getattr(self.async_engine, "partial_loads", False)),
+                                site=self.site, relay_wait=self.relay_wait)
                         staged = await self._stage.fetch(self.bus, pub)
                         source: Any = staged.path
                         changed = staged.changed  # patched in place: only these differ
@@ -247,8 +252,13 @@ class StreamStage:
     the staged file of the version loaded, kept as the base of the next delta."""
 
     def __init__(self, name: str, *, token_bucket: str | None = None, limits: Any = None,
-                 run: str = "", in_place: bool = False):
+                 run: str = "", in_place: bool = False, site: str = "", relay_wait: float = 30.0):
         self.name = name
+        self.site = site
+        """The replica's site: versions come from its weight relay when it has them."""
+        self.relay_wait = relay_wait
+        """Seconds to wait for the relay to hold a version before the trainer's store."""
+        self._why_not_relay = ""
         self.run = run
         """The run: a version's shared-memory folder must be one of its own."""
         self.dir = Path(tempfile.mkdtemp(prefix=f"rollart-stage-{name[:40]}-"))
@@ -291,16 +301,43 @@ class StreamStage:
                 log.info("%s: policy v%s read from %s, not the trainer's shared memory: %s",
                          self.name, pub.version, urlparse(pub.uri).scheme, local)
                 self._why_not_local = local
-            blobs, name = await blobs_for_uri(bus, pub.uri, token_bucket=self.token_bucket)
-            route = {"obj": "object", "tcp": "tcp"}.get(urlparse(pub.uri).scheme, "file")
-        got, info = await assemble_version(blobs, name, self.dir, base=self.base, digest=pub.digest,
-                                           in_place=self.in_place,
-                                           limits=self.limits or DEFAULT_LIMITS)
+            got = await self._from_relay(bus, pub, assemble_version) if self.site else None
+            if got is not None:
+                (got, info), route = got, "relay"
+            else:
+                blobs, name = await blobs_for_uri(bus, pub.uri, token_bucket=self.token_bucket)
+                route = {"obj": "object", "tcp": "tcp"}.get(urlparse(pub.uri).scheme, "file")
+        if route != "relay":
+            got, info = await assemble_version(blobs, name, self.dir, base=self.base,
+                                               digest=pub.digest, in_place=self.in_place,
+                                               limits=self.limits or DEFAULT_LIMITS)
         self.route = route
         self.last = (f"{info['path']}, {info['manifests']} manifest(s), "
                      f"{info['wire_bytes'] / 2**20:.2f} MiB fetched from {route}, "
                      f"{info['written_bytes'] / 2**20:.2f} MiB written, {time.perf_counter() - t0:.3f}s")
         return got._replace(changed=None) if self._whole else got
+
+    async def _from_relay(self, bus: Any, pub: m.PolicyPublished, assemble: Any) -> Any:
+        """``pub`` assembled from the site's relay, or None (why logged once per reason: no
+        relay, not there in time, a failed fetch); the trainer's store is read then."""
+        from rollart.actors.generate.relay import relay_route
+
+        why = await relay_route(bus, self.run, self.site, pub, self.relay_wait,
+                                self.token_bucket or m.object_bucket(self.run))
+        if not isinstance(why, str):
+            blobs, name = why
+            try:
+                got = await assemble(blobs, name, self.dir, base=self.base, digest=pub.digest,
+                                     in_place=self.in_place, limits=self.limits or DEFAULT_LIMITS)
+                self._why_not_relay = ""
+                return got
+            except (StreamError, OSError, KeyError) as e:  # the base is as it was
+                why = f"{blobs.where}: {e}"
+        if why != self._why_not_relay:
+            log.info("%s: policy v%s read from the trainer's store, not site %s's relay: %s",
+                     self.name, pub.version, self.site, why)
+            self._why_not_relay = why
+        return None
 
     def loaded(self, got: Any) -> None:
         """The engine holds ``got`` now: it is the base; the previous one is the folder's

@@ -96,6 +96,13 @@ class LLMProxy(PolicyLoading, Actor):
     ``max_batch``; the proxy never closes it)."""
     progress_every: float = 1.0
     """Seconds between ``service.progress`` reports (the request ids this replica holds)."""
+    site: str = ""
+    """The site of this replica's host (``python -m rollart.node --site``; "": none): streamed
+    versions come from the site's weight relay when one is up (:mod:`.relay`), else from the
+    trainer's store."""
+    relay_wait: float = 30.0
+    """Seconds a load waits for the site's relay to hold a version (the old one serves
+    meanwhile) before it reads the trainer's store."""
     stream_limits: Any = None
     """What a streamed version may make this replica allocate and stage
     (:class:`rollart.engines.weight_stream.StreamLimits`, from ``trainer.sync``; None: the
