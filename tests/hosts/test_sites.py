@@ -31,7 +31,9 @@ from tests.hosts.test_many_hosts import (
     write_config,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.hosts]
+# in `make test-scale` (four runs of ~40 s, on the worker beside the learning runs);
+# tests/deploy/test_sites.py checks the configs, the domain and the permissions in `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.scale]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
