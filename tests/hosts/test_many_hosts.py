@@ -36,7 +36,9 @@ from rollart.bus.codec import decode
 from tests.actors.sample_actors import new_run
 from tests.waiting import until
 
-pytestmark = [pytest.mark.slow, pytest.mark.hosts]
+# in `make test-scale`, on the worker beside the learning runs (runs of a minute each in network
+# namespaces; tests/faults/test_multi_node_run.py runs several nodes as processes in `make test`)
+pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.scale]
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS = 3

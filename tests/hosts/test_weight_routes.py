@@ -37,7 +37,9 @@ from tests.hosts.test_many_hosts import (
     write_config,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.hosts]
+# in `make test-scale`, on the worker beside the learning runs (runs of a minute each in network
+# namespaces; tests/faults/test_multi_node_run.py runs several nodes as processes in `make test`)
+pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.scale]
 
 
 async def test_each_generator_reads_weights_the_nearest_way(tmp_path, tiny_model, hosts,

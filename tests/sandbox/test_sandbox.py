@@ -233,7 +233,9 @@ def test_empty_cgroups_of_a_killed_process_are_swept_and_no_other():
             for name in names.values():
                 (parent / name).mkdir()
             (parent / names["busy"] / "cgroup.procs").write_text(str(sleeper.pid))
-        assert cgroups.sweep(parents) == 2 * len(parents)
+        # at least this test's two a parent: other processes' leftovers (a sandbox whose maker a
+        # test beside this one killed) are swept too (load1: 10 removed for these 4)
+        assert cgroups.sweep(parents) >= 2 * len(parents)
         for parent in parents:
             left = {k for k, n in names.items() if (parent / n).exists()}
             assert left == {"live", "busy", "other"}, (parent, left)
