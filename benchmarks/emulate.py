@@ -255,9 +255,11 @@ async def run_training(args, cfg: RunConfig, label: str) -> dict:
         return await _run_training(args, cfg, label)
 
 
-async def _run_training(args, cfg: RunConfig, label: str) -> dict:
+async def _run_training(args, cfg: RunConfig, label: str, bus: str | None = None) -> dict:
+    """One run of ``cfg`` to its last step on ``bus`` (default ``args.bus``): its wall time,
+    the trainer's rows, the trainer, the actors and the emulated engines' stats."""
     RECORDS.clear()
-    async with open_bus(args.bus) as bus:
+    async with open_bus(bus or args.bus) as bus:
         sched, trainer, actors = training_actors(cfg)
         t0 = None
         async with Node(bus, actors, heartbeat_every=0):
@@ -272,7 +274,7 @@ async def _run_training(args, cfg: RunConfig, label: str) -> dict:
     if trainer.failure:
         raise RuntimeError(f"{label}: {trainer.failure}")
     rows = list(trainer.history)
-    return {"wall_s": wall, "rows": rows, "trainer": trainer,
+    return {"wall_s": wall, "rows": rows, "trainer": trainer, "actors": actors,
             "engine": [e.stats() for e in engines if e is not None]}
 
 

@@ -36,13 +36,11 @@ import time
 from pathlib import Path
 
 import msgspec
-from common import RESULTS, add_run_flags, begin, describe_machine, finish, in_turn, open_bus, render, sayer, table, writes
+from common import RESULTS, add_run_flags, begin, describe_machine, finish, in_turn, render, sayer, table, writes
 
 import emulate
 from rollart.emulate.link import ByteSource, DelayRelay, scaled_link
 from rollart.emulate.records import RECORDS
-from rollart.node import Node
-from rollart.node.build import training_actors
 
 NAME = "sites"
 say = sayer(NAME)
@@ -77,22 +75,10 @@ def run_cfg(args, eargs, link: dict | None):
 
 async def one_run(args, eargs, label: str, link: dict | None) -> dict:
     """One training run; its step times (modelled s), generation pauses and crossings."""
-    RECORDS.clear()
     cfg = run_cfg(args, eargs, link)
-    async with open_bus("memory") as bus:
-        sched, trainer, actors = training_actors(cfg)
-        async with Node(bus, actors, heartbeat_every=0):
-            t0 = time.perf_counter()
-            try:
-                await asyncio.wait_for(trainer.finished.wait(), args.timeout)
-            except TimeoutError:
-                raise TimeoutError(f"{label}: trainer at version {trainer.version} of "
-                                   f"{cfg.trainer.steps} after {args.timeout:.0f} s") from None
-            wall = time.perf_counter() - t0
-        gens = [a for a in actors if a.role == "generate"]
-    if trainer.failure:
-        raise RuntimeError(f"{label}: {trainer.failure}")
-    rows = list(trainer.history)
+    got = await emulate._run_training(args, cfg, label, bus="memory")
+    rows, wall = got["rows"], got["wall_s"]
+    gens = [a for a in got["actors"] if a.role == "generate"]
     ts = args.time_scale
     steps = [(b["wall_s"] - a["wall_s"]) / ts for a, b in zip(rows, rows[1:])]
     pauses = [p for g in gens for v, p in g.pauses if v > 0]

@@ -58,27 +58,19 @@ class _Lane:
         self.bytes = 0
 
 
-class DelayRelay:
-    """A TCP relay to ``target`` (host, port) with a one-way delay and a rate per direction
-    (module docstring). ``rate`` None: no pacing. ``start()`` returns the port it listens on."""
+class _Listener:
+    """A loopback TCP server of its own (``start()`` returns its port) and the connection
+    tasks it owns, cancelled by ``close()``; subclasses give ``_handle(reader, writer)``."""
 
-    def __init__(self, target: tuple[str, int], *, delay_s: float = 0.0,
-                 rate: float | None = None, host: str = "127.0.0.1", chunk: int = 64 * 1024):
-        if delay_s < 0 or (rate is not None and rate <= 0) or chunk <= 0:
-            raise ValueError("DelayRelay: delay >= 0, rate > 0, chunk > 0")
-        self.target, self.delay_s, self.rate, self.host = target, float(delay_s), rate, host
-        self.chunk = int(chunk)
-        self.up, self.down = _Lane(), _Lane()  # client -> target, target -> client
+    host: str
+
+    def _listening(self) -> None:
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
-        # what may wait in the relay per direction: the bytes in flight (rate x delay), a few
-        # chunks more, so a fast sender is held back (TCP's window, roughly) and memory bounded
-        bdp = (rate or 0.0) * self.delay_s
-        self._depth = max(8, math.ceil(bdp / self.chunk) * 2 + 8)
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, self.host, 0)
+        self._server = await asyncio.start_server(self._handle, self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -93,12 +85,30 @@ class DelayRelay:
             with contextlib.suppress(BaseException):
                 await t
 
-    async def __aenter__(self) -> DelayRelay:
+    async def __aenter__(self):
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class DelayRelay(_Listener):
+    """A TCP relay to ``target`` (host, port) with a one-way delay and a rate per direction
+    (module docstring). ``rate`` None: no pacing. ``start()`` returns the port it listens on."""
+
+    def __init__(self, target: tuple[str, int], *, delay_s: float = 0.0,
+                 rate: float | None = None, host: str = "127.0.0.1", chunk: int = 64 * 1024):
+        if delay_s < 0 or (rate is not None and rate <= 0) or chunk <= 0:
+            raise ValueError("DelayRelay: delay >= 0, rate > 0, chunk > 0")
+        self.target, self.delay_s, self.rate, self.host = target, float(delay_s), rate, host
+        self.chunk = int(chunk)
+        self.up, self.down = _Lane(), _Lane()  # client -> target, target -> client
+        self._listening()
+        # what may wait in the relay per direction: the bytes in flight (rate x delay), a few
+        # chunks more, so a fast sender is held back (TCP's window, roughly) and memory bounded
+        bdp = (rate or 0.0) * self.delay_s
+        self._depth = max(8, math.ceil(bdp / self.chunk) * 2 + 8)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -106,7 +116,7 @@ class DelayRelay:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    async def _accept(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         try:
             tr, tw = await asyncio.open_connection(*self.target)
         except OSError:
@@ -159,36 +169,17 @@ class DelayRelay:
         await sender
 
 
-class ByteSource:
+class ByteSource(_Listener):
     """A TCP server that answers each request (an 8-byte big-endian length) with that many
     bytes: the other site's weight server, reduced to its bytes."""
 
     def __init__(self, host: str = "127.0.0.1", block: int = 1 << 20):
         self.host = host
         self._block = bytes(block)
-        self.port: int | None = None
+        self._listening()
         self.sent = 0
-        self._server: asyncio.Server | None = None
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._serve, self.host, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-
-    async def __aenter__(self) -> ByteSource:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
             (n,) = _LEN.unpack(await r.readexactly(_LEN.size))
             view = memoryview(self._block)
