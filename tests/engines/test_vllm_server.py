@@ -5,7 +5,9 @@ greedy requests give the same tokens and log-probs as the in-process ``vllm`` en
 weight update changes the outputs and the server confirms its version; a server killed -9
 mid-generation fails its requests as unavailable and is started again, and later requests
 succeed on the weights loaded before; the LLMProxy's node stopping, and the node's process
-killed -9, leave no server process. Starting a server takes 50-100 s on this machine, so the
+killed -9, leave no server process; a LoRA version (``kind: lora``) is served as a vLLM
+adapter, gives the merged model's outputs, replaces the previous adapter, and one whose
+digest does not match is refused. Starting a server takes 50-100 s on this machine, so the
 tests that need no process of their own share one, started after the others (one vLLM
 server at a time). Needs vLLM (``make test-vllm``); skipped without it.
 """
@@ -69,7 +71,10 @@ def prompts(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 async def srv(tiny_model_dir):
-    e = build_engine("vllm-server", str(tiny_model_dir), seed=0, engine_args=ARGS)
+    # LoRA on (as a run with trainer.lora gets it): the tests below compare its base
+    # outputs with the in-process engine's, and the last serves adapters
+    e = build_engine("vllm-server", str(tiny_model_dir), seed=0,
+                     engine_args={**ARGS, "enable_lora": True, "max_lora_rank": 8})
     await e.start()
     print(f"\nvllm-server start: {e.start_s:.1f} s")
     try:
@@ -227,3 +232,99 @@ async def test_a_weight_update_changes_outputs_and_the_server_confirms_its_versi
         await srv.resume()
     again = [await srv.generate(i, f"y{k}") for k, i in enumerate(inputs)]
     assert [o.token_ids for o in again] == [o.token_ids for o in before]
+
+
+def _lora_version(model_dir, seed: int, path, merged_path=None) -> str:
+    """A LoRA version as the trainer publishes it (the adapter file, rank 4, every
+    projection, B random so that it changes the model), and optionally the same model's
+    merged full weights; returns the adapter's content digest."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from rollart.config.trainer import LORA_TARGETS
+    from rollart.engines import lora
+    from rollart.engines.digest import file_content_digest
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    peft_model = lora.wrap_model(model, rank=4, alpha=8.0, targets=LORA_TARGETS)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    save_file(lora.adapter_tensors(peft_model), str(path),
+              metadata=lora.adapter_metadata(4, 8.0, LORA_TARGETS))
+    if merged_path is not None:
+        save_file({k: v.contiguous() for k, v in lora.merged_tensors(peft_model).items()},
+                  str(merged_path))
+    return file_content_digest(path)
+
+
+@pytest.mark.timeout(300)
+async def test_a_lora_version_is_served_as_an_adapter_and_a_bad_digest_is_refused(
+        srv, memory_bus_only, prompts, tiny_model_dir, tmp_path):
+    from rollart import messages as m
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.actors.kernel.policy import set_policy
+    from rollart.bus.codec import encode
+    from rollart.node import Node
+    from tests.actors.sample_actors import new_run
+
+    bus, run = memory_bus_only, new_run()
+    a1, a2, merged = (tmp_path / n for n in ("a1.safetensors", "a2.safetensors", "m.safetensors"))
+    d1, d2 = _lora_version(tiny_model_dir, 1, a1), _lora_version(tiny_model_dir, 2, a2, merged)
+    print(f"\nbytes per version: LoRA rank 4 {a1.stat().st_size}, merged full "
+          f"{merged.stat().st_size}")
+
+    async def publish(version, path, digest):
+        pub = m.PolicyPublished(version=version, uri=path.resolve().as_uri(), digest=digest,
+                                kind="lora")
+        await bus.publish(m.subject(run, "policy.published"), encode(pub))
+        await set_policy(bus, run, pub)
+
+    async def served():
+        return (await srv._call("GET", "/v1/models")).decode()
+
+    inputs = [GenInput(p, max_new_tokens=12, greedy=True) for p in prompts]
+    before = [await srv.generate(i, f"lb{k}") for k, i in enumerate(inputs)]
+    v = srv.version + 10
+    proxy = LLMProxy(run=run, name="gen-lora", model_dir=str(tiny_model_dir),
+                     engine="vllm-server", engine_obj=srv)
+    async with Node(bus, [proxy], heartbeat_every=0):
+        proxy.policy_follow.first_retry = 3600.0  # only announcements count here
+        await publish(v, a1, d1)
+        await until(lambda: proxy.version == v, deadline=120, what="the first adapter loaded")
+        print(f"vllm-server LoRA load: {srv.last_load_s:.2f} s")
+        first, first_dir = srv.adapter, srv._adapter_dir
+        assert first and first_dir.parent == srv._wdir and first in await served()
+        one = [await srv.generate(i, f"l1{k}") for k, i in enumerate(inputs)]
+        assert all(o.version == v for o in one)
+        assert max(abs(a - b) for x, y in zip(one, before)
+                   for a, b in zip(x.logprobs, y.logprobs)) > 1e-2, "the adapter serves"
+
+        await publish(v + 1, a2, d1)  # the second adapter announced with the first's digest
+        await until(lambda: any(k[0] == v + 1 for k in proxy.policy_follow.refused),
+                    deadline=60, what="the mismatched version refused")
+        assert proxy.version == v and srv.adapter == first, "the first adapter keeps serving"
+
+        await publish(v + 1, a2, d2)
+        await until(lambda: proxy.version == v + 1, deadline=120, what="the second adapter")
+        assert srv.adapter != first and first not in await served(), "the first is unloaded"
+        assert not first_dir.exists() and srv.adapter in await served()
+    two = [await srv.generate(i, f"l2{k}") for k, i in enumerate(inputs)]
+    await srv.pause("wait")  # the same model as merged full weights
+    try:
+        await srv.load_weights(merged, v + 2)
+    finally:
+        await srv.resume()
+    assert srv.adapter is None and srv.version == v + 2
+    full = [await srv.generate(i, f"l3{k}") for k, i in enumerate(inputs)]
+    for x, y in zip(two, full):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=TOL)
+    await srv.pause("wait")  # back to the base
+    try:
+        await srv.load_weights(tiny_model_dir / "model.safetensors", v + 3)
+    finally:
+        await srv.resume()
