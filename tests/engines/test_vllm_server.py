@@ -103,15 +103,19 @@ async def test_a_server_killed_mid_generation_restarts_and_the_node_stop_leaves_
     from tests.actors.sample_actors import new_run
 
     proxy = LLMProxy(run=new_run(), name="gen-0", model_dir=str(tiny_model_dir),
-                     engine="vllm-server", engine_args=dict(ARGS))
+                     engine="vllm-server", engine_args={**ARGS, "enable_lora": True,
+                                                        "max_lora_rank": 8})
     async with Node(memory_bus_only, [proxy], heartbeat_every=0):
         eng = proxy.async_engine
         sd = load_file(str(tiny_model_dir / "model.safetensors"))
         save_file({k: v * 1.5 if v.dim() == 2 else v for k, v in sd.items()},
                   str(tmp_path / "w.safetensors"))
-        await eng.pause("wait")
-        await eng.load_weights(tmp_path / "w.safetensors", 7)
+        _lora_version(tiny_model_dir, 3, tmp_path / "a.safetensors")
+        await eng.pause("wait")  # full weights, then an adapter over them: both come back
+        await eng.load_weights(tmp_path / "w.safetensors", 6)
+        await eng.load_weights(tmp_path / "a.safetensors", 7)
         await eng.resume()
+        assert eng.adapter is not None
         probe = GenInput(prompts[1], max_new_tokens=8, greedy=True)
         want = await eng.generate(probe, "probe-0")
         first = eng.proc.pid
@@ -130,6 +134,7 @@ async def test_a_server_killed_mid_generation_restarts_and_the_node_stop_leaves_
         assert second != first and not alive(first) and not group(first)
         again = await eng.generate(probe, "probe-1")
         assert again.token_ids == want.token_ids and again.version == 7
+        assert eng.adapter is not None, "the adapter is served again"
         assert again.logprobs == pytest.approx(want.logprobs, abs=TOL)
     await until(lambda: not alive(second) and not group(second), deadline=30,
                 state=lambda: group(second), what="the node stopped: its server gone")
