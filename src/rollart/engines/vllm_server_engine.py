@@ -16,12 +16,14 @@ the server's command line and launch: :mod:`~rollart.engines.vllm_server`.
 Supervision: a task owned by the engine awaits the launched server's exit; requests in flight
 then fail with :class:`~rollart.engines.base.EngineUnavailable` (the LLMProxy answers
 "unavailable", so the turn is sent again), new ones wait, and the server is started again
-(up to ``max_restarts`` times) and given the last loaded weights before it serves.
+(up to ``max_restarts`` times) and given the last loaded weights (and LoRA adapter) before
+it serves.
 
-Kept whole (~480 lines): a request's path (the pause gate, the server's life, the abort of
-its call) and the server's life (launch, supervision, restart, reload) share one request
-table, one HTTP session and one gate; the pure parts are in
-:mod:`~rollart.engines.vllm_server_protocol`, the process in :mod:`~rollart.engines.vllm_server`.
+Kept whole (~560 lines): a request's path (the pause gate, the server's life, the abort of
+its call, the adapter it names) and the server's life (launch, supervision, restart, reload
+of full weights and of adapters) share one request table, one HTTP session and one gate; the
+pure parts are in :mod:`~rollart.engines.vllm_server_protocol` and
+:mod:`~rollart.engines.lora_files`, the process in :mod:`~rollart.engines.vllm_server`.
 """
 
 from __future__ import annotations
