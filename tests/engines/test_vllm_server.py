@@ -297,7 +297,10 @@ async def test_a_lora_version_is_served_as_an_adapter_and_a_bad_digest_is_refuse
     proxy = LLMProxy(run=run, name="gen-lora", model_dir=str(tiny_model_dir),
                      engine="vllm-server", engine_obj=srv)
     async with Node(bus, [proxy], heartbeat_every=0):
-        proxy.policy_follow.first_retry = 3600.0  # only announcements count here
+        follow = proxy.policy_follow  # no retry after a backoff: only announcements count
+        follow.first_retry = follow.max_retry = 3600.0
+        await until(lambda: proxy.gate.held is not None, deadline=60,
+                    what="the proxy following the policy (it sees every record)")
         await publish(v, a1, d1)
         await until(lambda: proxy.version == v, deadline=120, what="the first adapter loaded")
         print(f"vllm-server LoRA load: {srv.last_load_s:.2f} s")
@@ -312,24 +315,39 @@ async def test_a_lora_version_is_served_as_an_adapter_and_a_bad_digest_is_refuse
         await until(lambda: any(k[0] == v + 1 for k in proxy.policy_follow.refused),
                     deadline=60, what="the mismatched version refused")
         assert proxy.version == v and srv.adapter == first, "the first adapter keeps serving"
+        from safetensors.torch import load_file, save_file
 
-        await publish(v + 1, a2, d2)
-        await until(lambda: proxy.version == v + 1, deadline=120, what="the second adapter")
+        from rollart.engines.weight_files import read_metadata
+
+        bad = load_file(str(a1))  # an adapter of another model: refused before the server
+        k = next(n for n in bad if ".lora_A." in n)
+        bad[k] = bad[k][:, :-1].contiguous()
+        save_file(bad, str(tmp_path / "bad.safetensors"), metadata=read_metadata(a1))
+        await srv.pause("wait")
+        try:
+            with pytest.raises(ValueError, match="does not match the model"):
+                await srv.load_weights(tmp_path / "bad.safetensors", v + 1)
+        finally:
+            await srv.resume()
+        assert srv.version == v and srv.adapter == first
+
+        await publish(v + 2, a2, d2)
+        await until(lambda: proxy.version == v + 2, deadline=120, what="the second adapter")
         assert srv.adapter != first and first not in await served(), "the first is unloaded"
         assert not first_dir.exists() and srv.adapter in await served()
     two = [await srv.generate(i, f"l2{k}") for k, i in enumerate(inputs)]
     await srv.pause("wait")  # the same model as merged full weights
     try:
-        await srv.load_weights(merged, v + 2)
+        await srv.load_weights(merged, v + 3)
     finally:
         await srv.resume()
-    assert srv.adapter is None and srv.version == v + 2
+    assert srv.adapter is None and srv.version == v + 3
     full = [await srv.generate(i, f"l3{k}") for k, i in enumerate(inputs)]
     for x, y in zip(two, full):
         assert x.token_ids == y.token_ids
         assert x.logprobs == pytest.approx(y.logprobs, abs=TOL)
     await srv.pause("wait")  # back to the base
     try:
-        await srv.load_weights(tiny_model_dir / "model.safetensors", v + 3)
+        await srv.load_weights(tiny_model_dir / "model.safetensors", v + 4)
     finally:
         await srv.resume()

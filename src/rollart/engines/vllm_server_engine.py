@@ -518,15 +518,25 @@ class VllmServerEngine(AsyncEngine):
         self.version = version
 
     async def _serve_adapter(self, folder: Path, version: int) -> None:
+        """Load the peft ``folder`` on the server under a new name, confirm ``version``, then
+        name it in requests and unload the previous adapter (its folder removed)."""
         t0 = time.monotonic()
         self._adapters += 1
         name = f"rollart-v{version}-{self._adapters}"
         await self._call("POST", "/v1/load_lora_adapter",
                          {"lora_name": name, "lora_path": str(folder)})
+        try:  # requests name it only once the server confirms the version
+            await self._call("POST", "/reset_prefix_cache")
+            await self._call("POST", "/update_weight_version", {"new_version": str(version)})
+            got = decode_weight_version(await self._call("GET", "/weight_info"))
+            if got != str(version):
+                raise RuntimeError(f"the vLLM server reports weight version {got!r} after "
+                                   f"loading adapter version {version}")
+        except Exception:
+            await self._post_quietly("/v1/unload_lora_adapter", {"lora_name": name})
+            raise
         old, old_dir = self.adapter, self._adapter_dir
         self.adapter, self._adapter_dir = name, folder
-        await self._call("POST", "/reset_prefix_cache")
-        await self._call("POST", "/update_weight_version", {"new_version": str(version)})
         if old is not None:
             await self._post_quietly("/v1/unload_lora_adapter", {"lora_name": old})
         if old_dir is not None and old_dir != folder:
