@@ -37,7 +37,11 @@ def engine(tiny_model_dir):
     return TorchGenerationEngine(tiny_model_dir, threads=1, seed=0)
 
 
-VLLM_SERVER_ARGS = {"dtype": "float32", "max_model_len": 2048}
+# LoRA on (as a run with trainer.lora gets it): the contract suite and test_vllm_server.py
+# compare its base outputs with the trainer's and the in-process engine's; the last serves
+# adapters
+VLLM_SERVER_ARGS = {"dtype": "float32", "max_model_len": 2048, "enable_lora": True,
+                    "max_lora_rank": 8}
 
 
 @pytest.fixture(scope="session")

@@ -184,6 +184,12 @@ def test_the_config_and_the_backend_factory(model_dir):
     assert sum(p.requires_grad for p in b.model.parameters()) == 2 * 2
     vcfg = convert({"trainer": {"lora": {"rank": 2}}, "proxy": {"engine": "vllm"}}, RunConfig)
     assert make_backend(vcfg, model_dir).weights_kind == "full", "vLLM gets merged weights"
+    # vllm-server serves adapters (enable_lora, unless turned off): it gets the adapter
+    scfg = convert({"trainer": {"lora": {"rank": 4}}, "proxy": {"engine": "vllm-server"}}, RunConfig)
+    assert make_backend(scfg, model_dir).weights_kind == "lora"
+    off = convert({"trainer": {"lora": {"rank": 4}}, "proxy": {
+        "engine": "vllm-server", "engine_args": {"enable_lora": False}}}, RunConfig)
+    assert make_backend(off, model_dir).weights_kind == "full"
     with pytest.raises(ValueError, match="not found"):  # peft: no module of that name
         TorchTrainBackend(model_dir, lora={**LORA, "targets": ["nope_proj"]}, **KW)
 
@@ -239,3 +245,39 @@ def test_the_head_of_a_tied_model_is_refused_as_a_target():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="trainer.lora.targets: 'lm_head' is tied"):
         wrap_model(Qwen3ForCausalLM(cfg), rank=4, alpha=8.0, targets=("q_proj", "lm_head"))
+
+
+def test_an_adapter_file_becomes_a_checked_peft_folder(model_dir, tmp_path):
+    """What the vllm-server engine hands its server: the adapter file checked against the
+    model (names, shapes, rank), in a private folder with peft's adapter_config.json."""
+    import json
+
+    from rollart.engines import applies_adapters, lora_engine_args
+    from rollart.engines.lora_files import adapter_config, write_adapter_folder
+    from rollart.engines.weight_files import model_weight_shapes
+
+    tr = TorchTrainBackend(model_dir, lora=LORA, **KW)
+    path = tmp_path / "v.safetensors"
+    tr.save_weights(path)
+    shapes = model_weight_shapes(model_dir)
+    cfg = adapter_config(read_header(path), read_metadata(path), shapes, max_rank=8)
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and cfg["peft_type"] == "LORA"
+    assert sorted(cfg["target_modules"]) == sorted(LORA["targets"])
+    folder = write_adapter_folder(path.read_bytes(), cfg, tmp_path / "lora-1")
+    assert (folder.stat().st_mode & 0o777) == 0o700
+    assert json.loads((folder / "adapter_config.json").read_text()) == cfg
+    assert file_content_digest(folder / "adapter_model.safetensors") == file_content_digest(path)
+    with pytest.raises(ValueError, match="above the server's max_lora_rank"):
+        adapter_config(read_header(path), read_metadata(path), shapes, max_rank=1)
+    with pytest.raises(ValueError, match="no LoRA metadata"):
+        adapter_config(read_header(path), {}, shapes)
+    wrong = {k: (v if ".lora_A." not in k else v._replace(shape=(4, 3)))
+             for k, v in read_header(path).items()}
+    with pytest.raises(ValueError, match="does not match the model"):
+        adapter_config(wrong, read_metadata(path), shapes)
+    # which engines get adapters, and the server flags a LoRA run gives vllm-server
+    args = lora_engine_args("vllm-server", {"max_model_len": 64}, 4)
+    assert args == {"max_model_len": 64, "enable_lora": True, "max_lora_rank": 8}
+    assert applies_adapters("vllm-server", args) and applies_adapters("torch", {})
+    assert not applies_adapters("vllm", lora_engine_args("vllm", {}, 4))
+    assert not applies_adapters("sglang", {}) and lora_engine_args("vllm-server", {}, None) == {}

@@ -5,10 +5,12 @@ greedy requests give the same tokens and log-probs as the in-process ``vllm`` en
 weight update changes the outputs and the server confirms its version; a server killed -9
 mid-generation fails its requests as unavailable and is started again, and later requests
 succeed on the weights loaded before; the LLMProxy's node stopping, and the node's process
-killed -9, leave no server process. Starting a server takes 50-100 s on this machine, so the
+killed -9, leave no server process; a LoRA version (``kind: lora``) is served as a vLLM
+adapter, gives the merged model's outputs, replaces the previous adapter, and one whose
+digest does not match is refused. Starting a server takes 50-100 s on this machine, so the
 tests that need no process of their own share the session's (``vllm_server`` in
-``tests/engines/conftest.py``, which the contract suite's ``vllm-server`` case started).
-Needs vLLM (``make test-vllm``); skipped without it.
+``tests/engines/conftest.py``, LoRA on, which the contract suite's ``vllm-server`` case
+started). Needs vLLM (``make test-vllm``); skipped without it.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def prompts(tiny_tokenizer):
 
 @pytest.fixture
 def srv(vllm_server):
-    """The session's server (``tests/engines/conftest.py``), shared with the contract suite."""
+    """The session's server (``tests/engines/conftest.py``, LoRA on), shared with the
+    contract suite."""
     return vllm_server
 
 
@@ -95,15 +98,19 @@ async def test_a_server_killed_mid_generation_restarts_and_the_node_stop_leaves_
     from tests.actors.sample_actors import new_run
 
     proxy = LLMProxy(run=new_run(), name="gen-0", model_dir=str(tiny_model_dir),
-                     engine="vllm-server", engine_args=dict(ARGS))
+                     engine="vllm-server", engine_args={**ARGS, "enable_lora": True,
+                                                        "max_lora_rank": 8})
     async with Node(memory_bus_only, [proxy], heartbeat_every=0):
         eng = proxy.async_engine
         sd = load_file(str(tiny_model_dir / "model.safetensors"))
         save_file({k: v * 1.5 if v.dim() == 2 else v for k, v in sd.items()},
                   str(tmp_path / "w.safetensors"))
-        await eng.pause("wait")
-        await eng.load_weights(tmp_path / "w.safetensors", 7)
+        _lora_version(tiny_model_dir, 3, tmp_path / "a.safetensors")
+        await eng.pause("wait")  # full weights, then an adapter over them: both come back
+        await eng.load_weights(tmp_path / "w.safetensors", 6)
+        await eng.load_weights(tmp_path / "a.safetensors", 7)
         await eng.resume()
+        assert eng.adapter is not None
         probe = GenInput(prompts[1], max_new_tokens=8, greedy=True)
         want = await eng.generate(probe, "probe-0")
         first = eng.proc.pid
@@ -122,6 +129,7 @@ async def test_a_server_killed_mid_generation_restarts_and_the_node_stop_leaves_
         assert second != first and not alive(first) and not group(first)
         again = await eng.generate(probe, "probe-1")
         assert again.token_ids == want.token_ids and again.version == 7
+        assert eng.adapter is not None, "the adapter is served again"
         assert again.logprobs == pytest.approx(want.logprobs, abs=TOL)
     await until(lambda: not alive(second) and not group(second), deadline=30,
                 state=lambda: group(second), what="the node stopped: its server gone")
@@ -179,7 +187,8 @@ async def test_the_same_greedy_tokens_and_logprobs_as_in_process_vllm(srv, promp
     outs = await asyncio.gather(*(srv.generate(i, f"sb{k}") for k, i in enumerate(bulk)))
     srv_s, srv_n = time.monotonic() - t0, sum(len(o.token_ids) for o in outs)
     ref = build_engine("vllm", str(tiny_model_dir), seed=0, threads=1,
-                       engine_args=dict(VLLM_SERVER_ARGS))
+                       engine_args={k: v for k, v in VLLM_SERVER_ARGS.items()
+                                    if "lora" not in k})
     await ref.start()
     try:
         want = [await ref.generate(i, f"r{k}") for k, i in enumerate(inputs + choice_in)]
@@ -225,3 +234,117 @@ async def test_a_weight_update_changes_outputs_and_the_server_confirms_its_versi
         await srv.resume()
     again = [await srv.generate(i, f"y{k}") for k, i in enumerate(inputs)]
     assert [o.token_ids for o in again] == [o.token_ids for o in before]
+
+
+def _lora_version(model_dir, seed: int, path, merged_path=None) -> str:
+    """A LoRA version as the trainer publishes it (the adapter file, rank 4, every
+    projection, B random so that it changes the model), and optionally the same model's
+    merged full weights; returns the adapter's content digest."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from rollart.config.trainer import LORA_TARGETS
+    from rollart.engines import lora
+    from rollart.engines.digest import file_content_digest
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    peft_model = lora.wrap_model(model, rank=4, alpha=8.0, targets=LORA_TARGETS)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    save_file(lora.adapter_tensors(peft_model), str(path),
+              metadata=lora.adapter_metadata(4, 8.0, LORA_TARGETS))
+    if merged_path is not None:
+        save_file({k: v.contiguous() for k, v in lora.merged_tensors(peft_model).items()},
+                  str(merged_path))
+    return file_content_digest(path)
+
+
+@pytest.mark.timeout(300)
+async def test_a_lora_version_is_served_as_an_adapter_and_a_bad_digest_is_refused(
+        srv, memory_bus_only, prompts, tiny_model_dir, tmp_path):
+    from rollart import messages as m
+    from rollart.actors.generate.proxy import LLMProxy
+    from rollart.actors.kernel.policy import set_policy
+    from rollart.bus.codec import encode
+    from rollart.node import Node
+    from tests.actors.sample_actors import new_run
+
+    bus, run = memory_bus_only, new_run()
+    a1, a2, merged = (tmp_path / n for n in ("a1.safetensors", "a2.safetensors", "m.safetensors"))
+    d1, d2 = _lora_version(tiny_model_dir, 1, a1), _lora_version(tiny_model_dir, 2, a2, merged)
+    print(f"\nbytes per version: LoRA rank 4 {a1.stat().st_size}, merged full "
+          f"{merged.stat().st_size}")
+
+    async def publish(version, path, digest):
+        pub = m.PolicyPublished(version=version, uri=path.resolve().as_uri(), digest=digest,
+                                kind="lora")
+        await bus.publish(m.subject(run, "policy.published"), encode(pub))
+        await set_policy(bus, run, pub)
+
+    async def served():
+        return (await srv._call("GET", "/v1/models")).decode()
+
+    inputs = [GenInput(p, max_new_tokens=12, greedy=True) for p in prompts]
+    before = [await srv.generate(i, f"lb{k}") for k, i in enumerate(inputs)]
+    v = srv.version + 10
+    proxy = LLMProxy(run=run, name="gen-lora", model_dir=str(tiny_model_dir),
+                     engine="vllm-server", engine_obj=srv)
+    async with Node(bus, [proxy], heartbeat_every=0):
+        follow = proxy.policy_follow  # no retry after a backoff: only announcements count
+        follow.first_retry = follow.max_retry = 3600.0
+        await until(lambda: proxy.gate.held is not None, deadline=60,
+                    what="the proxy following the policy (it sees every record)")
+        await publish(v, a1, d1)
+        await until(lambda: proxy.version == v, deadline=120, what="the first adapter loaded")
+        print(f"vllm-server LoRA load: {srv.last_load_s:.2f} s")
+        first, first_dir = srv.adapter, srv._adapter_dir
+        assert first and first_dir.parent == srv._wdir and first in await served()
+        one = [await srv.generate(i, f"l1{k}") for k, i in enumerate(inputs)]
+        assert all(o.version == v for o in one)
+        assert max(abs(a - b) for x, y in zip(one, before)
+                   for a, b in zip(x.logprobs, y.logprobs)) > 1e-2, "the adapter serves"
+
+        await publish(v + 1, a2, d1)  # the second adapter announced with the first's digest
+        await until(lambda: any(k[0] == v + 1 for k in proxy.policy_follow.refused),
+                    deadline=60, what="the mismatched version refused")
+        assert proxy.version == v and srv.adapter == first, "the first adapter keeps serving"
+        from safetensors.torch import load_file, save_file
+
+        from rollart.engines.weight_files import read_metadata
+
+        bad = load_file(str(a1))  # an adapter of another model: refused before the server
+        k = next(n for n in bad if ".lora_A." in n)
+        bad[k] = bad[k][:, :-1].contiguous()
+        save_file(bad, str(tmp_path / "bad.safetensors"), metadata=read_metadata(a1))
+        await srv.pause("wait")
+        try:
+            with pytest.raises(ValueError, match="does not match the model"):
+                await srv.load_weights(tmp_path / "bad.safetensors", v + 1)
+        finally:
+            await srv.resume()
+        assert srv.version == v and srv.adapter == first
+
+        await publish(v + 2, a2, d2)
+        await until(lambda: proxy.version == v + 2, deadline=120, what="the second adapter")
+        assert srv.adapter != first and first not in await served(), "the first is unloaded"
+        assert not first_dir.exists() and srv.adapter in await served()
+    two = [await srv.generate(i, f"l2{k}") for k, i in enumerate(inputs)]
+    await srv.pause("wait")  # the same model as merged full weights
+    try:
+        await srv.load_weights(merged, v + 3)
+    finally:
+        await srv.resume()
+    assert srv.adapter is None and srv.version == v + 3
+    full = [await srv.generate(i, f"l3{k}") for k, i in enumerate(inputs)]
+    for x, y in zip(two, full):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=TOL)
+    await srv.pause("wait")  # back to the base
+    try:
+        await srv.load_weights(tiny_model_dir / "model.safetensors", v + 4)
+    finally:
+        await srv.resume()

@@ -301,7 +301,10 @@ class ProxyConfig(Base):
     (``max_model_len``, ``gpu_memory_utilization``...); for ``vllm-server`` ``python``
     (the interpreter that runs the server), ``url`` and ``api_key_env`` (attach to a
     running server; the name of the variable holding its key), ``startup_timeout_s``,
-    ``max_restarts``, ``env``, ``log_file``, ``weights_dir``, and server flags
+    ``max_restarts``, ``env``, ``log_file``, ``weights_dir``, ``enable_lora`` and
+    ``max_lora_rank`` (with ``trainer.lora``: versions served as vLLM LoRA adapters; on by
+    default, ``max_lora_rank`` the smallest vLLM allows above ``trainer.lora.rank``;
+    ``enable_lora: false`` sends merged full weights instead), and server flags
     (``max_model_len: 512`` -> ``--max-model-len 512``; see
     :class:`rollart.engines.vllm_server_engine.VllmServerEngine`);
     for ``sglang`` ``url`` (attach to a running server) or server arguments; for ``torch``

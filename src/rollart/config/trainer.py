@@ -248,7 +248,9 @@ class ComputeKeys(SkipKeys):
     lora: LoraConfig | None = None
     """LoRA (``peft``): train adapters only, over the frozen base model (``backend: torch``);
     a published version is the adapter file, which ``proxy.engine: torch`` replicas apply
-    over the base (other engines get the merged weights). None: full fine-tuning."""
+    over the base and ``vllm-server`` replicas load as a vLLM LoRA adapter
+    (``proxy.engine_args.enable_lora``, on by default); ``vllm`` and ``sglang`` get the
+    merged weights. None: full fine-tuning."""
     world_size: int = 1
     """Trainer ranks (processes) computing each step, over ``torch.distributed`` (gloo on CPU,
     nccl on GPU): rank 0 is the trainer on the bus, each rank computes its share of the

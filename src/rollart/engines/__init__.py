@@ -35,7 +35,9 @@ __all__ = [
     "EngineAborted",
     "EngineUnavailable",
     "FINISH_INTERRUPTED",
+    "applies_adapters",
     "build_engine",
+    "lora_engine_args",
     "FINISH_CHOICE",
     "FINISH_LENGTH",
     "FINISH_STOP",
@@ -63,6 +65,39 @@ def missing_for(name: str) -> str | None:
         return ("proxy.engine 'sglang' needs aiohttp to talk to the SGLang server: pip install "
                 "'rollart[sglang]'")
     return None
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``--max-lora-rank`` values vLLM (0.32) accepts."""
+
+
+def lora_engine_args(name: str, engine_args: dict[str, Any] | None,
+                     lora_rank: int | None) -> dict[str, Any]:
+    """``proxy.engine_args`` as the replicas use them in a run with ``trainer.lora`` of rank
+    ``lora_rank`` (None: no LoRA; the args unchanged): ``vllm-server`` serves the versions as
+    adapters (``enable_lora: true`` unless the args say ``false``) with ``max_lora_rank`` the
+    smallest rank vLLM accepts that holds ``lora_rank`` unless given."""
+    args = {str(k).replace("-", "_"): v for k, v in dict(engine_args or {}).items()}
+    if lora_rank is None or name != "vllm-server":
+        return dict(engine_args or {})
+    args.setdefault("enable_lora", True)
+    if args["enable_lora"] and "max_lora_rank" not in args:
+        args["max_lora_rank"] = next((r for r in VLLM_LORA_RANKS if r >= int(lora_rank)),
+                                     int(lora_rank))
+    return args
+
+
+def applies_adapters(name: str, engine_args: dict[str, Any] | None) -> bool:
+    """Whether ``proxy.engine`` ``name`` with ``engine_args`` (as :func:`lora_engine_args`
+    gives them) loads a LoRA version (``kind: lora``) as an adapter over its base: the torch
+    engine always, ``vllm-server`` with ``enable_lora``; the others load full weights only,
+    so the trainer sends them merged weights (``kind: full``)."""
+    if name == "torch":
+        return True
+    if name == "vllm-server":
+        args = {str(k).replace("-", "_"): v for k, v in dict(engine_args or {}).items()}
+        return bool(args.get("enable_lora"))
+    return False
 
 
 TORCH_ENGINE_ARGS = frozenset({"kv_cache_mb", "dtype", "attn_implementation", "gather_max_ms"})

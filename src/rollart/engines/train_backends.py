@@ -17,11 +17,14 @@ def make_backend(cfg: Any, model_dir: str | os.PathLike) -> Any:
     kwargs = dict(lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.adam_betas), grad_clip=t.grad_clip,
                   warmup_steps=t.warmup_steps, total_steps=t.steps, schedule=t.schedule,
                   threads=cfg.model.threads, seed=t.seed, micro_batch_tokens=t.micro_batch_tokens)
-    if getattr(t, "lora", None) is not None:  # adapters for the torch engine, else merged weights
+    if getattr(t, "lora", None) is not None:  # adapters where the engine applies them
+        from rollart.engines import applies_adapters, lora_engine_args
+
         lo = t.lora
+        args = lora_engine_args(cfg.proxy.engine, cfg.proxy.engine_args, lo.rank)
         kwargs.update(lora={"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
                             "targets": list(lo.targets)},
-                      publish="adapter" if cfg.proxy.engine == "torch" else "merged")
+                      publish="adapter" if applies_adapters(cfg.proxy.engine, args) else "merged")
     if getattr(t, "backend", "torch") == "megatron":
         from rollart.engines import megatron_trainer as mt
 

@@ -16,12 +16,14 @@ the server's command line and launch: :mod:`~rollart.engines.vllm_server`.
 Supervision: a task owned by the engine awaits the launched server's exit; requests in flight
 then fail with :class:`~rollart.engines.base.EngineUnavailable` (the LLMProxy answers
 "unavailable", so the turn is sent again), new ones wait, and the server is started again
-(up to ``max_restarts`` times) and given the last loaded weights before it serves.
+(up to ``max_restarts`` times) and given the last loaded weights (and LoRA adapter) before
+it serves.
 
-Kept whole (~480 lines): a request's path (the pause gate, the server's life, the abort of
-its call) and the server's life (launch, supervision, restart, reload) share one request
-table, one HTTP session and one gate; the pure parts are in
-:mod:`~rollart.engines.vllm_server_protocol`, the process in :mod:`~rollart.engines.vllm_server`.
+Kept whole (~560 lines): a request's path (the pause gate, the server's life, the abort of
+its call, the adapter it names) and the server's life (launch, supervision, restart, reload
+of full weights and of adapters) share one request table, one HTTP session and one gate; the
+pure parts are in :mod:`~rollart.engines.vllm_server_protocol` and
+:mod:`~rollart.engines.lora_files`, the process in :mod:`~rollart.engines.vllm_server`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from .vllm_server_protocol import (MAX_ANSWER_BYTES, MAX_LOGPROB_IDS, AnswerChoi
                                    VllmAnswerError, choice_params, decode_answer, decode_weight_version,
                                    free_tokens, sampling_params, server_rid, step_logprobs)
 from .vllm_engine import SIDE_FILES
-from .weight_files import check_weights, place_weights, read_header, read_model_info
+from .lora_files import adapter_config, write_adapter_folder
+from .weight_files import (LORA_KIND, check_weights, place_weights, read_header, read_metadata,
+                           read_model_info)
 
 __all__ = ["VllmServerEngine"]
 
@@ -81,12 +85,24 @@ class VllmServerEngine(AsyncEngine):
     ``rollart-vllm-server-<port>.log`` in the system's temporary folder), ``max_restarts``
     (3: how often a launched server that died is started again), ``weights_dir`` (where
     versions are staged for the server to read: a temporary folder by default; an attached
-    server on another host needs a shared path). Every other key is a server flag
-    (``max_model_len: 512`` -> ``--max-model-len 512``)."""
+    server on another host needs a shared path), ``enable_lora`` (LoRA versions are loaded as
+    adapters, :attr:`applies_adapters`: a launched server gets ``--enable-lora``,
+    ``--max-lora-rank`` ``max_lora_rank`` (default 16) and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; an attached one must have been started so).
+    Every other key is a server flag (``max_model_len: 512`` -> ``--max-model-len 512``).
+
+    A LoRA version (``kind: lora``; :meth:`load_weights` tells it by the file's metadata) is
+    checked against the model (:func:`~rollart.engines.lora_files.adapter_config`), written
+    as a peft folder ``lora-<version>-<n>`` in the engine's weights folder and loaded with
+    ``POST /v1/load_lora_adapter`` under the name ``rollart-v<version>-<n>``; requests then
+    name it as their ``model``, and the previous adapter is unloaded
+    (``/v1/unload_lora_adapter``) and its folder removed. The adapter applies over the
+    weights the server holds (the model folder's, or the last full weights loaded); a full
+    version loaded after it replaces it (requests go to the base again)."""
 
     def __init__(self, model_dir: str | os.PathLike, *, seed: int = 0,
                  engine_args: dict[str, Any] | None = None) -> None:
-        args = {str(k): v for k, v in dict(engine_args or {}).items()}
+        args = {str(k).replace("-", "_"): v for k, v in dict(engine_args or {}).items()}
         self.model_dir = Path(model_dir)
         self.seed = int(seed)
         self.url: str | None = str(args.pop("url")).rstrip("/") if args.get("url") else None
@@ -101,6 +117,13 @@ class VllmServerEngine(AsyncEngine):
         self._log_file = args.pop("log_file", None)
         self._weights_root = args.pop("weights_dir", None)
         self.max_restarts = int(args.pop("max_restarts", 3))
+        self.applies_adapters = bool(args.pop("enable_lora", False))
+        rank = args.pop("max_lora_rank", None)
+        self.max_lora_rank: int | None = int(rank) if rank is not None else (
+            16 if self.applies_adapters else None)
+        if self.applies_adapters and self.url is None:
+            args.update(enable_lora=True, max_lora_rank=self.max_lora_rank)
+            self.server_env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
         self.server_args = args
         if self.url is None:  # refuse bad flags now, not after a minute of start-up
             server_command(self.model_dir, port=0, args=args)
@@ -123,6 +146,10 @@ class VllmServerEngine(AsyncEngine):
         self._aiohttp: Any = None
         self._wdir: Path | None = None
         self._loaded = False  # the weights folder holds a version a new server must reload
+        self.adapter: str | None = None
+        """The LoRA adapter requests name as their ``model`` (None: the base weights)."""
+        self._adapter_dir: Path | None = None
+        self._adapters = 0  # adapter folders made (their names)
         self._reqs: dict[str, _Req] = {}
         self._active = 0
         self._n = 0  # requests seen (per-request seeds, as the in-process engine draws them)
@@ -232,6 +259,9 @@ class VllmServerEngine(AsyncEngine):
             await self._launch()
             if self._loaded:
                 await self._reload(self.version)
+            if self.adapter is not None:  # the new server knows no adapter yet
+                self.adapter = None
+                await self._serve_adapter(self._adapter_dir, self.version)
         except Exception as e:
             self._given_up(f"starting the vLLM server again failed: {e}")
             return
@@ -345,6 +375,8 @@ class VllmServerEngine(AsyncEngine):
         req.done = asyncio.Event()
         body = {"request_id": req.sid, "token_ids": prompt, "sampling_params": sp,
                 "output_mode": "tokens", "stream": False}
+        if self.adapter is not None:
+            body["model"] = self.adapter
         if req.aborted:
             self._spawn(self._abort_until_done(req))
         try:
@@ -446,12 +478,17 @@ class VllmServerEngine(AsyncEngine):
     async def load_weights(self, source: str | Path | bytes, version: int) -> None:
         """Check the file's names and shapes, stage it in the weights folder (a hard link
         or the bytes written), have the server reload it, and take ``version`` once the
-        server reports it (``/weight_info``)."""
+        server reports it (``/weight_info``). A LoRA adapter file (its metadata) is served
+        as an adapter instead (see the class docstring)."""
         if self._session is None or self._wdir is None:
             raise RuntimeError("the vllm-server engine is not started (or closed)")
         is_bytes = isinstance(source, (bytes, bytearray, memoryview))
         what = "weights bytes" if is_bytes else f"weights in {source}"
         given = await asyncio.to_thread(read_header, source)
+        meta = await asyncio.to_thread(read_metadata, source)
+        if meta.get("rollart_kind") == LORA_KIND:
+            await self._load_adapter(source, given, meta, int(version), what)
+            return
         check_weights(given, self.info.shapes,
                       optional={"lm_head.weight"} if self.info.tied else set(), what=what)
         await asyncio.to_thread(place_weights, source, self._wdir / "model.safetensors",
@@ -459,6 +496,61 @@ class VllmServerEngine(AsyncEngine):
         self._loaded = True
         await self._reload(int(version))
         self.version = int(version)
+        await self._drop_adapter()  # full weights: requests go to the base again
+
+    async def _load_adapter(self, source: Any, given: dict, meta: dict, version: int,
+                            what: str) -> None:
+        """Check the adapter against the model, write its peft folder, have the server
+        load it, name it in requests from now on, unload the previous one."""
+        if not self.applies_adapters:
+            raise ValueError(f"{what}: a LoRA adapter, and this vllm-server engine does not "
+                             f"serve adapters (proxy.engine_args.enable_lora)")
+        config = adapter_config(given, meta, self.info.shapes, max_rank=self.max_lora_rank,
+                                what=what)
+        self._adapters += 1
+        folder = self._wdir / f"lora-{version}-{self._adapters}"
+        await asyncio.to_thread(write_adapter_folder, source, config, folder)
+        try:
+            await self._serve_adapter(folder, version)
+        except BaseException:
+            shutil.rmtree(folder, True)
+            raise
+        self.version = version
+
+    async def _serve_adapter(self, folder: Path, version: int) -> None:
+        """Load the peft ``folder`` on the server under a new name, confirm ``version``, then
+        name it in requests and unload the previous adapter (its folder removed)."""
+        t0 = time.monotonic()
+        self._adapters += 1
+        name = f"rollart-v{version}-{self._adapters}"
+        await self._call("POST", "/v1/load_lora_adapter",
+                         {"lora_name": name, "lora_path": str(folder)})
+        try:  # requests name it only once the server confirms the version
+            await self._call("POST", "/reset_prefix_cache")
+            await self._call("POST", "/update_weight_version", {"new_version": str(version)})
+            got = decode_weight_version(await self._call("GET", "/weight_info"))
+            if got != str(version):
+                raise RuntimeError(f"the vLLM server reports weight version {got!r} after "
+                                   f"loading adapter version {version}")
+        except Exception:
+            await self._post_quietly("/v1/unload_lora_adapter", {"lora_name": name})
+            raise
+        old, old_dir = self.adapter, self._adapter_dir
+        self.adapter, self._adapter_dir = name, folder
+        if old is not None:
+            await self._post_quietly("/v1/unload_lora_adapter", {"lora_name": old})
+        if old_dir is not None and old_dir != folder:
+            shutil.rmtree(old_dir, True)
+        self.last_load_s = time.monotonic() - t0
+
+    async def _drop_adapter(self) -> None:
+        """Requests go to the base weights; the adapter is unloaded, its folder removed."""
+        old, old_dir = self.adapter, self._adapter_dir
+        self.adapter = self._adapter_dir = None
+        if old is not None:
+            await self._post_quietly("/v1/unload_lora_adapter", {"lora_name": old})
+        if old_dir is not None:
+            shutil.rmtree(old_dir, True)
 
     async def _reload(self, version: int) -> None:
         t0 = time.monotonic()

@@ -27,6 +27,13 @@ vLLM 0.32 server API used (``vllm/entrypoints``)
   (the in-process engine's reload, string kwargs only: no pickle), ``/reset_prefix_cache``,
   ``/update_weight_version`` then ``GET /weight_info`` (the server confirms the version).
 - ``GET /health`` (behind the key, see :mod:`~rollart.engines.vllm_server`).
+- LoRA (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): ``POST
+  /v1/load_lora_adapter {"lora_name", "lora_path"}`` reads a peft folder on the server's
+  host and preloads it into the engine (``add_lora``: a bad adapter is refused there, HTTP
+  500 with vLLM's message); a name may be loaded once (a new name per version, which also
+  keys the prefix cache); a request names it in ``model``. ``/v1/unload_lora_adapter
+  {"lora_name"}`` only drops the name from the served list: the worker's adapter cache
+  (``max_cpu_loras``, default ``max_loras`` = 1) evicts the old adapter when the next loads.
 Not used: ``/update_weights`` (its transfer engines are NCCL/IPC/... tensor transports, none
 reads a staged file), ``/sleep``/``/wake_up`` (nothing else shares the device here), client
 disconnect as abort (the answer is then an error without the partial tokens).

@@ -193,7 +193,7 @@ class PolicyLoading:
         if kind == LORA_KIND and not getattr(self.async_engine, "applies_adapters", False):
             raise ValueError(f"policy v{pub.version} is a LoRA adapter (trainer.lora) and this "
                              f"replica's engine ({type(self.async_engine).__name__}) applies none: "
-                             f"the trainer publishes merged weights when proxy.engine is not torch")
+                             f"the trainer publishes merged weights to engines that apply none")
 
     async def _load_paused(self, data: bytes | Path, version: int,
                            changed: Any = None) -> tuple[float, float]:

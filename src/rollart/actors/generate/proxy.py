@@ -36,7 +36,7 @@ from rollart.actors.kernel.service import ServiceUnavailable
 from rollart.actors.kernel.progress import ProgressReporter
 from rollart.bus import Subscription
 from rollart.config import ActorConfig, RunConfig
-from rollart.engines import build_engine
+from rollart.engines import build_engine, lora_engine_args
 from rollart.engines.base import (
     FINISH_CHOICE,
     FINISH_LENGTH,
@@ -155,11 +155,12 @@ class LLMProxy(PolicyLoading, Actor):
     @classmethod
     def from_config(cls, run_cfg: RunConfig, actor_cfg: ActorConfig, *, pool: str,
                     index: int = 0) -> "LLMProxy":
-        px = run_cfg.proxy
+        px, lora = run_cfg.proxy, run_cfg.trainer.lora
         name = f"generate-{pool}-{replica_suffix()}-{index}"  # unique across hosts
         return cls.configured(actor_cfg, dict(
             run=run_cfg.run, pool=pool, name=name, model_dir=str(model_dir(run_cfg)),
-            engine=px.engine, engine_args=dict(px.engine_args), on_update=px.on_update,
+            engine=px.engine, on_update=px.on_update,
+            engine_args=lora_engine_args(px.engine, px.engine_args, lora.rank if lora else None),
             gather_ms=px.gather_ms, max_batch=px.max_batch, dtype=px.dtype,
             threads=run_cfg.model.threads, seed=index,
             stream_limits=StreamLimits.of(run_cfg.trainer.sync)))
