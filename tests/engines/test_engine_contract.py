@@ -61,21 +61,33 @@ ENGINE_ARGS = {"torch": {}, "vllm": {"dtype": "float32"}, "sglang": {"dtype": "f
 
 
 @pytest.fixture(scope="module", params=["torch", "vllm", "vllm-server", "sglang"])
-async def eng(request, tiny_model):
+def engine_name(request):
     why = _unavailable(request.param)
     if why:
         pytest.skip(why)
-    if request.param == "vllm-server":  # one server for the session (tests/engines/conftest.py)
-        yield request.getfixturevalue("vllm_server")
-        return
-    e = build_engine(request.param, str(tiny_model), seed=0, threads=1,
-                     engine_args=ENGINE_ARGS[request.param])
+    return request.param
+
+
+@pytest.fixture(scope="module")
+async def own_engine(engine_name, tiny_model):
+    """An engine of this module's own (every engine but ``vllm-server``)."""
+    e = build_engine(engine_name, str(tiny_model), seed=0, threads=1,
+                     engine_args=ENGINE_ARGS[engine_name])
     assert isinstance(e, AsyncEngine)
     await e.start()
     try:
         yield e
     finally:
         await e.close()
+
+
+@pytest.fixture(scope="module")
+def eng(request, engine_name):
+    """The engine under contract: ``vllm-server`` is the session's server
+    (``tests/engines/conftest.py``, shared with ``test_vllm_server.py``); a sync fixture, so
+    that pytest-asyncio may set up either async fixture from here."""
+    return request.getfixturevalue("vllm_server" if engine_name == "vllm-server"
+                                   else "own_engine")
 
 
 @pytest.fixture(scope="module")
