@@ -224,7 +224,12 @@ async def test_gen_site_reads_each_version_from_its_relay(tmp_path, tiny_model, 
 LINK_RATE = "8mbit"
 """Site gen's link to the hub, both ways (``tc tbf``): 1 MB/s, so a version of the tiny
 model (~1.9 MiB, ~2.8 MiB with its anchor) takes seconds to cross."""
-OUTAGE_S = 12.0
+OUTAGE_S = 10.0
+"""Seconds site gen's link is cut. A black hole this long stalls the relay's TCP fetch of
+v1 in the sender's retransmission backoff (0.2 s doubling: ~0.2, 0.6, 1.4, 3, 6.2, 12.6 s
+after the first lost segment), so the transfer resumes ~2.5 s after the mend; 12 s would
+fall next to the 12.6 s retransmission and resume either then or at ~25 s (v1 whole 3.4 or
+13.4 s after the mend, measured), near the generators' ``relay_wait`` of 30 s."""
 
 
 async def test_gen_site_link_cut_mid_transfer_costs_lag_not_correctness(tmp_path, tiny_model,
