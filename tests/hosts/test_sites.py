@@ -12,7 +12,10 @@ between two clients of one site (reward requests) stays there.
   itself, the run finishes, every admitted trajectory is accounted for and none trained twice;
 - site ``gen`` with a weight relay (``--roles relay --site gen``) and two generate replicas
   (``--site gen``): every version they load comes from the relay (``policy.loaded``'s route),
-  and the relay fetched each version once over the link.
+  and the relay fetched each version once over the link;
+- that site's link shaped to 1 MB/s (``tc tbf``) and cut for 10 s (a black hole) while its
+  relay fetches v1, then mended: lag, not a loss; the generators wait for the relay and
+  load every version from it, each crossed the link once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tests.hosts.test_many_hosts import (
 )
 from tests.waiting import until
 
-# in `make test-scale` (four runs of ~40 s, on the worker beside the learning runs);
+# in `make test-scale` (five runs of ~40-60 s, on the worker beside the learning runs);
 # tests/deploy/test_sites.py checks the configs, the domain and the permissions in `make test`
 pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.scale]
 
@@ -284,7 +287,8 @@ async def test_gen_site_link_cut_mid_transfer_costs_lag_not_correctness(tmp_path
     after = [lo for lo in loads if lo.version >= 1]
     assert after and {lo.route for lo in after} == {"relay"}, \
         [(lo.replica, lo.version, lo.route) for lo in rec["loaded"]]
-    newest = {r: max(lo.version for lo in loads if lo.replica == r) for r in {lo.replica for lo in loads}}
+    newest = {r: max(lo.version for lo in loads if lo.replica == r)
+              for r in {lo.replica for lo in loads}}
     assert len(newest) == 2 and min(newest.values()) >= rows[-1]["version"] - 1, newest
     # cut off, the generators waited for the relay: none turned to the trainer's store, which
     # is across the same link (they did, 5 s into the cut, when a timed-out read of the
@@ -303,6 +307,7 @@ async def test_gen_site_link_cut_mid_transfer_costs_lag_not_correctness(tmp_path
     print(f"[sites] gen site's link ({LINK_RATE}) cut {OUTAGE_S:.0f}s mid v1 (after step "
           f"{step_at_cut}): run {time.monotonic() - t0:.1f}s; site gen heard again "
           f"{relink_s:.2f}s after the mend ({'same' if same_conn else 'new'} leaf connection); "
-          f"v1 whole at the relay {v1_s:.1f}s after the mend (its fetch {v1_fetch_s:.1f}s); {counts}; loads "
+          f"v1 whole at the relay {v1_s:.1f}s after the mend (its fetch {v1_fetch_s:.1f}s); "
+          f"{counts}; loads "
           f"{sorted((lo.version, lo.route) for lo in loads)}; relay: {'; '.join(mirrored)}; "
           f"{weights_down:.2f} MiB down beyond the leaf connection")
