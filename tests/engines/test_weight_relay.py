@@ -241,3 +241,46 @@ async def test_a_damaged_bucket_or_another_digest_is_refused_and_nothing_is_serv
         await mirror.take(tr.blobs, name, man.digest)
     assert not any(p.name.endswith(".manifest") for p in (tmp_path / "relay").iterdir())
     assert mirror.newest is None and mirror.prune() == 3  # the three checked buckets go
+
+
+async def test_a_generator_waits_for_its_relay_while_the_bus_does_not_answer():
+    """The site's link cut: reading KV ``relay.<site>`` times out. The generator keeps waiting
+    for the relay (within ``relay_wait``) instead of turning to the trainer's store, which is
+    across the same link; a bus that stays silent past ``relay_wait`` is a reason to."""
+    from rollart.actors.generate.relay import relay_route
+    from rollart.bus import BusTimeout
+    from rollart.engines.weight_stream import manifest_name
+
+    digest = "buckets-sha256:" + "ab" * 32
+    info = RelayInfo(site="gen", uri="tcp://127.0.0.1:9", version=1, digest=digest)
+    pub = m.PolicyPublished(version=1, uri=f"tcp://10.0.0.1:5/{manifest_name(1, digest)}",
+                            digest=digest, layout="stream")
+
+    class Entry:
+        value, deleted = msgspec.json.encode(info), False
+
+    class KV:
+        silent_until = 0.0
+
+        async def get(self, key):
+            assert key == relay_key("gen")
+            if time.monotonic() < self.silent_until:
+                raise BusTimeout("kv bucket X: timed out")
+            return Entry()
+
+    class Bus:
+        kv = KV()
+
+        async def key_value(self, bucket):
+            return self.kv
+
+    bus = Bus()
+    bus.kv.silent_until = time.monotonic() + 0.5
+    got = await relay_route(bus, "r1", "gen", pub, 10.0, "obj")
+    assert not isinstance(got, str), got
+    assert got[1] == manifest_name(1, digest) and got[0].port == 9
+    bus.kv.silent_until = time.monotonic() + 60
+    t0 = time.monotonic()
+    why = await relay_route(bus, "r1", "gen", pub, 0.5, "obj")
+    assert isinstance(why, str) and "could not be read for 0.5s" in why and "timed out" in why, why
+    assert time.monotonic() - t0 < 5

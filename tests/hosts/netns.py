@@ -190,6 +190,8 @@ class Host:
     logs: Path
     dev: str = ""
     """Its veth inside the namespace."""
+    outer: str = ""
+    """The other end of that veth: a port of the bridge, in the root namespace."""
     procs: list[Proc] = field(default_factory=list)
 
     def unplug(self) -> None:
@@ -202,6 +204,34 @@ class Host:
         ip("-n", self.ns, "link", "set", self.dev, "up")
         if f"{self.addr}/24" not in ip("-n", self.ns, "-o", "addr", "show", "dev", self.dev).stdout:
             ip("-n", self.ns, "addr", "add", f"{self.addr}/24", "dev", self.dev, check=False)
+
+    def shape(self, rate: str, burst: str = "64kb", latency: str = "400ms") -> None:
+        """Rate-limit the host's link both ways with ``tc ... tbf`` (``rate`` as tc spells it:
+        ``8mbit`` is 1 MB/s): its veth's egress (host to bridge) and the bridge port's (bridge
+        to host). ``netem`` is not available here, ``tbf`` is (tests/hosts only: the product
+        never shapes)."""
+        for ns, dev in ((self.ns, self.dev), (None, self.outer)):
+            args = ("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                    "latency", latency)
+            r = subprocess.run(["tc", *(("-n", ns) if ns else ()), *args], capture_output=True,
+                               text=True, timeout=30, check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"tc {' '.join(args)} failed: {r.stderr.strip()}")
+
+    def tx_to(self) -> int:
+        """Bytes sent to this host over its link so far (the bridge port's tx counter)."""
+        return int(Path(f"/sys/class/net/{self.outer}/statistics/tx_bytes").read_text())
+
+    def cut(self) -> None:
+        """Cut the host's link as a cable cut would: the bridge port goes down, so whatever
+        the host sends or is sent is dropped without an error (a black hole: established TCP
+        connections only stop hearing back); inside the host, its address, routes and the
+        connections between its own processes are untouched (unlike :meth:`unplug`)."""
+        ip("link", "set", self.outer, "down")
+
+    def mend(self) -> None:
+        """Undo :meth:`cut` (a shaping stays as it was)."""
+        ip("link", "set", self.outer, "up")
 
     def run(self, argv: list[str], log_name: str, *, env: dict | None = None,
             cwd: str | os.PathLike | None = None) -> Proc:
@@ -279,7 +309,8 @@ class Hosts:
             ip("-n", ns, "link", "set", "lo", "up")
             ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
             ip("-n", ns, "link", "set", inner, "up")
-            self.hosts.append(Host(name=f"h{k}", ns=ns, addr=addr, logs=self.logs, dev=inner))
+            self.hosts.append(Host(name=f"h{k}", ns=ns, addr=addr, logs=self.logs, dev=inner,
+                                   outer=outer))
 
     def all_procs(self) -> list[Proc]:
         return [p for h in self.hosts for p in h.procs]

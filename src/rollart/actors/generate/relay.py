@@ -198,18 +198,26 @@ async def relay_route(bus: Any, run: str, site: str, pub: m.PolicyPublished, wai
     except StreamError as e:
         return str(e)
     deadline = time.monotonic() + wait_s
-    delay = 0.05
+    delay, checked = 0.05, False
     while True:
         try:
             info: RelayInfo | None = await read_relay(bus, run, site)
-        except (StreamError, BusError) as e:
+        except StreamError as e:
             return f"the relay record of site {site} is unusable: {e}"
+        except BusError as e:  # the bus unanswered (the site's link cut, say): the trainer's
+            # store is across that link too, so wait for the record as for the version
+            if time.monotonic() >= deadline:
+                return f"the relay record of site {site} could not be read for {wait_s:g}s: {e}"
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(1.0, 2 * delay)
+            continue
         if info is None:
             return f"no relay advertised for site {site} (KV {relay_key(site)})"
         if info.version > pub.version or (info.version, info.digest) == (pub.version, pub.digest):
             break
-        if delay == 0.05 and (why := await _unreachable(info)):  # a killed relay's record
+        if not checked and (why := await _unreachable(info)):  # a killed relay's record
             return f"the relay of site {site} at {info.uri} is unreachable ({why})"
+        checked = True
         left = deadline - time.monotonic()
         if left <= 0:
             return (f"the relay of site {site} holds v{info.version}, not v{pub.version}, after "
