@@ -47,10 +47,17 @@ async def learns(cfg: RunConfig, label: str, *, nats: str = "memory") -> tuple[d
     """Run ``cfg`` to its end and assert what every run of the recipe must meet (the module
     docstring); print one line with its curve. Returns the summary and the metrics rows, for
     the variant's own assertions."""
-    steps, alpha = cfg.trainer.steps, cfg.rollout.alpha
     summary = await train(cfg, nats=nats, resume=False, quiet=True)
-    assert summary["steps"] == steps and not summary["interrupted"], summary
     rows = _rows(cfg)
+    check_learned(summary, rows, steps=cfg.trainer.steps, alpha=cfg.rollout.alpha, label=label)
+    return summary, rows
+
+
+def check_learned(summary: dict, rows: list[dict], *, steps: int, alpha: int, label: str) -> str:
+    """What every run of the recipe must meet (the module docstring), from its ``summary.json``
+    and ``metrics.jsonl`` rows, however it ran (``rollart run``, or nodes across hosts and
+    sites: tests/hosts/test_sites.py); prints and returns one line with its curve."""
+    assert summary["steps"] == steps and not summary["interrupted"], summary
     report = (f"{label}: final greedy success {summary.get('greedy_success')}; sampled success "
               f"every 10 steps {[round(r['success'], 2) for r in rows[::10]]}, last "
               f"{rows[-1]['success']:.2f}; {summary.get('wall_s', 0):.0f} s, train "
@@ -65,7 +72,7 @@ async def learns(cfg: RunConfig, label: str, *, nats: str = "memory") -> tuple[d
         assert all(mv >= v - alpha for mv in r["traj_min_versions"]), (r["step"], r["traj_min_versions"])
     ids = [t for r in rows for t in r["traj_ids"]]
     assert len(ids) == len(set(ids)), "no trajectory trained twice"
-    return summary, rows
+    return report
 
 
 # ~1.5-4 min a variant (a loaded host is 2-2.5x slower)

@@ -15,7 +15,11 @@ between two clients of one site (reward requests) stays there.
   and the relay fetched each version once over the link;
 - that site's link shaped to 1 MB/s (``tc tbf``) and cut for 10 s (a black hole) while its
   relay fetches v1, then mended: lag, not a loss; the generators wait for the relay and
-  load every version from it, each crossed the link once.
+  load every version from it, each crossed the link once;
+- the packaged quickstart (configs/quickstart.yaml as it is: its model, env, rollout, trainer,
+  steps and seeds) across the hub and both sites, site gen reading weights through its relay,
+  learns: tests/e2e/test_learning.py's assertions on the head's ``summary.json`` (its final
+  greedy evaluation) and ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
+from tests.actors.sample_actors import new_run
+from tests.e2e.test_learning import check_learned
 from tests.hosts.sites import Sites
 from tests.hosts.test_many_hosts import (
     check_accounting, check_steps, logs, metrics_rows, run_record, wait_exit, wait_step,
@@ -35,7 +43,8 @@ from tests.hosts.test_many_hosts import (
 )
 from tests.waiting import until
 
-# in `make test-scale` (five runs of ~40-60 s, on the worker beside the learning runs);
+# in `make test-scale` (five runs of ~40-60 s and the packaged quickstart's 2-6 min, on the
+# worker beside the learning runs);
 # tests/deploy/test_sites.py checks the configs, the domain and the permissions in `make test`
 pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.scale]
 
@@ -69,11 +78,31 @@ async def start_sites(hosts, tmp_path, *, trace: bool = False, secure: bool = Fa
     return sites, hub_h, gen_h, env_h, link_s
 
 
+def quickstart_config(tmp_path, urls: list[str], **infra) -> tuple[Path, str]:
+    """configs/quickstart.yaml as packaged (model, envs, rollout, trainer: its steps and
+    seeds), with only where it runs changed: the run's name and folder, ``infra``'s sections
+    (``nats``, ``node``)."""
+    cfg = yaml.safe_load((Path(ROOT) / "configs" / "quickstart.yaml").read_text())
+    run = new_run()
+    cfg.update(run=run, run_dir=str(tmp_path / "runs"), **infra)
+    cfg["nats"] = {"urls": list(urls), **cfg.get("nats", {})}
+    path = tmp_path / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path, run
+
+
 async def start_run(sites, tmp_path, tiny_model, hub_h, gen_h, env_h, creds=None,
-                    relay: bool = False, **extra):
+                    relay: bool = False, recipe: bool = False, **extra):
+    """The run's nodes: the head at the hub, generate (and with ``relay`` site gen's weight
+    relay) at site gen, env+reward at site env. The config is write_config's small one, or
+    with ``recipe`` the packaged quickstart as it is (:func:`quickstart_config`)."""
     nats = {"domain": sites.domain, **({"tls": {"ca": str(creds / "ca.pem")}} if creds else {})}
-    cfg, run = write_config(tmp_path, tiny_model, [sites.hub_url], node={"stream_replicas": 1},
-                            nats=nats, **extra)
+    if recipe:
+        cfg, run = quickstart_config(tmp_path, [sites.hub_url], node={"stream_replicas": 1},
+                                     nats=nats, **extra)
+    else:
+        cfg, run = write_config(tmp_path, tiny_model, [sites.hub_url],
+                                node={"stream_replicas": 1}, nats=nats, **extra)
 
     def login(user):
         return ("--user", user, "--password-file", str(creds / f"{user}.password")) if creds else ()
@@ -311,3 +340,35 @@ async def test_gen_site_link_cut_mid_transfer_costs_lag_not_correctness(tmp_path
           f"{counts}; loads "
           f"{sorted((lo.version, lo.route) for lo in loads)}; relay: {'; '.join(mirrored)}; "
           f"{weights_down:.2f} MiB down beyond the leaf connection")
+
+
+# the packaged recipe's 100 steps over the leaf links, as nodes: minutes (several on a loaded host)
+@pytest.mark.timeout(1200)
+async def test_the_quickstart_learns_across_two_leaf_sites(tmp_path, hosts):
+    """Issue 48's "done when": the quickstart, as packaged, run by a hub (trainer, scheduler)
+    and two leaf sites (generate reading weights through site gen's relay; env+reward),
+    learns. The head node writes ``summary.json`` with the final greedy evaluation exactly
+    as ``rollart run`` does (:func:`rollart.app.launch.drive_training`)."""
+    from rollart.config import RunConfig, load
+
+    t0 = time.monotonic()
+    sites, hub_h, gen_h, env_h, _ = await start_sites(hosts, tmp_path)
+    cfg, run, head, procs = await start_run(sites, tmp_path, None, hub_h, gen_h, env_h,
+                                            relay=True, recipe=True)
+    qs = load(cfg, RunConfig)
+    await wait_exit(procs, 1050)
+    wall = time.monotonic() - t0
+    rows = metrics_rows(tmp_path, run)
+    summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
+    check_learned(summary, rows, steps=qs.trainer.steps, alpha=qs.rollout.alpha,
+                  label="[sites] the quickstart across two leaf sites")
+    check_steps(rows, qs.trainer.steps)
+    rec = await run_record([sites.hub_url], run)
+    counts = check_accounting(rec, rows, size=qs.rollout.group_size)
+    loads = [lo for lo in rec["loaded"] if not lo.error]
+    versions = sorted({lo.version for lo in loads})
+    # site gen read every version through its relay, the last ones included
+    assert {lo.route for lo in loads} == {"relay"}, [(lo.version, lo.route) for lo in loads]
+    assert versions[-1] >= qs.trainer.steps - 1, versions
+    print(f"[sites] quickstart across two leaf sites: run {wall:.0f}s; {counts}; "
+          f"{len(loads)} loads of v{versions[0]}..v{versions[-1]}, all from site gen's relay")
