@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common import (RESULTS, in_turn, open_bus, public, render, replace_section, sayer, table,
+from common import (HERE, RESULTS, in_turn, open_bus, public, render, replace_section, sayer, table,
                     until_done)
 
 from rollart.actors.groups.admission import group_id, member_id, member_seed
