@@ -42,7 +42,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common import (HERE, RESULTS, in_turn, open_bus, public, render, replace_section, sayer, table,
+# HERE is read by tests/e2e/test_emulate.py as this module's (the README beside it)
+from common import (HERE, RESULTS, in_turn, open_bus, public, render, replace_section, sayer, table,  # noqa: F401
                     until_done)
 
 from rollart.actors.groups.admission import group_id, member_id, member_seed
