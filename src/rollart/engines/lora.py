@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rollart.engines.lora_files import rank_and_alpha
 from rollart.engines.weight_files import LORA_KIND, is_adapter_metadata
 
 __all__ = ["LORA_KIND", "adapter_deltas", "adapter_metadata", "adapter_tensors",
@@ -97,15 +98,7 @@ def adapter_deltas(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     checked against the model's state dict ``weights``: every tensor named as peft names
     them, each module with both ``A`` ``[r, in]`` and ``B`` ``[out, r]``, the weight ``[out,
     in]`` in the model, ``r`` the metadata's ``lora_rank``. ``ValueError`` otherwise."""
-    meta = dict(metadata or {})
-    if not is_adapter_metadata(meta):
-        raise ValueError(f"{what}: no LoRA metadata (rollart_kind={meta.get('rollart_kind')!r})")
-    try:
-        rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{what}: bad LoRA metadata ({e!r})") from None
-    if rank < 1 or not alpha > 0 or alpha == float("inf"):
-        raise ValueError(f"{what}: bad LoRA metadata (rank {rank}, alpha {alpha})")
+    rank, alpha = rank_and_alpha(metadata, what)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for k, t in tensors.items():
         m = _NAME.match(k)

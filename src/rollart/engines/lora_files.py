@@ -19,12 +19,29 @@ from pathlib import Path
 
 from .weight_files import Source, Tensor, is_adapter_metadata, place_weights
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "adapter_config", "write_adapter_folder"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "adapter_config", "rank_and_alpha",
+           "write_adapter_folder"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
 _NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _FLOATS = {"F32", "F16", "BF16"}
+
+
+def rank_and_alpha(metadata: Mapping[str, str] | None, what: str = "adapter"
+                   ) -> tuple[int, float]:
+    """The rank and alpha of an adapter file's metadata (rollart's: ``rollart_kind: lora``,
+    ``lora_rank`` >= 1, ``lora_alpha`` > 0 and finite); ``ValueError`` naming ``what``."""
+    meta = dict(metadata or {})
+    if not is_adapter_metadata(meta):
+        raise ValueError(f"{what}: no LoRA metadata (rollart_kind={meta.get('rollart_kind')!r})")
+    try:
+        rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{what}: bad LoRA metadata ({e!r})") from None
+    if rank < 1 or not alpha > 0 or alpha == float("inf"):
+        raise ValueError(f"{what}: bad LoRA metadata (rank {rank}, alpha {alpha})")
+    return rank, alpha
 
 
 def adapter_config(header: Mapping[str, Tensor], metadata: Mapping[str, str] | None,
@@ -35,15 +52,7 @@ def adapter_config(header: Mapping[str, Tensor], metadata: Mapping[str, str] | N
     ``lora_alpha``), checked against the model's weight ``shapes``: every tensor named as
     peft names them, a float, each module with ``A`` ``[r, in]`` and ``B`` ``[out, r]`` of a
     weight ``[out, in]`` of the model, ``r`` at most ``max_rank``. ``ValueError`` otherwise."""
-    meta = dict(metadata or {})
-    if not is_adapter_metadata(meta):
-        raise ValueError(f"{what}: no LoRA metadata (rollart_kind={meta.get('rollart_kind')!r})")
-    try:
-        rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{what}: bad LoRA metadata ({e!r})") from None
-    if rank < 1 or not alpha > 0 or alpha == float("inf"):
-        raise ValueError(f"{what}: bad LoRA metadata (rank {rank}, alpha {alpha})")
+    rank, alpha = rank_and_alpha(metadata, what)
     if max_rank is not None and rank > max_rank:
         raise ValueError(f"{what}: LoRA rank {rank} is above the server's max_lora_rank "
                          f"{max_rank} (proxy.engine_args.max_lora_rank)")
