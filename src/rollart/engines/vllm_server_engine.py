@@ -526,12 +526,7 @@ class VllmServerEngine(AsyncEngine):
         await self._call("POST", "/v1/load_lora_adapter",
                          {"lora_name": name, "lora_path": str(folder)})
         try:  # requests name it only once the server confirms the version
-            await self._call("POST", "/reset_prefix_cache")
-            await self._call("POST", "/update_weight_version", {"new_version": str(version)})
-            got = decode_weight_version(await self._call("GET", "/weight_info"))
-            if got != str(version):
-                raise RuntimeError(f"the vLLM server reports weight version {got!r} after "
-                                   f"loading adapter version {version}")
+            await self._confirm_version(version, "adapter version")
         except Exception:
             await self._post_quietly("/v1/unload_lora_adapter", {"lora_name": name})
             raise
@@ -556,13 +551,18 @@ class VllmServerEngine(AsyncEngine):
         t0 = time.monotonic()
         await self._call("POST", "/collective_rpc", {
             "method": "reload_weights", "kwargs": {"weights_path": str(self._wdir)}})
+        await self._confirm_version(version, "version")
+        self.last_load_s = time.monotonic() - t0
+
+    async def _confirm_version(self, version: int, what: str) -> None:
+        """After a load: the prefix cache reset, the server told ``version`` and its own
+        report of it checked (``RuntimeError`` naming ``what`` otherwise)."""
         await self._call("POST", "/reset_prefix_cache")
         await self._call("POST", "/update_weight_version", {"new_version": str(version)})
         got = decode_weight_version(await self._call("GET", "/weight_info"))
         if got != str(version):
             raise RuntimeError(f"the vLLM server reports weight version {got!r} after loading "
-                               f"version {version}")
-        self.last_load_s = time.monotonic() - t0
+                               f"{what} {version}")
 
 
 def _log_failure(task: asyncio.Task) -> None:
